@@ -1,0 +1,61 @@
+"""Per-step attention metadata and the context the model layers read it from.
+
+One step's query tokens are flattened across sequences (prefill chunks and
+decode rows alike); token ``i`` of sequence ``s`` sits at position
+``context_lens[s] - query_lens[s] + i`` and attends to cache positions up to
+and including its own. K/V of the step are appended to the cache first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from roseinfer.core.kv_cache import KVCache, SlotBatch
+
+
+@dataclass
+class AttnMetadata:
+    block_tables: torch.Tensor   # int32 [S, max_blocks]; unused entries are 0
+    context_lens: torch.Tensor   # int32 [S]: cached tokens after this step
+    query_start: torch.Tensor    # int32 [S + 1]: cumulative query lengths
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    def supports(self, device: torch.device) -> bool: ...
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                attn: AttnMetadata, scale: float) -> torch.Tensor:
+        """q: [N, H, D] -> [N, H, D]; k/v_cache: [blocks, H_kv, block_size, D]."""
+
+
+@dataclass
+class StepContext:
+    kv_cache: KVCache
+    attention: AttentionBackend
+    attn: AttnMetadata
+    slots: SlotBatch
+
+
+_context: Optional[StepContext] = None
+
+
+def set_context(ctx: Optional[StepContext]) -> None:
+    global _context
+    _context = ctx
+
+
+def get_context() -> StepContext:
+    assert _context is not None, "model called outside an engine step"
+    return _context

@@ -1,0 +1,144 @@
+"""BlockManager: paged KV block allocation, refcounts, copy-on-write, prefix cache.
+
+One block table per sequence serves every layer, so bookkeeping happens once
+per step. Per-block fields live in a MetadataStore plugin. Freed blocks keep
+their hash and go to the back of an LRU free list, so a later request with
+the same prefix can take them back until they are reused.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Optional, Protocol, Sequence as Seq
+
+NO_HASH = -1
+
+
+class MetadataStore(Protocol):
+    """Per-block bookkeeping; created as ``factory(num_blocks, block_size)``."""
+
+    def ref(self, block: int) -> int: ...
+    def set_ref(self, block: int, n: int) -> None: ...
+    def hash(self, block: int) -> int: ...
+    def tokens(self, block: int) -> Seq[int]: ...
+    def set_hash(self, block: int, h: int, tokens: Seq[int]) -> None: ...
+
+
+def block_hash(parent: int, tokens: Seq[int]) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, store: MetadataStore,
+                 enable_prefix_cache: bool = True,
+                 copy_block: Optional[Callable[[int, int], None]] = None):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.store = store
+        self.prefix_cache = enable_prefix_cache
+        self.copy_block = copy_block
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq) -> int:
+        """Take cached blocks for the sequence's leading full blocks; returns tokens covered.
+
+        At least one token is left to compute, so the step still yields logits.
+        """
+        if not self.prefix_cache:
+            return 0
+        bs, parent = self.block_size, NO_HASH
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            h = block_hash(parent, tokens)
+            b = self.cached.get(h)
+            if b is None or list(self.store.tokens(b)) != tokens:
+                break
+            self._take(b)
+            seq.block_table.append(b)
+            seq.block_hashes.append(h)
+            parent = h
+        return len(seq.block_table) * bs
+
+    def reserve(self, seq, num_new_tokens: int) -> bool:
+        """Make room for the next ``num_new_tokens`` KV rows; False if blocks ran out."""
+        need = self.blocks_needed(seq.num_computed + num_new_tokens) - len(seq.block_table)
+        if need > len(self.free):
+            return False
+        if seq.num_computed % self.block_size and not self._own_last_block(seq, need):
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._allocate())
+        return True
+
+    def _own_last_block(self, seq, need: int) -> bool:
+        """Copy-on-write: a partial block shared with another sequence is copied first."""
+        last = seq.block_table[-1]
+        if self.store.ref(last) == 1:
+            return True
+        if need + 1 > len(self.free):
+            return False
+        fresh = self._allocate()
+        self.copy_block(last, fresh)
+        self._release(last)
+        seq.block_table[-1] = fresh
+        return True
+
+    def commit(self, seq) -> None:
+        """Publish hashes of blocks that became full and computed in this step."""
+        if not self.prefix_cache:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else NO_HASH
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            h = block_hash(parent, tokens)
+            b = seq.block_table[i]
+            self.store.set_hash(b, h, tokens)
+            self.cached.setdefault(h, b)
+            seq.block_hashes.append(h)
+
+    def fork(self, parent, child) -> None:
+        """Child shares every block of the parent (partial last block included)."""
+        for b in parent.block_table:
+            self.store.set_ref(b, self.store.ref(b) + 1)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed = parent.num_computed
+
+    def free_seq(self, seq) -> None:
+        for b in reversed(seq.block_table):  # tail blocks are least likely to be shared
+            self._release(b)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed = 0
+
+    def _take(self, b: int) -> None:
+        n = self.store.ref(b)
+        if n == 0:
+            del self.free[b]
+        self.store.set_ref(b, n + 1)
+
+    def _allocate(self) -> int:
+        b, _ = self.free.popitem(last=False)
+        h = self.store.hash(b)
+        if h != NO_HASH:
+            if self.cached.get(h) == b:
+                del self.cached[h]
+            self.store.set_hash(b, NO_HASH, ())
+        self.store.set_ref(b, 1)
+        return b
+
+    def _release(self, b: int) -> None:
+        n = self.store.ref(b) - 1
+        self.store.set_ref(b, n)
+        if n == 0:
+            self.free[b] = None

@@ -1,0 +1,95 @@
+"""EngineConfig: one validated dataclass, from kwargs, a TOML file or the CLI."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from roseinfer.core.errors import ConfigError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_fraction: float = 0.5
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: Optional[int] = None
+    kv_append_backend: str = "auto"
+    metadata_store: str = "slots"
+    attention_backend: str = "auto"
+    enable_prefix_cache: bool = True
+    cuda_graphs: bool = True
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 2):
+                raise ConfigError(f"{name} must be an integer >= 2 or unset, got {v!r}")
+        if not 0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ConfigError("kv_cache_memory_fraction must be in (0, 0.95]")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str, section: str = "engine", **overrides) -> "EngineConfig":
+        """Read ``[engine]`` from a TOML file (keys as the field names); overrides win."""
+        with open(path, "rb") as f:
+            data = tomllib.load(f).get(section, {})
+        return cls.from_kwargs(**{**data, **overrides})
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def engine_args_parser() -> argparse.ArgumentParser:
+    """Parent parser with the model and engine flags every command shares."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model dir, .gguf file, hub id, or alias (default: %(default)s)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id (default: the model's)")
+    g.add_argument("--config", default=None, help="roseinfer.toml with an [engine] section")
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            g.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction)
+        else:
+            conv = int if "int" in str(f.type) else float if "float" in str(f.type) else str
+            g.add_argument(flag, dest=f.name, type=conv, default=None)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Flags given on the command line override the TOML file, which overrides defaults."""
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
+             if getattr(args, f.name, None) is not None}
+    if getattr(args, "config", None):
+        return EngineConfig.from_toml(args.config, **given)
+    return EngineConfig.from_kwargs(**given)

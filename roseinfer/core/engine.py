@@ -1,0 +1,226 @@
+"""Engine: add_request / step / abort over scheduler, block manager and runner."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from roseinfer.core.blocks import BlockManager
+from roseinfer.core.config import EngineConfig
+from roseinfer.core.detokenizer import IncrementalDetokenizer
+from roseinfer.core.errors import ConfigError, InvalidRequestError
+from roseinfer.core.kv_cache import KVCache
+from roseinfer.core.outputs import RequestOutput
+from roseinfer.core.plugins import PluginRegistry, default_registry
+from roseinfer.core.request import Sequence, Status
+from roseinfer.core.runner import ModelRunner
+from roseinfer.core.sampling import SamplingParams
+from roseinfer.core.scheduler import Scheduler
+from roseinfer.models import loader
+
+log = logging.getLogger(__name__)
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None,
+                 plugins: Optional[PluginRegistry] = None):
+        self.config = config = config or EngineConfig()
+        self.plugins = plugins = plugins or default_registry()
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.model, self.hf_config, self.tokenizer = loader.load(
+            model, tokenizer, self.dtype, self.device, seed=config.seed or 0)
+        self.vocab_size = self.hf_config.vocab_size
+        self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
+        self.kv_cache = self._build_kv_cache()
+        num_blocks = self.kv_cache.k[0].shape[0]
+        store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, store,
+                                   config.enable_prefix_cache, self.kv_cache.copy_block)
+        self.max_model_len = min(config.max_model_len or _context_len(self.hf_config),
+                                 num_blocks * config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        attention = plugins.create("attention", self._attention_name())
+        self.runner = ModelRunner(self.model, self.kv_cache, attention, self.device)
+        self.seqs: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d",
+                 type(self.model).__name__, self.device, self.dtype, num_blocks,
+                 config.block_size, self.max_model_len)
+
+    def _attention_name(self) -> str:
+        name = self.config.attention_backend
+        if name != "auto":
+            self.plugins.get("attention", name)
+            return name
+        return "triton_paged" if self.device.type == "cuda" else "torch_sdpa"
+
+    def _build_kv_cache(self) -> KVCache:
+        cfg, hf = self.config, self.hf_config
+        layers, kv_heads, head_dim = _kv_shape(hf)
+        names = self.plugins.names("kv_append")
+        if cfg.kv_append_backend != "auto":
+            self.plugins.get("kv_append", cfg.kv_append_backend)  # fail early, listing names
+        self.plugins.get("metadata", cfg.metadata_store)
+        backends = {n: self.plugins.create("kv_append", n) for n in names}
+        per_block = 2 * layers * kv_heads * cfg.block_size * head_dim * self.dtype.itemsize
+        num_blocks = cfg.num_kv_blocks or _blocks_for_memory(cfg, self.device, per_block)
+        return KVCache(layers, num_blocks, kv_heads, cfg.block_size, head_dim, self.dtype,
+                       self.device, backends, cfg.kv_append_backend)
+
+    # ---- requests -------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None):
+        params = params or SamplingParams()
+        if request_id in self.seqs:
+            raise InvalidRequestError("rid", f"request id {request_id!r} is already in use")
+        ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(ids)} tokens leave no room to generate within the "
+                f"model's {self.max_model_len}-token context; shorten the prompt", "too_long")
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(params.seed)
+        max_len = min(self.max_model_len, len(ids) + params.max_tokens)
+        seq = Sequence(request_id, ids, params, max_len, time.monotonic(), gen)
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, len(ids), params.stop)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                   or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    "prompt_token_ids", f"ids must be integers in [0, {self.vocab_size}); "
+                    f"got {bad[:5]}")
+        if not ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+            self._aborted.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def num_unfinished(self) -> int:
+        return len(self.seqs)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), self.blocks.usage(), s.num_preemptions)
+
+    # ---- stepping -------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(seq, []) for seq in self._aborted]
+        for seq in self._aborted:
+            self.seqs.pop(seq.request_id, None)
+        self._aborted.clear()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        rows, tokens = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n
+            self.blocks.commit(seq)
+        for row, token in zip(rows, tokens):
+            outputs.append(self._append_token(batch.seqs[row], token))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.token_ids.append(token)
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            seq.finish_reason = "stop"
+        elif seq.detok is not None and seq.detok.step():
+            seq.finish_reason = "stop"
+        elif seq.num_tokens >= seq.max_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            if seq.finish_reason == "length" and seq.detok is not None:
+                seq.detok.step(final=True)
+            self.scheduler.finish(seq)
+            del self.seqs[seq.request_id]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted:]
+        seq.num_emitted += len(new_ids)
+        return self._output(seq, new_ids)
+
+    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+        final = seq.finish_reason is not None
+        detok = seq.detok
+        new_text = detok.release(final) if detok is not None else ""
+        return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens],
+                             seq.output_ids, detok.text if detok else "", new_ids, new_text,
+                             final, seq.finish_reason)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device cuda requested but no CUDA GPU is visible; use device='cpu'")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _kv_shape(hf) -> tuple[int, int, int]:
+    if hf.model_type == "gpt2":
+        return hf.n_layer, hf.n_head, hf.n_embd // hf.n_head
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return hf.num_hidden_layers, hf.num_key_value_heads or heads, head_dim
+
+
+def _context_len(hf) -> int:
+    return getattr(hf, "n_positions", None) or hf.max_position_embeddings
+
+
+def _blocks_for_memory(cfg: EngineConfig, device: torch.device, per_block: int) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * cfg.kv_cache_memory_fraction
+    else:
+        import psutil
+        budget = min(psutil.virtual_memory().available * cfg.kv_cache_memory_fraction, 2 << 30)
+    return max(int(budget // per_block), 2)
+
+
+def _eos_ids(hf, tokenizer) -> set[int]:
+    ids = hf.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

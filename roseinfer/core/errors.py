@@ -1,0 +1,14 @@
+"""User-facing errors. Each names the field at fault and says what to do."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; ``code`` is the Redis protocol error code."""
+
+    def __init__(self, field: str, message: str, code: str = "bad_request"):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.code = code
+
+
+class ConfigError(ValueError):
+    """A bad engine configuration value."""

@@ -1,0 +1,39 @@
+"""pluggy hook specifications: every kind of plugin registers named factories.
+
+Each hook receives a ``register(name, factory)`` callback, as simonw/llm's
+``register_models`` does; config then picks an implementation by name.
+"""
+import pluggy
+
+PROJECT = "roseinfer"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def roseinfer_register_kv_append_backends(register):
+    """Register KV-append backends: ``register(name, factory)``.
+
+    ``factory()`` returns an object with ``supports(slots, device) -> bool``
+    and ``append(k_cache, v_cache, key, value, slots) -> None``
+    (see ``roseinfer.core.kv_cache``).
+    """
+
+
+@hookspec
+def roseinfer_register_metadata_stores(register):
+    """Register block metadata stores: ``register(name, factory)``.
+
+    ``factory(num_blocks, block_size)`` returns a ``MetadataStore``
+    (see ``roseinfer.core.blocks``).
+    """
+
+
+@hookspec
+def roseinfer_register_attention_backends(register):
+    """Register attention backends: ``register(name, factory)``.
+
+    ``factory()`` returns an object with ``supports(device) -> bool`` and
+    ``forward(q, k_cache, v_cache, attn, scale) -> out``
+    (see ``roseinfer.core.attention``).
+    """

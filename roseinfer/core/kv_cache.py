@@ -1,0 +1,84 @@
+"""Paged KV cache tensors; new rows are written through a KV-append backend.
+
+Layout per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+
+@dataclass
+class SlotBatch:
+    """Where each new K/V row goes, built once per step and shared by all layers.
+
+    Row ``i`` of ``key``/``value`` (or row ``rows[i]`` when ``rows`` is given)
+    is written to ``cache[block_idx[i], :, offsets[i], :]``.
+    ``shared_offset`` (shape ``[1]``) is set when every offset is equal and
+    rows are the identity: the case the full-batch kernel serves.
+    """
+
+    block_idx: torch.Tensor
+    offsets: torch.Tensor
+    rows: Optional[torch.Tensor] = None
+    shared_offset: Optional[torch.Tensor] = None
+
+    @property
+    def identity(self) -> bool:
+        return self.rows is None
+
+    def __len__(self) -> int:
+        return self.block_idx.shape[0]
+
+
+class KVAppendBackend(Protocol):
+    def supports(self, slots: SlotBatch, device: torch.device) -> bool: ...
+
+    def append(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, slots: SlotBatch) -> None: ...
+
+
+# "auto" tries these in order and takes the first that supports the batch.
+AUTO_ORDER = ("triton_full_batch", "triton_identity_pos", "triton_generic", "torch_index")
+
+
+class KVCache:
+    def __init__(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim,
+                 dtype, device, backends: dict[str, KVAppendBackend], choice: str = "auto"):
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.backends = backends
+        self.choice = choice
+        self._active: KVAppendBackend | None = None
+        self._slots: SlotBatch | None = None
+
+    def begin_step(self, slots: SlotBatch) -> str:
+        """Pick the backend for this step's batch shape; returns its name."""
+        name = self.choice if self.choice != "auto" else self._auto(slots)
+        backend = self.backends[name]
+        assert backend.supports(slots, self.device), f"{name} cannot serve this batch"
+        self._active, self._slots = backend, slots
+        return name
+
+    def _auto(self, slots: SlotBatch) -> str:
+        if self.device.type != "cuda":
+            return "torch_index"  # Triton on CPU only runs interpreted: for tests
+        for name in AUTO_ORDER:
+            b = self.backends.get(name)
+            if b is not None and b.supports(slots, self.device):
+                return name
+        raise RuntimeError("no KV-append backend supports this batch")
+
+    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self._active.append(self.k[layer], self.v[layer], key, value, self._slots)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: duplicate one block in every layer."""
+        for k, v in zip(self.k, self.v):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])

@@ -1,0 +1,47 @@
+"""LLM: the offline facade over Engine."""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+from roseinfer.core.config import EngineConfig
+from roseinfer.core.engine import Engine, Prompt
+from roseinfer.core.outputs import RequestOutput
+from roseinfer.core.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model, tokenizer=None, plugins=None, **config):
+        self.engine = Engine(model, tokenizer, EngineConfig.from_kwargs(**config), plugins)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: list[Prompt],
+                 params: Union[SamplingParams, list[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("prompts must be a list: [\"text\", ...] or [[ids], ...]")
+        params = params or SamplingParams()
+        per = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, per):
+            self.engine.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        for out in self._drive(len(prompts), use_tqdm):
+            final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def _drive(self, total: int, use_tqdm: bool) -> Iterable[RequestOutput]:
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=total, desc="requests", unit="req")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    if bar is not None:
+                        bar.update()
+                    yield out
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,54 @@
+"""Per-request sequence state."""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+
+from roseinfer.core.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    __slots__ = ("request_id", "params", "token_ids", "num_prompt_tokens", "num_computed",
+                 "block_table", "block_hashes", "status", "finish_reason", "generator",
+                 "detok", "num_emitted", "arrival_time", "max_len")
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
+        self.request_id = request_id
+        self.params = params
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_computed = 0          # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: Optional[str] = None
+        self.generator = generator
+        self.detok = None
+        self.num_emitted = 0           # generated ids already handed out
+        self.arrival_time = arrival_time
+        self.max_len = max_len         # prompt + generated may not pass this
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,106 @@
+"""SamplingParams and the batched sampler."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from roseinfer.core.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name, why):
+            raise InvalidRequestError(name, why)
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", f"must be an integer or None, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class Sampler:
+    """Samples one token per row; rows with a seed draw noise from their own generator,
+    so their tokens do not depend on what else is in the batch."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[Optional[torch.Generator]]) -> torch.Tensor:
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1)
+        logits = logits.float()
+        dev = logits.device
+        temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        probs = self._filter(probs, params)
+        noise = self._exponential(probs, generators)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _filter(probs, params):
+        """top-k, top-p and min-p on a descending sort of each row's probabilities."""
+        if all(p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
+            return probs
+        dev, vocab = probs.device, probs.shape[-1]
+        top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev)[None, :]
+        drop = rank >= top_k[:, None]
+        drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]  # keeps the first
+        drop |= sorted_p < (min_p * sorted_p[:, 0])[:, None]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+    @staticmethod
+    def _exponential(probs, generators):
+        noise = torch.empty_like(probs).exponential_()
+        for row, g in enumerate(generators):
+            if g is not None:
+                noise[row].exponential_(generator=g)
+        return noise

