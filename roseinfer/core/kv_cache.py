@@ -4,6 +4,7 @@ Layout per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -56,13 +57,19 @@ class KVCache:
         self.choice = choice
         self._active: KVAppendBackend | None = None
         self._slots: SlotBatch | None = None
+        self.steps_by_backend: Counter[str] = Counter()
 
     def begin_step(self, slots: SlotBatch) -> str:
-        """Pick the backend for this step's batch shape; returns its name."""
-        name = self.choice if self.choice != "auto" else self._auto(slots)
-        backend = self.backends[name]
-        assert backend.supports(slots, self.device), f"{name} cannot serve this batch"
-        self._active, self._slots = backend, slots
+        """Pick the backend for this step's batch shape; returns its name.
+
+        A backend chosen by name serves every batch it supports; the others
+        (e.g. prefill batches for the full-batch kernel) go the "auto" way.
+        """
+        name = self.choice
+        if name == "auto" or not self.backends[name].supports(slots, self.device):
+            name = self._auto(slots)
+        self._active, self._slots = self.backends[name], slots
+        self.steps_by_backend[name] += 1
         return name
 
     def _auto(self, slots: SlotBatch) -> str:

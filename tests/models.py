@@ -1,0 +1,35 @@
+"""Small random-weight transformers models used as references in tests.
+
+A large initializer range makes logits peaked, so greedy choices are far
+from ties and token-exact comparisons test the math, not rounding.
+"""
+import torch
+
+
+def tiny_gpt2(vocab=512, **overrides):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=256, vocab_size=vocab,
+                     initializer_range=0.2, bos_token_id=0, eos_token_id=1, **overrides)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def tiny_llama(vocab=512, **overrides):
+    """GQA (6 query heads on 2 KV heads) and head_dim 12 (not a power of two)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = dict(vocab_size=vocab, hidden_size=72, intermediate_size=144, num_hidden_layers=2,
+                num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                rope_theta=10000.0, initializer_range=0.2, tie_word_embeddings=False,
+                bos_token_id=0, eos_token_id=1)
+    return LlamaForCausalLM(LlamaConfig(**{**base, **overrides})).eval()
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    """transformers' own greedy generate: the reference token ids."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
