@@ -1,0 +1,147 @@
+"""Engine behaviour: preemption, abort, sampling, stop conditions, bad input."""
+import pytest
+import torch
+
+from roseinfer import LLM, EngineConfig, SamplingParams
+from roseinfer.core.errors import ConfigError, InvalidRequestError
+from tests.models import hf_greedy
+from tests.test_greedy_equality import mixed_prompts
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def llm_for(hf, **config):
+    return LLM(hf, **{"device": "cpu", "block_size": 4, "num_kv_blocks": 128, **config})
+
+
+def test_preemption_under_a_tiny_pool_keeps_greedy_outputs(gpt2_model):
+    prompts = mixed_prompts(6, seed=5)
+    llm = llm_for(gpt2_model, num_kv_blocks=12)  # 48 slots for ~6 x 30 tokens
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.stats().num_preemptions > 0, "the pool should have forced preemption"
+    assert [o.token_ids for o in outs] == [hf_greedy(gpt2_model, p, 16) for p in prompts]
+    assert llm.engine.blocks.num_free == 12
+
+
+def test_abort_frees_blocks_and_reports_abort(gpt2_model):
+    llm = llm_for(gpt2_model)
+    eng = llm.engine
+    eng.add_request("a", [3, 4, 5, 6, 7], GREEDY)
+    eng.add_request("b", [8, 9], GREEDY)
+    eng.step()
+    eng.step()
+    assert eng.blocks.num_free < 128
+    eng.abort("a")
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["a"].finished and outs["a"].finish_reason == "abort"
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.blocks.num_free == 128 and eng.num_unfinished() == 0
+
+
+def test_seeded_sampling_is_independent_of_the_batch(gpt2_model):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=1234,
+                            ignore_eos=True)
+    alone = llm_for(gpt2_model).generate([[5, 6, 7]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)] * 3
+    mixed = llm_for(gpt2_model).generate([[9, 9], [5, 6, 7], [1, 2, 3, 4]],
+                                         [others[0], params, others[1]])
+    assert mixed[1].token_ids == alone
+    again = llm_for(gpt2_model).generate([[5, 6, 7]], params)[0].token_ids
+    assert again == alone
+
+
+def test_top_k_one_is_greedy(gpt2_model):
+    params = SamplingParams(max_tokens=10, temperature=1.5, top_k=1, ignore_eos=True)
+    out = llm_for(gpt2_model).generate([[11, 12]], params)[0]
+    assert out.token_ids == hf_greedy(gpt2_model, [11, 12], 10)
+
+
+def test_min_p_one_is_greedy(gpt2_model):
+    params = SamplingParams(max_tokens=10, temperature=1.0, min_p=1.0, ignore_eos=True)
+    out = llm_for(gpt2_model).generate([[13, 14]], params)[0]
+    assert out.token_ids == hf_greedy(gpt2_model, [13, 14], 10)
+
+
+def test_sampling_follows_the_distribution():
+    """Empirical frequencies of the sampler match softmax(logits / T) after top-p."""
+    from roseinfer.core.sampling import Sampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    p = SamplingParams(temperature=0.5, top_p=0.9)
+    torch.manual_seed(0)
+    picks = Sampler()(logits, [p] * 20000, [None] * 20000)
+    freq = torch.bincount(picks, minlength=4).float() / 20000
+    probs = torch.softmax(logits[0] / 0.5, dim=-1)   # [0.867, 0.117, 0.016, 0.002]
+    kept = probs[:2] / probs[:2].sum()                # top-p 0.9 keeps two tokens
+    assert torch.allclose(freq[:2], kept, atol=0.01) and freq[2:].sum() == 0
+
+
+def test_stop_token_ids_and_eos(gpt2_model):
+    ref = hf_greedy(gpt2_model, [20, 21], 16)
+    llm = llm_for(gpt2_model)
+    out = llm.generate([[20, 21]], SamplingParams(max_tokens=16, temperature=0,
+                                                  stop_token_ids=[ref[3]]))[0]
+    assert out.token_ids == ref[:ref.index(ref[3]) + 1] and out.finish_reason == "stop"
+    eos = llm.engine.eos_ids
+    first_eos = next((i for i, t in enumerate(ref) if t in eos), None)
+    out = llm.generate([[20, 21]], SamplingParams(max_tokens=16, temperature=0))[0]
+    expected = ref if first_eos is None else ref[:first_eos + 1]
+    assert out.token_ids == expected
+
+
+def test_max_tokens_and_model_context(gpt2_model):
+    out = llm_for(gpt2_model).generate([[1, 2]], SamplingParams(max_tokens=3, temperature=0,
+                                                               ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    llm = llm_for(gpt2_model, max_model_len=10)
+    out = llm.generate([[1, 2, 3, 4]], GREEDY)[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("max_tokens", {"max_tokens": 0}),
+    ("temperature", {"temperature": -0.1}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.5}),
+    ("top_k", {"top_k": -1}),
+    ("min_p", {"min_p": 2.0}),
+])
+def test_bad_sampling_params_name_the_field(field, kwargs):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_bad_prompts_name_the_field(gpt2_model):
+    eng = llm_for(gpt2_model, max_model_len=32).engine
+    with pytest.raises(InvalidRequestError, match="prompt") as e:
+        eng.add_request("r1", [], GREEDY)
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        eng.add_request("r2", [1, 512], GREEDY)
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        eng.add_request("r3", [1, -1], GREEDY)
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request("r4", list(range(40)), GREEDY)
+    assert e.value.code == "too_long"
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        eng.add_request("r5", "text", GREEDY)
+    assert not eng.has_unfinished()
+
+
+def test_bad_config_is_refused(gpt2_model):
+    with pytest.raises(ValueError, match="registered: .*torch_index.*Is the plugin installed"):
+        llm_for(gpt2_model, kv_append_backend="nope")
+    with pytest.raises(ValueError, match="registered: .*arrays"):
+        llm_for(gpt2_model, metadata_store="nope")
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        llm_for(gpt2_model, blok_size=4)
+    with pytest.raises(ConfigError, match="block_size"):
+        EngineConfig(block_size=0)
+
+
+def test_config_from_toml(tmp_path):
+    path = tmp_path / "roseinfer.toml"
+    path.write_text('[engine]\nblock_size = 8\nmetadata_store = "arrays"\n')
+    cfg = EngineConfig.from_toml(str(path), max_num_seqs=3)
+    assert (cfg.block_size, cfg.metadata_store, cfg.max_num_seqs) == (8, "arrays", 3)

@@ -1,0 +1,82 @@
+"""Plugin registration, selection by name, outside plugins, the plugins command."""
+import pytest
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.core.hookspecs import hookimpl
+from roseinfer.core.plugins import PluginRegistry, UnknownPluginError
+from roseinfer.plugins.kv_append.torch_index import TorchIndexAppend
+from roseinfer.plugins.metadata.arrays import ArraysStore
+from tests.models import hf_greedy
+
+
+class CountingAppend(TorchIndexAppend):
+    calls = 0
+
+    def append(self, *args):
+        CountingAppend.calls += 1
+        super().append(*args)
+
+
+class CountingStore(ArraysStore):
+    created = 0
+
+    def __init__(self, *args):
+        CountingStore.created += 1
+        super().__init__(*args)
+
+
+class OutsidePlugin:
+    @hookimpl
+    def roseinfer_register_kv_append_backends(self, register):
+        register("counting", CountingAppend)
+
+    @hookimpl
+    def roseinfer_register_metadata_stores(self, register):
+        register("counting_store", CountingStore)
+
+
+def test_builtins_are_registered_by_name():
+    reg = PluginRegistry(load_entry_points=False)
+    assert {"torch_index", "triton_generic", "triton_identity_pos", "triton_full_batch"} <= set(
+        reg.names("kv_append"))
+    assert {"slots", "arrays"} <= set(reg.names("metadata"))
+    assert "torch_sdpa" in reg.names("attention")
+
+
+def test_outside_plugin_is_selected_and_called(gpt2_model):
+    reg = PluginRegistry(load_entry_points=False)
+    reg.register(OutsidePlugin(), name="outside")
+    assert reg.get("kv_append", "counting").origin == "outside"
+    llm = LLM(gpt2_model, plugins=reg, device="cpu", block_size=4, num_kv_blocks=64,
+              kv_append_backend="counting", metadata_store="counting_store")
+    out = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(gpt2_model, [4, 5, 6], 5)
+    assert CountingAppend.calls == 5 * gpt2_model.config.n_layer  # one per step per layer
+    assert CountingStore.created == 1
+
+
+def test_duplicate_names_are_refused():
+    reg = PluginRegistry(load_entry_points=False)
+
+    class Dup:
+        @hookimpl
+        def roseinfer_register_kv_append_backends(self, register):
+            register("torch_index", CountingAppend)
+
+    reg.register(Dup(), name="dup")
+    with pytest.raises(ValueError, match="registered twice"):
+        reg.names("kv_append")
+
+
+def test_unknown_name_lists_registered():
+    with pytest.raises(UnknownPluginError, match="registered: .*slots.*Is the plugin installed"):
+        PluginRegistry(load_entry_points=False).get("metadata", "nope")
+
+
+def test_plugins_command_lists_everything(capsys):
+    from roseinfer.cli import main
+
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    for name in ("torch_index", "triton_full_batch", "slots", "arrays", "torch_sdpa"):
+        assert name in out
