@@ -18,6 +18,7 @@ def mixed_prompts(n=5, seed=0, vocab=512):
 
 def check(hf, prompts, max_tokens=12, **config):
     config = {"device": DEVICE, "dtype": "float32", "block_size": 4, "num_kv_blocks": 128,
+              "max_num_seqs": 8,
               **config}
     llm = LLM(hf, **config)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,

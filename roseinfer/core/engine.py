@@ -47,7 +47,7 @@ class Engine:
         self.vocab_size = self.hf_config.vocab_size
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
         self.kv_cache = self._build_kv_cache()
-        num_blocks = self.kv_cache.k[0].shape[0]
+        num_blocks = self.kv_cache.scratch_block
         store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, store,
                                    config.enable_prefix_cache, self.kv_cache.copy_block)
@@ -55,7 +55,9 @@ class Engine:
                                  num_blocks * config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         attention = plugins.create("attention", self._attention_name())
-        self.runner = ModelRunner(self.model, self.kv_cache, attention, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, attention, self.device,
+                                  config.max_num_seqs, config.max_num_batched_tokens,
+                                  self.max_model_len, config.cuda_graphs)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d",
@@ -173,11 +175,8 @@ class Engine:
 
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         final = seq.finish_reason is not None
-        detok = seq.detok
-        new_text = detok.release(final) if detok is not None else ""
-        return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens],
-                             seq.output_ids, detok.text if detok else "", new_ids, new_text,
-                             final, seq.finish_reason)
+        new_text = seq.detok.release(final) if seq.detok is not None else ""
+        return RequestOutput(seq.request_id, new_ids, new_text, final, seq.finish_reason, seq)
 
 
 def _resolve_device(name: str) -> torch.device:

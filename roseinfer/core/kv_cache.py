@@ -48,7 +48,10 @@ AUTO_ORDER = ("triton_full_batch", "triton_identity_pos", "triton_generic", "tor
 class KVCache:
     def __init__(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim,
                  dtype, device, backends: dict[str, KVAppendBackend], choice: str = "auto"):
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        # One block more than the block manager hands out: the scratch block that
+        # CUDA-graph padding rows write to.
+        shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
+        self.scratch_block = num_blocks
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.device = torch.device(device)
@@ -58,6 +61,7 @@ class KVCache:
         self._active: KVAppendBackend | None = None
         self._slots: SlotBatch | None = None
         self.steps_by_backend: Counter[str] = Counter()
+        self._forced: str | None = None
 
     def begin_step(self, slots: SlotBatch) -> str:
         """Pick the backend for this step's batch shape; returns its name.
@@ -65,12 +69,20 @@ class KVCache:
         A backend chosen by name serves every batch it supports; the others
         (e.g. prefill batches for the full-batch kernel) go the "auto" way.
         """
-        name = self.choice
-        if name == "auto" or not self.backends[name].supports(slots, self.device):
-            name = self._auto(slots)
+        name = self._forced or self.select(slots)
         self._active, self._slots = self.backends[name], slots
         self.steps_by_backend[name] += 1
         return name
+
+    def select(self, slots: SlotBatch) -> str:
+        name = self.choice
+        if name == "auto" or not self.backends[name].supports(slots, self.device):
+            name = self._auto(slots)
+        return name
+
+    def force(self, name: str | None) -> None:
+        """Use ``name`` for every step until ``force(None)`` (CUDA-graph capture)."""
+        self._forced = name
 
     def _auto(self, slots: SlotBatch) -> str:
         if self.device.type != "cuda":

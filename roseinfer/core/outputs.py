@@ -4,18 +4,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from roseinfer.core.request import Sequence
+
 
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]          # every generated id so far (stop ids included)
-    text: str                     # generated text so far, stop strings cut off
     new_token_ids: list[int]      # ids generated in this step
     new_text: str                 # text released in this step
     finished: bool
     finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
+    seq: Sequence
+
+    # The whole-request views are built on access: per-step deltas stay O(new tokens).
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq.token_ids[:self.seq.num_prompt_tokens]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every generated id so far (a stop id that ended the request included)."""
+        return self.seq.output_ids
+
+    @property
+    def text(self) -> str:
+        """Generated text so far, stop strings cut off."""
+        return self.seq.detok.text if self.seq.detok is not None else ""
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.seq.num_prompt_tokens

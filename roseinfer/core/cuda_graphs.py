@@ -1,0 +1,95 @@
+"""CUDA graphs for decode steps, one per batch-size bucket and KV-append variant.
+
+Captured once at start-up. A decode batch of S rows replays the graph of the
+smallest bucket >= S; padding rows write to the scratch block and their
+logits are dropped. Attention is captured with the context bound
+(max_model_len), so one graph serves every context length.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from roseinfer.core.kv_cache import SlotBatch
+from roseinfer.core.step_inputs import PackedInputs
+
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
+    return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_num_seqs: int):
+        self.runner = runner
+        self.sizes = bucket_sizes(max_num_seqs)
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, str], torch.Tensor] = {}
+        self.pool = None
+
+    def bucket(self, n_seq: int):
+        i = bisect.bisect_left(self.sizes, n_seq)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _variants(self, ctx) -> set[str]:
+        """The KV-append backends that "auto" (or the configured name) picks for
+        decode batches with and without one shared offset."""
+        cache, slots = self.runner.kv_cache, ctx.slots
+        unshared = SlotBatch(slots.block_idx, slots.offsets)
+        return {cache.select(slots), cache.select(unshared)}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        r = self.runner
+        for size in reversed(self.sizes):  # largest first: later graphs reuse its pool
+            host = r.stager.host_views(size, size, r.max_blocks)
+            _dummy_decode(host, r.kv_cache.scratch_block)
+            inp = r.stager.to_device(host)
+            ctx = r.context(inp, 1, r.max_model_len)
+            for name in sorted(self._variants(ctx)):
+                self._capture_one(size, name, ctx, inp)
+        torch.cuda.synchronize()
+        log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs),
+                 time.perf_counter() - start)
+
+    def _capture_one(self, size, name, ctx, inp) -> None:
+        r = self.runner
+        r.kv_cache.force(name)
+        try:
+            r.forward(ctx, inp)  # warm-up: compiles kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[size, name] = r.forward(ctx, inp)
+        finally:
+            r.kv_cache.force(None)
+        self.pool = self.pool or graph.pool()
+        self.graphs[size, name] = graph
+
+    def replay(self, size: int, host: PackedInputs, n_seq: int) -> torch.Tensor:
+        r = self.runner
+        shared = bool((host.offsets[:n_seq] == host.offsets[0]).all())
+        if shared:  # padding rows (scratch block) follow the real rows' offset
+            host.offsets[n_seq:] = host.offsets[0]
+        inp = r.stager.to_device(host)
+        slots = SlotBatch(inp.block_idx, inp.offsets, shared_offset=inp.offsets[:1] if shared else None)
+        name = r.kv_cache.select(slots)
+        r.kv_cache.steps_by_backend[name] += 1
+        self.graphs[size, name].replay()
+        return self.logits[size, name]
+
+
+def _dummy_decode(host: PackedInputs, scratch_block: int) -> None:
+    host.input_ids[:] = 0
+    host.positions[:] = 0
+    host.block_idx[:] = scratch_block
+    host.offsets[:] = 0
+    host.context_lens[:] = 1
+    host.query_start[:] = range(host.n_seq + 1)
+    host.block_tables[:] = scratch_block
