@@ -1,0 +1,224 @@
+"""Paged attention in Triton: prefill chunks and decode rows of one step in one launch.
+
+Grid ``(q_block, kv_head, split)``. A q-block is up to ``BLOCK_Q`` query tokens
+of one sequence times the ``G = H / H_kv`` query heads that share a KV head,
+flattened into ``BLOCK_M = BLOCK_Q * G`` rows, so each K/V tile is loaded once
+for the whole group. Sequences own ``ceil(q_len / BLOCK_Q)`` q-blocks each,
+packed without padding: sequence ``s`` starts at q-block
+``query_start[s] // BLOCK_Q + s`` (a program finds its sequence by binary
+search), so ``N // BLOCK_Q + S`` programs cover any batch and the few surplus
+ones exit at once.
+
+A decode batch gives only ``S * H_kv`` programs, too few for a GPU when
+contexts are long, so its context is split across programs (flash-decoding):
+each split writes an unnormalised partial (running max, sum, accumulator) and
+a second kernel merges them. Shapes depend only on ``N``, ``S`` and
+``attn.max_context_len``: capture CUDA graphs with ``max_context_len`` set to
+the context bound.
+"""
+from __future__ import annotations  # kernel annotations stay strings without triton
+
+import functools
+import math
+import os
+
+import torch
+
+from roseinfer.core.hookspecs import hookimpl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the backend is simply not registered
+    triton = tl = None
+
+BLOCK_N = 32          # keys per tile
+MIN_SPLIT_LEN = 256   # fewer keys per split cost more in merging than they win
+MAX_SPLITS = 16
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Compiled on CUDA; on CPU only through the interpreter (tests)."""
+    return triton is not None and (
+        device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _kernel(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_kernel
+def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence whose q-blocks contain ``q_block``: binary search over starts."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@_kernel
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
+    block_tables_ptr, context_lens_ptr, query_start_ptr,
+    sq_n, sq_h, sq_d,                 # q strides (a view of fused qkv is fine)
+    so_s, so_n, so_h,                 # out / partial-accumulator strides (d stride 1)
+    sm_s, sm_n,                       # partial max / sum strides (h stride 1)
+    sc_b, sc_h, sc_o, sc_d,           # cache strides, K and V alike
+    bt_stride, num_seqs, head_dim, scale_log2, tiles_per_split,
+    G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    first_tok = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first_tok >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+
+    r = tl.arange(0, BLOCK_M)
+    tok = first_tok + r // G
+    head = kv_head * G + r % G
+    row_ok = (r < BLOCK_Q * G) & (tok < q_len)
+    q_pos = context_len - q_len + tok          # each row sees keys at positions <= q_pos
+    row = (q_start + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(q_ptr + row[:, None] * sq_n + head[:, None] * sq_h + d[None, :] * sq_d,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys up to the block's last query, cut to this split's share. Splits are
+    # only used for decode, so every row sees the first key of a non-empty range
+    # and the running max is finite after the first tile (no -inf - -inf).
+    kv_end = context_len - q_len + tl.minimum(first_tok + BLOCK_Q, q_len)
+    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
+    block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < kv_hi
+        # int64: block index * block stride overflows int32 on large caches.
+        block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        kv_off = (block[:, None] * sc_b + kv_head * sc_h
+                  + (k_pos % BLOCK_SIZE)[:, None] * sc_o + d[None, :] * sc_d)
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_off = split.to(tl.int64) * so_s + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + out_off, acc, mask=out_mask)
+        ml_off = split.to(tl.int64) * sm_s + row * sm_n + head
+        tl.store(m_ptr + ml_off, m_i, mask=row_ok)
+        tl.store(l_ptr + ml_off, l_i, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@_kernel
+def _merge_splits_kernel(
+    out_ptr, acc_ptr, m_ptr, l_ptr,
+    so_n, so_h, sa_s, sa_n, sa_h, sm_s, sm_n, num_splits, head_dim,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sp_ok = sp < num_splits
+    d_ok = d < head_dim
+    # Empty splits hold max -inf and sum 0: their weight below is exactly 0.
+    m = tl.load(m_ptr + sp * sm_s + row * sm_n + head, mask=sp_ok, other=float("-inf"))
+    l = tl.load(l_ptr + sp * sm_s + row * sm_n + head, mask=sp_ok, other=0.0)
+    acc = tl.load(acc_ptr + sp[:, None] * sa_s + row * sa_n + head * sa_h + d[None, :],
+                  mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + row * so_n + head * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: any count is correct, a small one keeps test grids small
+
+
+def num_splits(attn, num_kv_heads: int, num_sms: int) -> int:
+    """Split decode contexts until the grid fills the GPU about twice over."""
+    if not attn.is_decode:
+        return 1  # prefill chunks give programs enough; the kernel relies on this
+    wanted = triton.cdiv(2 * num_sms, attn.num_seqs * num_kv_heads)
+    return max(1, min(wanted, attn.max_context_len // MIN_SPLIT_LEN, MAX_SPLITS))
+
+
+class TritonPagedAttention:
+    def supports(self, device) -> bool:
+        return triton_usable(torch.device(device))
+
+    def forward(self, q, k_cache, v_cache, attn, scale):
+        n, num_heads, head_dim = q.shape
+        _, num_kv_heads, block_size, _ = k_cache.shape
+        assert k_cache.stride() == v_cache.stride()
+        group = num_heads // num_kv_heads
+        block_m = max(16 if attn.is_decode else 64, triton.next_power_of_2(group))
+        block_q = block_m // group
+        splits = num_splits(attn, num_kv_heads, _num_sms(q.device))
+        tiles_per_split = triton.cdiv(triton.cdiv(attn.max_context_len, BLOCK_N), splits)
+
+        out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        if splits == 1:
+            dest, m, l = out.unsqueeze(0), out, out  # m, l unused without splits
+        else:
+            dest = torch.empty(splits, n, num_heads, head_dim, dtype=torch.float32, device=q.device)
+            m = torch.empty(splits, n, num_heads, dtype=torch.float32, device=q.device)
+            l = torch.empty_like(m)
+        grid = (n // block_q + attn.num_seqs, num_kv_heads, splits)
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, dest, m, l,
+            attn.block_tables, attn.context_lens, attn.query_start,
+            *q.stride(), *dest.stride()[:3], *m.stride()[:2], *k_cache.stride(),
+            attn.block_tables.stride(0), attn.num_seqs, head_dim,
+            scale * math.log2(math.e), tiles_per_split,
+            G=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
+            BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            PARTIAL=splits > 1,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+        if splits > 1:
+            _merge_splits_kernel[(n, num_heads)](
+                out, dest, m, l, *out.stride()[:2], *dest.stride()[:3], *m.stride()[:2],
+                splits, head_dim,
+                BLOCK_S=triton.next_power_of_2(splits),
+                BLOCK_D=triton.next_power_of_2(head_dim),
+            )
+        return out
+
+
+@hookimpl
+def roseinfer_register_attention_backends(register):
+    if triton is not None:
+        register("triton_paged", TritonPagedAttention)
