@@ -97,7 +97,8 @@ class BlockManager:
         if not self.prefix_cache:
             return
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+        known = min(seq.num_computed, seq.num_tokens)  # ids of the step in flight are unknown
+        for i in range(len(seq.block_hashes), known // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else NO_HASH
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = block_hash(parent, tokens)

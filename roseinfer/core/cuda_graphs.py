@@ -72,7 +72,8 @@ class DecodeGraphs:
         self.pool = self.pool or graph.pool()
         self.graphs[size, name] = graph
 
-    def replay(self, size: int, host: PackedInputs, n_seq: int) -> torch.Tensor:
+    def replay(self, size: int, host: PackedInputs, n_seq: int):
+        """Replays the bucket's graph; returns (logits of every row, device inputs)."""
         r = self.runner
         shared = bool((host.offsets[:n_seq] == host.offsets[0]).all())
         if shared:  # padding rows (scratch block) follow the real rows' offset
@@ -82,11 +83,12 @@ class DecodeGraphs:
         name = r.kv_cache.select(slots)
         r.kv_cache.steps_by_backend[name] += 1
         self.graphs[size, name].replay()
-        return self.logits[size, name]
+        return self.logits[size, name], inp
 
 
 def _dummy_decode(host: PackedInputs, scratch_block: int) -> None:
     host.input_ids[:] = 0
+    host.src_rows[:] = -1
     host.positions[:] = 0
     host.block_idx[:] = scratch_block
     host.offsets[:] = 0

@@ -60,6 +60,7 @@ class Engine:
                                   self.max_model_len, config.cuda_graphs)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
+        self._in_flight = None
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d",
                  type(self.model).__name__, self.device, self.dtype, num_blocks,
                  config.block_size, self.max_model_len)
@@ -140,23 +141,38 @@ class Engine:
 
     # ---- stepping -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Launch the next batch, then collect the previous one while it runs.
+
+        Outputs therefore trail the launch by one step; a request that turns
+        out finished has at most one extra token computed and dropped.
+        """
         outputs = [self._output(seq, []) for seq in self._aborted]
         for seq in self._aborted:
             self.seqs.pop(seq.request_id, None)
         self._aborted.clear()
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return outputs
-        rows, tokens = self.runner.run(batch)
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed += n
-            self.blocks.commit(seq)
-        for row, token in zip(rows, tokens):
-            outputs.append(self._append_token(batch.seqs[row], token))
+        previous, self._in_flight = self._in_flight, None
+        if batch.seqs:
+            self._in_flight = self.runner.launch(batch)
+            for seq, n in zip(batch.seqs, batch.num_tokens):
+                seq.num_computed += n
+        if previous is not None:
+            outputs += self._collect(previous)
+        return outputs
+
+    def _collect(self, launched) -> list[RequestOutput]:
+        outputs = []
+        seqs = launched.batch.seqs
+        for row, token in zip(launched.rows, launched.result()):
+            seq = seqs[row]
+            seq.pending -= 1
+            if not seq.finished:
+                outputs.append(self._append_token(seq, token))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
+        self.blocks.commit(seq)
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             seq.finish_reason = "stop"

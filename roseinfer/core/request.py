@@ -18,7 +18,7 @@ class Status(enum.Enum):
 class Sequence:
     __slots__ = ("request_id", "params", "token_ids", "num_prompt_tokens", "num_computed",
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
-                 "detok", "num_emitted", "arrival_time", "max_len")
+                 "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
@@ -36,10 +36,19 @@ class Sequence:
         self.num_emitted = 0           # generated ids already handed out
         self.arrival_time = arrival_time
         self.max_len = max_len         # prompt + generated may not pass this
+        # Sampled on the device, not yet seen by the host (the step in flight);
+        # the next step reads it from row ``sample_slot`` of the sampled buffer.
+        self.pending = 0
+        self.sample_slot = -1
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Length counting the token in flight: what the scheduler plans with."""
+        return len(self.token_ids) + self.pending
 
     @property
     def num_generated(self) -> int:

@@ -1,7 +1,14 @@
-"""Builds one step's inputs, runs the model (eagerly or as a CUDA graph), samples."""
+"""Builds one step's inputs, runs the model (eagerly or as a CUDA graph), samples.
+
+Steps are launched without waiting: sampled ids stay on the device (the next
+step reads decode inputs from there) and reach the host through an async copy,
+so the host can finish step n-1's bookkeeping while the GPU runs step n.
+"""
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
@@ -10,6 +17,19 @@ from roseinfer.core.kv_cache import KVCache, SlotBatch
 from roseinfer.core.sampling import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
 from roseinfer.core.step_inputs import InputStager, PackedInputs, fill
+
+
+@dataclass
+class LaunchedStep:
+    batch: ScheduledBatch
+    rows: list[int]                  # batch rows that sample a token
+    tokens: torch.Tensor             # host tensor the sampled ids arrive in
+    done: Optional[torch.cuda.Event]
+
+    def result(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tokens[:len(self.rows)].tolist()
 
 
 class ModelRunner:
@@ -24,9 +44,15 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // self.block_size)
         self.max_model_len = max_model_len
         tokens = max(max_num_batched_tokens, max_num_seqs)
-        self.stager = InputStager(5 * tokens + 2 * max_num_seqs + 1
+        self.stager = InputStager(6 * tokens + 2 * max_num_seqs + 1
                                   + max_num_seqs * self.max_blocks, device)
         self.sampler = Sampler()
+        self.sampled = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        # Two host landing buffers: step n's copy must not overwrite step n-1's ids.
+        pin = device.type == "cuda"
+        self.landing = [torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin)
+                        for _ in range(2)]
+        self.launches = 0
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(self, max_num_seqs)
@@ -41,10 +67,12 @@ class ModelRunner:
 
     def forward(self, ctx: StepContext, inp: PackedInputs, logits_rows=None) -> torch.Tensor:
         """Model forward under ``ctx``; logits of ``logits_rows`` (all rows if None)."""
+        src = inp.src_rows
+        ids = torch.where(src >= 0, self.sampled[src.clamp(min=0)], inp.input_ids)
         self.kv_cache.begin_step(ctx.slots)
         set_context(ctx)
         try:
-            hidden = self.model(inp.input_ids, inp.positions)
+            hidden = self.model(ids, inp.positions)
         finally:
             set_context(None)
         if logits_rows is not None:
@@ -52,32 +80,44 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
-        """Returns (batch rows that sampled, their token ids)."""
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         seqs, num_tokens = batch.seqs, batch.num_tokens
         n_tok, n_seq = sum(num_tokens), len(seqs)
         graph = self.graphs.bucket(n_seq) if self.graphs and n_tok == n_seq else None
         if graph is not None:
             host = self.stager.host_views(graph, graph, self.max_blocks)
         else:
-            width = max(len(s.block_table) for s in seqs)
-            host = self.stager.host_views(n_tok, n_seq, width)
+            host = self.stager.host_views(n_tok, n_seq, max(len(s.block_table) for s in seqs))
         rows = fill(host, seqs, num_tokens, self.block_size, self.kv_cache.scratch_block)
         if graph is not None:
-            logits = self.graphs.replay(graph, host, n_seq)[:n_seq]
+            logits, inp = self.graphs.replay(graph, host, n_seq)
+            logits = logits[inp.sample_idx[:len(rows)]] if len(rows) < n_seq else logits[:n_seq]
         else:
-            logits = self._eager(host, num_tokens, rows)
-        if not rows:
-            return [], []
-        picked = [seqs[r] for r in rows]
-        tokens = self.sampler(logits, [s.params for s in picked], [s.generator for s in picked])
-        return rows, tokens.tolist()
+            logits = self._eager(host, num_tokens, len(rows))
+        return self._sample(batch, rows, logits)
 
-    def _eager(self, host: PackedInputs, num_tokens, rows) -> torch.Tensor:
+    def _sample(self, batch, rows, logits) -> LaunchedStep:
+        landing = self.landing[self.launches % 2]
+        self.launches += 1
+        if not rows:
+            return LaunchedStep(batch, rows, landing, None)
+        picked = [batch.seqs[r] for r in rows]
+        tokens = self.sampler(logits, [s.params for s in picked], [s.generator for s in picked])
+        self.sampled[:len(rows)].copy_(tokens)
+        for slot, seq in enumerate(picked):
+            seq.sample_slot = slot
+            seq.pending += 1
+        landing[:len(rows)].copy_(self.sampled[:len(rows)], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(batch, rows, landing, done)
+
+    def _eager(self, host: PackedInputs, num_tokens, num_samples: int) -> torch.Tensor:
         shared = bool((host.offsets == host.offsets[0]).all())
         inp = self.stager.to_device(host)
         ctx = self.context(inp, max(num_tokens), int(host.context_lens.max()))
         if not shared:
             ctx.slots.shared_offset = None
-        last = host.query_start[1:][rows].astype(np.int64) - 1
-        return self.forward(ctx, inp, torch.from_numpy(last).to(self.device))
+        return self.forward(ctx, inp, inp.sample_idx[:num_samples])

@@ -38,8 +38,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
+        preemptions = self.num_preemptions
         budget = self._schedule_running(batch, self.budget)
-        if len(batch) == len(self.running):  # admit nothing while preempting
+        if self.num_preemptions == preemptions:  # admit nothing while preempting
             self._admit_waiting(batch, budget)
         return batch
 
@@ -47,7 +48,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.num_scheduled_tokens >= seq.max_len:  # its last token is in flight
+                i += 1
+                continue
+            n = min(seq.num_scheduled_tokens - seq.num_computed, budget)
             while not self.blocks.reserve(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -62,8 +66,10 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.pending:  # preempted while its last token was in flight
+                break
             seq.num_computed = self.blocks.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_scheduled_tokens - seq.num_computed, budget)
             if not self.blocks.reserve(seq, n):
                 self.blocks.free_seq(seq)
                 break

@@ -11,12 +11,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-FIELDS = ("input_ids", "positions", "block_idx", "offsets", "context_lens", "query_start",
-          "block_tables")
+# src_rows[i] >= 0: token i is the one sampled into row src_rows[i] of the
+# device-side sampled buffer by the previous step, which the host has not seen.
+# sample_idx[k]: the token whose logits the k-th sampling sequence samples from.
+FIELDS = ("input_ids", "src_rows", "positions", "block_idx", "offsets", "context_lens",
+          "query_start", "sample_idx", "block_tables")
 
 
 def layout(n_tok: int, n_seq: int, width: int) -> dict[str, tuple[int, int]]:
-    sizes = (n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq * width)
+    sizes = (n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq * width)
     spans, start = {}, 0
     for name, size in zip(FIELDS, sizes):
         spans[name] = (start, start + size)
@@ -50,16 +53,20 @@ def views(buf, n_tok: int, n_seq: int, width: int) -> PackedInputs:
 def fill(host: PackedInputs, seqs, num_tokens, block_size: int, scratch_block: int) -> list[int]:
     """Write the step's inputs (padding rows after the real ones point at the
     scratch block); returns the rows whose chunk reaches the end of their sequence."""
-    ids, pos, ctx, qs, bt = (host.input_ids, host.positions, host.context_lens,
-                             host.query_start, host.block_tables)
+    ids, src, pos, ctx, qs, bt = (host.input_ids, host.src_rows, host.positions,
+                                  host.context_lens, host.query_start, host.block_tables)
     bt.fill(scratch_block)
+    src.fill(-1)
     sample_rows, t = [], 0
     qs[0] = 0
     for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
         start = seq.num_computed
         end = start + n
         if n == 1:
-            ids[t] = seq.token_ids[start]
+            if seq.pending:
+                src[t] = seq.sample_slot
+            else:
+                ids[t] = seq.token_ids[start]
             pos[t] = start
         else:
             ids[t:t + n] = seq.token_ids[start:end]
@@ -69,7 +76,8 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, scratch_block: i
         t += n
         qs[i + 1] = t
         ctx[i] = end
-        if end == seq.num_tokens:
+        if end == seq.num_scheduled_tokens:
+            host.sample_idx[len(sample_rows)] = t - 1
             sample_rows.append(i)
     _pad(host, t, len(seqs))
     seq_of_token = np.repeat(np.arange(host.n_seq), np.diff(qs))
@@ -81,26 +89,34 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, scratch_block: i
 def _pad(host: PackedInputs, t: int, s: int) -> None:
     """Padding: one token per padded sequence, at position 0 of the scratch block."""
     host.input_ids[t:] = 0
+    host.src_rows[t:] = -1
     host.positions[t:] = 0
     host.context_lens[s:] = 1
     host.query_start[s + 1:] = t + 1 + np.arange(host.n_seq - s)
 
 
 class InputStager:
-    """Owns the packed host buffer (pinned on CUDA) and its device mirror."""
+    """Owns the packed host buffers (pinned on CUDA) and their device mirror.
+
+    Host buffers alternate between steps: step n+1 is filled while step n's
+    asynchronous copy may still be queued. Step n-1's copy, from the same
+    buffer, is complete by then: the engine waited for step n-1's results.
+    """
 
     def __init__(self, capacity: int, device: torch.device):
-        self.device = device
         pin = device.type == "cuda"
-        self.host_t = torch.empty(capacity, dtype=torch.int32, pin_memory=pin)
-        self.host = self.host_t.numpy()
-        self.dev = torch.empty(capacity, dtype=torch.int32, device=device) if pin else None
+        self.host_t = [torch.zeros(capacity, dtype=torch.int32, pin_memory=pin)
+                       for _ in range(2 if pin else 1)]
+        self.dev = torch.zeros(capacity, dtype=torch.int32, device=device) if pin else None
+        self.turn = 0
 
     def host_views(self, n_tok, n_seq, width) -> PackedInputs:
-        return views(self.host, n_tok, n_seq, width)
+        self.turn = (self.turn + 1) % len(self.host_t)
+        return views(self.host_t[self.turn].numpy(), n_tok, n_seq, width)
 
     def to_device(self, host: PackedInputs) -> PackedInputs:
+        src = self.host_t[self.turn]
         if self.dev is None:
-            return views(self.host_t, host.n_tok, host.n_seq, host.width)
-        self.dev[:host.total].copy_(self.host_t[:host.total], non_blocking=True)
+            return views(src, host.n_tok, host.n_seq, host.width)
+        self.dev[:host.total].copy_(src[:host.total], non_blocking=True)
         return views(self.dev, host.n_tok, host.n_seq, host.width)
