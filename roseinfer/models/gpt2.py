@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.models.layers import PagedAttention
+from roseinfer.models.layers import LogitsHead, PagedAttention
 
 
 class GPT2Block(nn.Module):
@@ -34,6 +34,10 @@ class GPT2ForCausalLM(nn.Module):
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.head = LogitsHead(cfg.vocab_size)
+
+    def bind_head(self) -> None:
+        self.head.bind(self.wte.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(positions)
@@ -42,7 +46,7 @@ class GPT2ForCausalLM(nn.Module):
         return self.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.wte.weight)
+        return self.head(hidden)
 
     @staticmethod
     def convert_hf_state_dict(sd: dict, cfg) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.attention import get_context
@@ -58,3 +59,23 @@ def _rotate(x, cos, sin):
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+class LogitsHead(nn.Module):
+    """The LM head, with its vocabulary padded to a multiple of 64 on CUDA.
+
+    cuBLAS runs an odd row count (GPT-2's 50257) through a much slower kernel;
+    padded rows are zeros and their logits are sliced off.
+    """
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.weight: torch.Tensor | None = None
+
+    def bind(self, weight: torch.Tensor) -> None:
+        pad = (-weight.shape[0]) % 64 if weight.is_cuda else 0
+        self.weight = F.pad(weight, (0, 0, 0, pad)) if pad else weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)[:, :self.vocab_size]

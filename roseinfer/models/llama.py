@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.models.layers import PagedAttention, RotaryEmbedding
+from roseinfer.models.layers import LogitsHead, PagedAttention, RotaryEmbedding
 
 
 def rope_params(cfg) -> tuple[torch.Tensor, float]:
@@ -69,6 +69,10 @@ class LlamaForCausalLM(nn.Module):
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = LogitsHead(cfg.vocab_size)
+
+    def bind_head(self) -> None:
+        self.head.bind(self.embed_tokens.weight if self.tied else self.lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -77,8 +81,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.head(hidden)
 
     @staticmethod
     def convert_hf_state_dict(sd: dict, cfg) -> dict:

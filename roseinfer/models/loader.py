@@ -55,6 +55,7 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0)
     for m in model.modules():
         if isinstance(m, RotaryEmbedding):
             m.build_tables(device)
+    model.bind_head()
     return model.eval().requires_grad_(False), hf_config, tok
 
 
