@@ -2,32 +2,23 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import logging
 import sys
 
-from roseinfer.core.config import config_from_args, engine_args_parser
+from roseinfer.core.config import engine_args_parser
 
 # Command groups living outside core, each exposing add_commands(subparsers, engine_parent).
 COMMAND_MODULES = ("roseinfer.frontends.redis_streams.commands", "roseinfer.bench.commands")
 
 
-def llm_from_args(args):
-    from roseinfer import LLM
-
-    config = config_from_args(args)
-    return LLM(args.model, tokenizer=args.tokenizer, **dataclasses.asdict(config))
-
-
 def cmd_generate(args) -> int:
     from roseinfer import SamplingParams
 
+    from roseinfer.core.llm import llm_from_args
+
     llm = llm_from_args(args)
-    prompt = args.prompt
-    if not args.raw and getattr(llm.tokenizer, "chat_template", None):
-        prompt = llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    prompt = args.prompt if args.raw else llm.engine.chat_prompt(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed_sample)
     engine = llm.engine

@@ -65,7 +65,7 @@ def test_min_p_one_is_greedy(gpt2_model):
 
 def test_sampling_follows_the_distribution():
     """Empirical frequencies of the sampler match softmax(logits / T) after top-p."""
-    from roseinfer.core.sampling import Sampler
+    from roseinfer.core.sampler import Sampler
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
     p = SamplingParams(temperature=0.5, top_p=0.9)
@@ -145,3 +145,39 @@ def test_config_from_toml(tmp_path):
     path.write_text('[engine]\nblock_size = 8\nmetadata_store = "arrays"\n')
     cfg = EngineConfig.from_toml(str(path), max_num_seqs=3)
     assert (cfg.block_size, cfg.metadata_store, cfg.max_num_seqs) == (8, "arrays", 3)
+
+
+def test_resume_with_emitted_ids_continues_without_repeats(gpt2_model):
+    full = hf_greedy(gpt2_model, [3, 1, 4, 1, 5], 10)
+    eng = llm_for(gpt2_model).engine
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    eng.add_request("r", [3, 1, 4, 1, 5], params, emitted_ids=full[:4])
+    new = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            new += out.new_token_ids
+    assert new == full[4:]
+    with pytest.raises(InvalidRequestError, match="emitted_ids"):
+        eng.add_request("s", [1], params, emitted_ids=[1, 600])
+
+
+def test_resumed_text_continues_the_stream():
+    """Through a real tokenizer: the resumed text is exactly the rest of the text."""
+    from transformers import GPT2LMHeadModel, GPT2Config
+
+    from roseinfer.models.loader import CACHE_DIR
+    from roseinfer.models.tokenizers import gpt2_tokenizer
+
+    tok = gpt2_tokenizer(CACHE_DIR)
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=128,
+                                    initializer_range=0.3)).eval()
+    llm = LLM(hf, tokenizer=tok, device="cpu", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    whole = llm.generate(["Once upon a time"], params)[0]
+    eng = llm.engine
+    eng.add_request("r", "Once upon a time", params, emitted_ids=whole.token_ids[:5])
+    rest = ""
+    while eng.has_unfinished():
+        rest += "".join(o.new_text for o in eng.step())
+    assert tok.decode(whole.token_ids[:5]) + rest == whole.text

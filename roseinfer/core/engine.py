@@ -86,12 +86,26 @@ class Engine:
                        self.device, backends, cfg.kv_append_backend)
 
     # ---- requests -------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None):
+    def chat_prompt(self, text: str) -> str:
+        """``text`` as one user turn in the tokenizer's chat template (if it has one)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return text
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    emitted_ids: Optional[list[int]] = None):
+        """Queue a request. ``emitted_ids`` resumes one whose first tokens were
+        already handed out elsewhere: they are recomputed as context, count
+        against ``max_tokens``, and are not emitted again."""
         params = params or SamplingParams()
         if request_id in self.seqs:
             raise InvalidRequestError("rid", f"request id {request_id!r} is already in use")
         ids = self._prompt_ids(prompt)
-        if len(ids) >= self.max_model_len:
+        emitted = self._token_ids(emitted_ids or [], "emitted_ids")
+        if len(emitted) >= params.max_tokens:
+            raise InvalidRequestError("emitted_ids", "the request already has all its tokens")
+        if len(ids) + len(emitted) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"{len(ids)} tokens leave no room to generate within the "
                 f"model's {self.max_model_len}-token context; shorten the prompt", "too_long")
@@ -100,8 +114,11 @@ class Engine:
             gen = torch.Generator(self.device).manual_seed(params.seed)
         max_len = min(self.max_model_len, len(ids) + params.max_tokens)
         seq = Sequence(request_id, ids, params, max_len, time.monotonic(), gen)
+        seq.token_ids += emitted
+        seq.num_emitted = len(emitted)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, len(ids), params.stop)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.num_tokens,
+                                               params.stop)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -111,15 +128,18 @@ class Engine:
                 raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                   or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    "prompt_token_ids", f"ids must be integers in [0, {self.vocab_size}); "
-                    f"got {bad[:5]}")
+            ids = self._token_ids(prompt, "prompt_token_ids")
         if not ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
+        return ids
+
+    def _token_ids(self, ids, field: str) -> list[int]:
+        ids = list(ids)
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                field, f"ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
         return ids
 
     def abort(self, request_id: str) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Union
 
-from roseinfer.core.config import EngineConfig
+from roseinfer.core.config import EngineConfig, config_from_args
 from roseinfer.core.engine import Engine, Prompt
 from roseinfer.core.outputs import RequestOutput
 from roseinfer.core.sampling import SamplingParams
@@ -45,3 +45,11 @@ class LLM:
                     yield out
         if bar is not None:
             bar.close()
+
+
+def llm_from_args(args) -> LLM:
+    """An LLM from the flags of ``roseinfer.core.config.engine_args_parser``."""
+    import dataclasses
+
+    config = config_from_args(args)
+    return LLM(args.model, tokenizer=args.tokenizer, **dataclasses.asdict(config))

@@ -14,7 +14,7 @@ import torch
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
 from roseinfer.core.cuda_graphs import DecodeGraphs
 from roseinfer.core.kv_cache import KVCache, SlotBatch
-from roseinfer.core.sampling import Sampler
+from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
 from roseinfer.core.step_inputs import InputStager, PackedInputs, fill
 

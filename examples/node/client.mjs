@@ -1,0 +1,78 @@
+#!/usr/bin/env node
+// Submit a prompt to roseinfer workers over Redis Streams (protocol v1, docs/protocol.md)
+// and print the text as it streams in. Ctrl-C cancels the request.
+//
+//   npm install && node client.mjs "What is the capital of France?" --max-tokens 64
+import { parseArgs } from "node:util";
+import { createClient, RESP_TYPES } from "redis";
+import { decode, encode } from "@msgpack/msgpack";
+
+const USAGE = 'usage: node client.mjs "prompt" [--max-tokens N] [--temperature T (0 = greedy)] ' +
+  "[--redis-url URL] [--prefix P] [--timeout SECONDS]";
+const { values: opts, positionals } = parseArgs({
+  allowPositionals: true,
+  options: {
+    "redis-url": { type: "string", default: process.env.REDIS_URL ?? "redis://127.0.0.1:6379" },
+    prefix: { type: "string", default: "roseinfer" },
+    "max-tokens": { type: "string", default: "128" },
+    temperature: { type: "string", default: "0" },
+    timeout: { type: "string", default: "120" },
+  },
+});
+if (positionals.length !== 1) {
+  console.error(USAGE);
+  process.exit(2);
+}
+
+const body = {
+  prompt: positionals[0],
+  max_tokens: Number(opts["max-tokens"]),
+  temperature: Number(opts.temperature), // 0 = greedy
+};
+
+const client = await createClient({ url: opts["redis-url"] }).connect();
+// Reply bodies are binary msgpack: read bulk strings as Buffers, not as UTF-8 text.
+const BINARY = { typeMapping: { [RESP_TYPES.BLOB_STRING]: Buffer } };
+
+// No rid field: the entry ID that XADD returns is the request id.
+const rid = await client.xAdd(`${opts.prefix}:requests`, "*",
+  { v: "1", body: Buffer.from(encode(body)) });
+
+process.on("SIGINT", async () => {
+  // The main connection is blocked in XREAD; the abort chunk will end the loop below.
+  const other = await client.duplicate().connect();
+  await other.xAdd(`${opts.prefix}:cancel`, "*", { rid });
+  await other.quit();
+});
+
+const final = await readReplies(`${opts.prefix}:out:{${rid}}`);
+process.stdout.write("\n");
+await client.quit();
+if (final.finish_reason === "error") {
+  console.error(`error (${final.error.code}): ${final.error.message}`);
+  process.exit(1);
+}
+const { prompt_tokens, completion_tokens } = final.usage;
+console.error(`[${final.finish_reason}: ${prompt_tokens} prompt + ${completion_tokens} generated tokens]`);
+
+async function readReplies(key) {
+  let lastId = "0-0";
+  let nextSeq = 0;
+  for (;;) {
+    const reply = await client.sendCommand(
+      ["XREAD", "COUNT", "100", "BLOCK", String(Number(opts.timeout) * 1000), "STREAMS", key, lastId],
+      BINARY);
+    if (reply === null) {
+      console.error(`\nno reply within ${opts.timeout}s: is a worker running with prefix ${opts.prefix}?`);
+      process.exit(1);
+    }
+    for (const [id, fields] of reply[0][1]) {
+      lastId = id.toString();
+      const chunk = decode(fields[fields.findIndex((f) => f.toString() === "body") + 1]);
+      if (chunk.seq < nextSeq) continue; // delivery is at-least-once: skip duplicates
+      nextSeq = chunk.seq + 1;
+      process.stdout.write(chunk.text);
+      if (chunk.finish_reason !== null) return chunk;
+    }
+  }
+}

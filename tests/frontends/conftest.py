@@ -1,0 +1,207 @@
+"""Fixtures of the Redis frontend tests: a real redis-server, fakeredis, a fake engine that
+follows the engine contract, a tiny random GPT-2 with the real GPT-2 tokenizer, and a
+worker running in a thread."""
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+import fakeredis
+import pytest
+import redis
+
+from roseinfer.core.config import EngineConfig
+from roseinfer.core.errors import InvalidRequestError
+from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
+from roseinfer.frontends.redis_streams.worker import Worker
+
+
+# --- the fake engine ---------------------------------------------------------------------
+
+@dataclass
+class _FakeSeq:
+    prompt_ids: list
+    params: object
+    out_ids: list = field(default_factory=list)
+    aborted: bool = False
+
+
+@dataclass
+class FakeOutput:
+    """The RequestOutput fields of the engine contract."""
+    request_id: str
+    prompt_token_ids: list
+    token_ids: list
+    text: str
+    new_token_ids: list
+    new_text: str
+    finished: bool
+    finish_reason: object
+
+
+@dataclass
+class FakeStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int = 0
+
+
+class FakeEngine:
+    """The engine contract with a toy model: after token t comes t+1 (mod vocab), and token
+    t reads as the letter 'a' + t % 26. Prompt text becomes ids by ord(c) % vocab."""
+    vocab_size = 100
+    max_model_len = 64
+
+    def __init__(self, max_num_seqs: int = 4):
+        self.config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs)
+        self.tokenizer = None
+        self.seqs: dict[str, _FakeSeq] = {}
+        self.steps = 0
+
+    def add_request(self, rid, prompt, params):
+        ids = [ord(c) % self.vocab_size for c in prompt] if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if not all(0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequestError("prompt_token_ids", f"ids must be in [0, {self.vocab_size})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError("prompt", "prompt + max_tokens is too long", "too_long")
+        assert rid not in self.seqs, f"duplicate rid {rid}"
+        self.seqs[rid] = _FakeSeq(ids, params)
+
+    def step(self):
+        self.steps += 1
+        outs = []
+        for rid, s in list(self.seqs.items())[: self.config.max_num_seqs]:
+            new = [] if s.aborted else [((s.out_ids or s.prompt_ids)[-1] + 1) % self.vocab_size]
+            s.out_ids += new
+            reason = ("abort" if s.aborted else "stop" if new[0] in s.params.stop_token_ids
+                      else "length" if len(s.out_ids) >= s.params.max_tokens else None)
+            if reason:
+                del self.seqs[rid]
+            outs.append(FakeOutput(rid, s.prompt_ids, list(s.out_ids), _text(s.out_ids), new,
+                                      _text(new), reason is not None, reason))
+        return outs
+
+    def abort(self, rid):
+        self.seqs[rid].aborted = True
+
+    def has_unfinished(self):
+        return bool(self.seqs)
+
+    def num_unfinished(self):
+        return len(self.seqs)
+
+    def stats(self):
+        running = min(len(self.seqs), self.config.max_num_seqs)
+        return FakeStats(running, len(self.seqs) - running, running / self.config.max_num_seqs)
+
+
+def _text(ids):
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+@pytest.fixture
+def fake_engine():
+    return FakeEngine()
+
+
+@pytest.fixture
+def fake_redis():
+    return fakeredis.FakeRedis()
+
+
+# --- a real Redis ------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def redis_server():
+    with EmbeddedRedis(port=free_port()) as server:
+        yield server
+
+
+@pytest.fixture
+def real_redis(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefix():
+    """Each test gets its own keys on the shared server."""
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+class WorkerThread:
+    """A Worker running in a thread; stop() drains it and re-raises what killed it, if anything."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        try:
+            self.worker.run()
+        except BaseException as e:  # surfaced by stop(): a dead worker must fail the test
+            self.error = e
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, grace_s: float = 10.0):
+        self.worker.stop(grace_s)
+        self.thread.join(grace_s + 10)
+        assert not self.thread.is_alive(), "the worker did not stop"
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture
+def start_worker(redis_server, prefix):
+    """start_worker(engine, **worker_kwargs) -> WorkerThread on the real Redis, stopped at teardown."""
+    started = []
+
+    def start(engine, **kwargs):
+        kwargs = {"prefix": prefix, "block_ms": 100, **kwargs}
+        w = WorkerThread(Worker(engine, redis.Redis.from_url(redis_server.url), **kwargs))
+        w.thread.start()
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        if w.alive():
+            w.stop()
+
+
+# --- a tiny GPT-2 with the real GPT-2 tokenizer ------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory):
+    """Random weights saved as a model dir, with GPT-2's real tokenizer beside them."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from roseinfer.models.tokenizers import gpt2_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    gpt2_tokenizer(str(tmp_path_factory.mktemp("tokenizer-cache"))).save_pretrained(path)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=256)).save_pretrained(path)
+    return str(path)
+
+
+# 8 sequences of up to 256 tokens fit in 128 blocks of 16; more would only cost start-up time.
+TINY_ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 8, "num_kv_blocks": 160,
+               "cuda_graphs": False}
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_gpt2_dir):
+    """One engine for the session: tests using it stop their worker before the next starts."""
+    from roseinfer import LLM
+
+    return LLM(tiny_gpt2_dir, **TINY_ENGINE)

@@ -1,0 +1,85 @@
+"""`roseinfer worker`, `submit` and `serve` as real processes."""
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from roseinfer import SamplingParams
+from roseinfer.frontends.redis_streams.client import Client
+from roseinfer.frontends.redis_streams.server import free_port
+
+from .conftest import TINY_ENGINE
+
+PROMPT = "The capital of France is"
+
+
+def roseinfer(*args):
+    return [sys.executable, "-m", "roseinfer.cli", *args]
+
+
+def engine_flags(model_dir):
+    flags = ["--model", model_dir]
+    for name, value in TINY_ENGINE.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+@pytest.fixture
+def expected(tiny_llm):
+    (out,) = tiny_llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0))
+    return out
+
+
+def stop(proc, sig=signal.SIGTERM):
+    proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, out, err
+
+
+def test_worker_and_submit_processes(tiny_gpt2_dir, expected, redis_server, prefix):
+    worker = subprocess.Popen(roseinfer("worker", "--redis-url", redis_server.url, "--prefix", prefix,
+                                        *engine_flags(tiny_gpt2_dir)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Queued before the worker is up: it creates the group from the stream's start.
+        warmup = Client(redis_server.url, prefix).generate("hi", max_tokens=1, timeout=60)
+        assert warmup.finish_reason == "length"
+        submit = ["submit", PROMPT, "--redis-url", redis_server.url, "--prefix", prefix,
+                  "--max-tokens", "10", "--temperature", "0"]
+        streamed = subprocess.run(roseinfer(*submit), capture_output=True, text=True, timeout=60)
+        whole = subprocess.run(roseinfer(*submit, "--no-stream"), capture_output=True, text=True, timeout=60)
+        bad = subprocess.run(roseinfer(*submit, "--top-p", "2"), capture_output=True, text=True, timeout=60)
+    finally:
+        code, _, log = stop(worker)
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == whole.stdout == expected.text + "\n"
+    assert streamed.stderr.endswith(f"[{expected.finish_reason}: 5 prompt + "
+                                    f"{len(expected.token_ids)} generated tokens]\n")
+    assert bad.returncode == 1 and "error (bad_request): top_p: must be in (0, 1]" in bad.stderr
+    assert code == 0, log
+    assert "rejected" in log and "stopped" in log
+
+
+def test_serve_runs_an_embedded_redis_and_stops_on_ctrl_c(tiny_gpt2_dir, expected):
+    port = free_port()
+    serve = subprocess.Popen(roseinfer("serve", "--port", str(port), *engine_flags(tiny_gpt2_dir)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = [serve.stdout.readline() for _ in range(2)]
+        url = f"redis://127.0.0.1:{port}"
+        assert url in banner[0]
+        assert banner[1].split()[:2] == ["roseinfer", "submit"] and f"--redis-url {url}" in banner[1]
+        result = Client(url).generate(PROMPT, max_tokens=10, temperature=0, timeout=30)
+    finally:
+        code, _, log = stop(serve, signal.SIGINT)
+    assert code == 0, log
+    assert result.token_ids == expected.token_ids
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, "the embedded Redis outlived serve"

@@ -1,0 +1,35 @@
+"""The Node.js example client (examples/node) against a real Redis and a worker."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from roseinfer import SamplingParams
+
+NODE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "node")
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("node") is None, reason="node is not on PATH"),
+    pytest.mark.skipif(not os.path.isdir(os.path.join(NODE_DIR, "node_modules")),
+                       reason="examples/node/node_modules is missing: run `npm ci --prefix examples/node`"),
+]
+
+
+def node_client(redis_server, prefix, *args):
+    return subprocess.run(["node", "client.mjs", *args, "--redis-url", redis_server.url, "--prefix", prefix],
+                          cwd=NODE_DIR, capture_output=True, text=True, timeout=60)
+
+
+def test_node_client_streams_the_greedy_text(tiny_llm, start_worker, redis_server, prefix):
+    worker = start_worker(tiny_llm.engine)
+    done = node_client(redis_server, prefix, "The capital of France is", "--max-tokens", "12",
+                       "--temperature", "0")
+    refused = node_client(redis_server, prefix, "word " * 300)
+    worker.stop()
+    (expected,) = tiny_llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected.text + "\n"
+    assert done.stderr == (f"[{expected.finish_reason}: 5 prompt + {len(expected.token_ids)} "
+                           "generated tokens]\n")
+    assert refused.returncode == 1 and refused.stderr.startswith("error (too_long): prompt:")

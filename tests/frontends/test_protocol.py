@@ -1,0 +1,122 @@
+"""Codec and validation of protocol v1, against the field lists of DESIGN.md section 4."""
+import msgpack
+import pytest
+
+from roseinfer.core.errors import InvalidRequestError
+from roseinfer.frontends.redis_streams.protocol import (
+    Chunk, Keys, decode_chunk, decode_request, encode_chunk, encode_request, reply_rid)
+
+
+def as_redis(fields: dict) -> dict:
+    """Fields as redis-py returns them: bytes keys and values."""
+    return {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()}
+
+
+def entry(body=None, **fields) -> dict:
+    if body is not None:
+        fields["body"] = body if isinstance(body, bytes) else msgpack.packb(body)
+    return as_redis({"v": "1", **fields})
+
+
+def test_key_names():
+    keys = Keys("p")
+    assert (keys.requests, keys.cancel, keys.dead) == ("p:requests", "p:cancel", "p:dead")
+    assert keys.out("abc") == "p:out:{abc}"
+    assert Keys().requests == "roseinfer:requests"
+
+
+def test_body_round_trip_and_defaults():
+    fields = as_redis(encode_request("Hi", rid="r-1", max_tokens=5, temperature=0, stop=["."],
+                                     stream_interval=2))
+    req = decode_request("1-0", fields)
+    assert (req.rid, req.prompt, req.stream_interval) == ("r-1", "Hi", 2)
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.stop, p.top_p, p.top_k, p.seed) == (5, 0, ["."], 1.0, 0, None)
+    default = decode_request("1-0", entry({"prompt_token_ids": [1, 2]}))
+    assert (default.rid, default.prompt, default.params.max_tokens, default.params.temperature) == \
+        ("1-0", [1, 2], 16, 1.0)
+
+
+def test_unknown_keys_are_ignored():
+    req = decode_request("1-0", entry({"prompt": "x", "future_knob": {"a": 1}}))
+    assert req.prompt == "x"
+
+
+def test_shell_form():
+    fields = as_redis({"prompt": "Hello", "max_tokens": "20", "temperature": "0.5", "stop": "\n",
+                       "ignore_eos": "true", "stop_token_ids": "1,2", "seed": "7"})
+    req = decode_request("5-1", fields)
+    p = req.params
+    assert (req.rid, req.prompt, p.max_tokens, p.temperature, p.stop, p.ignore_eos, p.stop_token_ids,
+            p.seed) == ("5-1", "Hello", 20, 0.5, ["\n"], True, [1, 2], 7)
+    assert decode_request("5-1", as_redis({"prompt_token_ids": "3 4 5"})).prompt == [3, 4, 5]
+
+
+BAD = [
+    (entry(b"\xc1"), "body"),                                  # undecodable msgpack
+    (entry(b"\x92\x01"), "body"),                              # truncated msgpack
+    (entry([1, 2]), "body"),                                   # not a map
+    (as_redis({"v": "2", "prompt": "x"}), "v"),
+    (entry({"prompt": "x"}, rid="bad rid!"), "rid"),
+    (entry({"prompt": "x"}, rid="r" * 129), "rid"),
+    (entry({"max_tokens": 3}), "prompt"),                      # missing prompt
+    (entry({"prompt": "x", "prompt_token_ids": [1]}), "prompt"),
+    (entry({"prompt": 5}), "prompt"),
+    (entry({"prompt_token_ids": "1 2"}), "prompt_token_ids"),
+    (entry({"prompt_token_ids": [1, "2"]}), "prompt_token_ids"),
+    (entry({"prompt_token_ids": [1, True]}), "prompt_token_ids"),
+    (entry({"prompt": "x", "max_tokens": 0}), "max_tokens"),
+    (entry({"prompt": "x", "max_tokens": "5"}), "max_tokens"),
+    (entry({"prompt": "x", "max_tokens": 2.5}), "max_tokens"),
+    (entry({"prompt": "x", "temperature": -1}), "temperature"),
+    (entry({"prompt": "x", "temperature": "hot"}), "temperature"),
+    (entry({"prompt": "x", "top_p": 0}), "top_p"),
+    (entry({"prompt": "x", "top_k": -1}), "top_k"),
+    (entry({"prompt": "x", "min_p": 2}), "min_p"),
+    (entry({"prompt": "x", "seed": 1.5}), "seed"),
+    (entry({"prompt": "x", "stop": 5}), "stop"),
+    (entry({"prompt": "x", "stop": [""]}), "stop"),
+    (entry({"prompt": "x", "stop_token_ids": 5}), "stop_token_ids"),
+    (entry({"prompt": "x", "stop_token_ids": [-1]}), "stop_token_ids"),
+    (entry({"prompt": "x", "ignore_eos": "yes"}), "ignore_eos"),
+    (entry({"prompt": "x", "stream_interval": 0}), "stream_interval"),
+    (entry({"prompt": "x", "stream_interval": None}), "stream_interval"),
+    (as_redis({"prompt": "x", "max_tokens": "abc"}), "max_tokens"),
+    (as_redis({"prompt": "x", "ignore_eos": "maybe"}), "ignore_eos"),
+    (as_redis({"prompt_token_ids": "1,x"}), "prompt_token_ids"),
+    ({b"prompt": b"\xff\xfe"}, "prompt"),                      # not UTF-8
+]
+
+
+@pytest.mark.parametrize("fields,field", BAD, ids=[f"{i}-{f}" for i, (_, f) in enumerate(BAD)])
+def test_bad_entries_name_the_field(fields, field):
+    with pytest.raises(InvalidRequestError) as e:
+        decode_request("1-0", fields)
+    assert e.value.field == field and e.value.code == "bad_request"
+    assert str(e.value).startswith(f"{field}: ")
+
+
+def test_reply_rid_falls_back_to_the_entry_id():
+    assert reply_rid("9-0", as_redis({"rid": "mine"})) == "mine"
+    assert reply_rid("9-0", as_redis({"rid": "not valid"})) == "9-0"
+    assert reply_rid("9-0", {b"rid": b"\xff"}) == "9-0"
+    assert reply_rid("9-0", {}) == "9-0"
+
+
+def test_client_side_checks():
+    with pytest.raises(TypeError, match="max_token"):
+        encode_request("x", max_token=3)
+    with pytest.raises(ValueError, match="rid"):
+        encode_request("x", rid="has space")
+    body = msgpack.unpackb(encode_request([1, 2], seed=None)["body"])
+    assert body == {"prompt_token_ids": [1, 2]}  # None means "the worker's default"
+
+
+def test_chunk_bodies():
+    mid = encode_chunk(Chunk("r", 1, [5, 6], "ab"))
+    assert mid["v"] == "1"
+    assert msgpack.unpackb(mid["body"]) == {"rid": "r", "seq": 1, "token_ids": [5, 6], "text": "ab",
+                                            "finish_reason": None}
+    final = Chunk("r", 2, [], "", "error", {"prompt_tokens": 0, "completion_tokens": 0},
+                  {"code": "bad_request", "message": "m"})
+    assert decode_chunk(as_redis(encode_chunk(final))) == final

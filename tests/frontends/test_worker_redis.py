@@ -1,0 +1,139 @@
+"""The worker against a real redis-server: the real engine on a tiny random GPT-2, checked
+against LLM.generate, plus blocking behaviour that fakeredis cannot show."""
+import asyncio
+import random
+import time
+
+import msgpack
+
+from roseinfer import SamplingParams
+from roseinfer.frontends.redis_streams.client import AsyncClient, Client
+from roseinfer.frontends.redis_streams.protocol import Keys, decode_chunk
+
+WORDS = "the a red fox jumps over lazy dog in Paris capital of France is what".split()
+
+
+def raw_chunks(redis, prefix, rid):
+    """Every chunk on the reply stream, duplicates included: what the client de-duplicates."""
+    return [decode_chunk(f) for _, f in redis.xrange(Keys(prefix).out(rid))]
+
+
+def assert_well_formed(chunks):
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].usage["completion_tokens"] == sum(len(c.token_ids) for c in chunks)
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def mixed_requests(n, rng):
+    reqs = []
+    for i in range(n):
+        prompt = " ".join(rng.choices(WORDS, k=rng.randint(1, 30)))
+        params = {"max_tokens": rng.randint(1, 40), "stream_interval": rng.choice([1, 1, 3, 7])}
+        if i % 3:
+            params["temperature"] = 0
+        else:
+            params.update(temperature=0.8, top_p=0.9, top_k=rng.choice([0, 20]), seed=i)
+        if i % 5 == 0:
+            prompt = [rng.randrange(50257) for _ in range(rng.randint(1, 20))]
+        reqs.append((prompt, params))
+    return reqs
+
+
+def test_concurrent_mixed_requests_match_llm_generate(tiny_llm, start_worker, real_redis, prefix, redis_server):
+    reqs = mixed_requests(24, random.Random(0))
+    worker = start_worker(tiny_llm.engine)
+
+    async def run_all():
+        async with AsyncClient(redis_server.url, prefix) as client:
+            return await asyncio.gather(*(client.generate(p, timeout=30, **kw) for p, kw in reqs))
+
+    results = asyncio.run(run_all())
+    worker.stop()
+    for result, (prompt, params) in zip(results, reqs):
+        assert_well_formed(raw_chunks(real_redis, prefix, result.rid))
+        assert result.finish_reason in ("length", "stop")
+        assert len(result.token_ids) == params["max_tokens"] or result.finish_reason == "stop"
+    greedy = [(r, p, kw) for r, (p, kw) in zip(results, reqs) if kw.get("temperature") == 0]
+    expected = tiny_llm.generate([p for _, p, _ in greedy],
+                                 [SamplingParams(max_tokens=kw["max_tokens"], temperature=0)
+                                  for _, _, kw in greedy])
+    for (result, _, _), ref in zip(greedy, expected):
+        assert (result.token_ids, result.text, result.finish_reason) == \
+            (ref.token_ids, ref.text, ref.finish_reason)
+        assert result.usage == {"prompt_tokens": len(ref.prompt_token_ids),
+                                "completion_tokens": len(ref.token_ids)}
+
+
+def test_cancel_mid_generation_aborts_and_frees_the_slot(tiny_llm, start_worker, real_redis, prefix, redis_server):
+    start_worker(tiny_llm.engine)
+    client = Client(redis_server.url, prefix)
+    rid = client.submit("Once upon a time", max_tokens=240, ignore_eos=True, temperature=0)
+    chunks = []
+    for chunk in client.stream(rid, timeout=30):
+        chunks.append(chunk)
+        if chunk.seq == 2:
+            client.cancel(rid)
+    assert chunks[-1].finish_reason == "abort"
+    assert 3 <= chunks[-1].usage["completion_tokens"] < 240
+    assert_well_formed(raw_chunks(real_redis, prefix, rid))
+    wait_until(lambda: real_redis.xpending(Keys(prefix).requests, "workers")["pending"] == 0)
+    assert tiny_llm.engine.num_unfinished() == 0
+    assert client.generate("after", max_tokens=3, timeout=30).finish_reason == "length"
+
+
+def test_flood_of_malformed_entries_leaves_valid_requests_complete(tiny_llm, start_worker, real_redis, prefix, redis_server):
+    keys, client = Keys(prefix), Client(redis_server.url, prefix)
+    bad_bodies = [b"\xc1", b"\x92\x01", msgpack.packb([1]), msgpack.packb({"max_tokens": 3}),
+                  msgpack.packb({"prompt": "x", "prompt_token_ids": [1]}),
+                  msgpack.packb({"prompt_token_ids": [1, 99999]}),
+                  msgpack.packb({"prompt": "x", "temperature": "hot"}),
+                  msgpack.packb({"prompt": "x", "stop": 7}),
+                  msgpack.packb({"prompt": "word " * 300}),  # longer than the model's context
+                  msgpack.packb({"prompt": ""})]
+    good, bad = [], []
+    for i in range(40):
+        body = bad_bodies[i % len(bad_bodies)]
+        bad.append(real_redis.xadd(keys.requests, {"v": "1", "body": body}).decode())
+        if i % 4 == 0:
+            good.append(client.submit(f"request {i}", max_tokens=5, temperature=0))
+    bad.append(real_redis.xadd(keys.requests, {"v": "9", "prompt": "x"}).decode())
+    bad.append(real_redis.xadd(keys.requests, {"prompt": "x", "max_tokens": "lots"}).decode())
+    worker = start_worker(tiny_llm.engine)
+    for rid in good:
+        assert [c.finish_reason for c in client.stream(rid, timeout=30)][-1] == "length"
+    for rid in bad:
+        (err,) = list(client.stream(rid, timeout=30))
+        assert err.finish_reason == "error" and err.error["code"] in ("bad_request", "too_long")
+    assert worker.alive()
+    wait_until(lambda: real_redis.xpending(keys.requests, "workers")["pending"] == 0)
+    assert client.generate("still alive", max_tokens=2, timeout=30).finish_reason == "length"
+
+
+def test_idle_worker_blocks_instead_of_spinning(fake_engine, start_worker, real_redis, prefix, redis_server):
+    start_worker(fake_engine, block_ms=2000)
+    time.sleep(0.3)
+    real_redis.config_resetstat()
+    time.sleep(1.0)
+    calls = real_redis.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0)
+    assert calls <= 2  # one blocking read per block_ms, not a busy loop
+    # ...and a blocked worker wakes up as soon as a request arrives
+    started = time.monotonic()
+    assert Client(redis_server.url, prefix).generate("a", max_tokens=2, timeout=5).text
+    assert time.monotonic() - started < 1.0
+
+
+def test_worker_survives_a_flush(fake_engine, start_worker, real_redis, prefix, redis_server):
+    worker = start_worker(fake_engine)
+    client = Client(redis_server.url, prefix)
+    assert client.generate("a", max_tokens=2, timeout=5).finish_reason == "length"
+    real_redis.delete(Keys(prefix).requests)  # the group goes with the stream
+    time.sleep(0.3)
+    assert client.generate("a", max_tokens=2, timeout=5).finish_reason == "length"
+    assert worker.alive()
