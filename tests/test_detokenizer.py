@@ -1,7 +1,9 @@
 """Incremental detokenization against the tokenizer's own full decode."""
+from types import SimpleNamespace
+
 import pytest
 
-from roseinfer.core.detokenizer import IncrementalDetokenizer
+from roseinfer.core.detokenizer import BatchDecoder, IncrementalDetokenizer
 from roseinfer.models.loader import CACHE_DIR
 from roseinfer.models.tokenizers import gpt2_tokenizer
 
@@ -14,12 +16,12 @@ def tok():
 def stream(tok, prompt, text, stop=()):
     """Feed ``text``'s ids one at a time; returns the released pieces and the detokenizer."""
     ids = tok.encode(prompt)
-    n = len(ids)
-    detok = IncrementalDetokenizer(tok, ids, n, list(stop))
+    seq = SimpleNamespace(detok=IncrementalDetokenizer(ids, len(ids), list(stop)))
+    detok, decoder = seq.detok, BatchDecoder(tok)
     pieces = []
     for t in tok.encode(text):
         ids.append(t)
-        hit = detok.step()
+        hit = decoder.step([seq], [False])[0]
         pieces.append(detok.release(final=hit))
         if hit:
             break

@@ -37,6 +37,7 @@ class BlockManager:
         self.copy_block = copy_block
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self.on_free_seq: Callable[[object], None] = lambda seq: None
 
     @property
     def num_free(self) -> int:
@@ -70,26 +71,27 @@ class BlockManager:
 
     def reserve(self, seq, num_new_tokens: int) -> bool:
         """Make room for the next ``num_new_tokens`` KV rows; False if blocks ran out."""
-        need = self.blocks_needed(seq.num_computed + num_new_tokens) - len(seq.block_table)
+        table, bs = seq.block_table, self.block_size
+        need = -(-(seq.num_computed + num_new_tokens) // bs) - len(table)
         if need > len(self.free):
             return False
-        if seq.num_computed % self.block_size and not self._own_last_block(seq, need):
+        if (seq.num_computed % bs and self.store.ref(table[-1]) > 1
+                and not self._copy_last_block(seq, need)):
             return False
         for _ in range(need):
-            seq.block_table.append(self._allocate())
+            table.append(self._allocate())
         return True
 
-    def _own_last_block(self, seq, need: int) -> bool:
+    def _copy_last_block(self, seq, need: int) -> bool:
         """Copy-on-write: a partial block shared with another sequence is copied first."""
         last = seq.block_table[-1]
-        if self.store.ref(last) == 1:
-            return True
         if need + 1 > len(self.free):
             return False
         fresh = self._allocate()
         self.copy_block(last, fresh)
         self._release(last)
         seq.block_table[-1] = fresh
+        seq.synced = min(seq.synced, len(seq.block_table) - 1)
         return True
 
     def commit(self, seq) -> None:
@@ -121,6 +123,7 @@ class BlockManager:
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed = 0
+        self.on_free_seq(seq)
 
     def _take(self, b: int) -> None:
         n = self.store.ref(b)

@@ -48,9 +48,9 @@ class DecodeGraphs:
         start = time.perf_counter()
         r = self.runner
         for size in reversed(self.sizes):  # largest first: later graphs reuse its pool
-            host = r.stager.host_views(size, size, r.max_blocks)
-            _dummy_decode(host, r.kv_cache.scratch_block)
-            inp = r.stager.to_device(host)
+            host = r.stager.host_views(size, size)
+            _dummy_decode(host, r.kv_cache.scratch_block, r.rows.pad_row)
+            inp = r.to_device(host)
             ctx = r.context(inp, 1, r.max_model_len)
             for name in sorted(self._variants(ctx)):
                 self._capture_one(size, name, ctx, inp)
@@ -78,7 +78,7 @@ class DecodeGraphs:
         shared = bool((host.offsets[:n_seq] == host.offsets[0]).all())
         if shared:  # padding rows (scratch block) follow the real rows' offset
             host.offsets[n_seq:] = host.offsets[0]
-        inp = r.stager.to_device(host)
+        inp = r.to_device(host)
         slots = SlotBatch(inp.block_idx, inp.offsets, shared_offset=inp.offsets[:1] if shared else None)
         name = r.kv_cache.select(slots)
         r.kv_cache.steps_by_backend[name] += 1
@@ -86,7 +86,7 @@ class DecodeGraphs:
         return self.logits[size, name], inp
 
 
-def _dummy_decode(host: PackedInputs, scratch_block: int) -> None:
+def _dummy_decode(host: PackedInputs, scratch_block: int, pad_row: int) -> None:
     host.input_ids[:] = 0
     host.src_rows[:] = -1
     host.positions[:] = 0
@@ -94,4 +94,5 @@ def _dummy_decode(host: PackedInputs, scratch_block: int) -> None:
     host.offsets[:] = 0
     host.context_lens[:] = 1
     host.query_start[:] = range(host.n_seq + 1)
-    host.block_tables[:] = scratch_block
+    host.sample_idx[:] = range(host.n_seq)
+    host.seq_rows[:] = pad_row

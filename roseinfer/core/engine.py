@@ -10,7 +10,7 @@ import torch
 
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
-from roseinfer.core.detokenizer import IncrementalDetokenizer
+from roseinfer.core.detokenizer import BatchDecoder, IncrementalDetokenizer
 from roseinfer.core.errors import ConfigError, InvalidRequestError
 from roseinfer.core.kv_cache import KVCache
 from roseinfer.core.outputs import RequestOutput
@@ -46,6 +46,7 @@ class Engine:
             model, tokenizer, self.dtype, self.device, seed=config.seed or 0)
         self.vocab_size = self.hf_config.vocab_size
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
+        self.decoder = BatchDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.kv_cache = self._build_kv_cache()
         num_blocks = self.kv_cache.scratch_block
         store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
@@ -58,6 +59,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, attention, self.device,
                                   config.max_num_seqs, config.max_num_batched_tokens,
                                   self.max_model_len, config.cuda_graphs)
+        self.blocks.on_free_seq = self.runner.rows.release
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._in_flight = None
@@ -117,8 +119,7 @@ class Engine:
         seq.token_ids += emitted
         seq.num_emitted = len(emitted)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.num_tokens,
-                                               params.stop)
+            seq.detok = IncrementalDetokenizer(seq.token_ids, seq.num_tokens, params.stop)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -181,28 +182,36 @@ class Engine:
         return outputs
 
     def _collect(self, launched) -> list[RequestOutput]:
-        outputs = []
+        live = []
         seqs = launched.batch.seqs
+        eos = self.eos_ids
         for row, token in zip(launched.rows, launched.result()):
             seq = seqs[row]
             seq.pending -= 1
-            if not seq.finished:
-                outputs.append(self._append_token(seq, token))
-        return outputs
+            if seq.status is Status.FINISHED:
+                continue  # finished while this step was in flight: drop its token
+            seq.token_ids.append(token)
+            live.append(seq)
+            p = seq.params
+            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
+                seq.finish_reason = "stop"  # the stop token itself is not detokenized
+            elif len(seq.token_ids) >= seq.max_len:
+                seq.finish_reason = "length"
+        if self.decoder is not None:
+            self._detokenize(live)
+        return [self._emit(seq) for seq in live]
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
-        seq.token_ids.append(token)
-        self.blocks.commit(seq)
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
-            seq.finish_reason = "stop"
-        elif seq.detok is not None and seq.detok.step():
-            seq.finish_reason = "stop"
-        elif seq.num_tokens >= seq.max_len:
-            seq.finish_reason = "length"
+    def _detokenize(self, seqs: list[Sequence]) -> None:
+        todo = [s for s in seqs if s.finish_reason != "stop"]
+        hits = self.decoder.step(todo, [s.finish_reason == "length" for s in todo])
+        for seq, hit in zip(todo, hits):
+            if hit:
+                seq.finish_reason = "stop"
+
+    def _emit(self, seq: Sequence) -> RequestOutput:
+        if self.blocks.prefix_cache:
+            self.blocks.commit(seq)
         if seq.finish_reason is not None:
-            if seq.finish_reason == "length" and seq.detok is not None:
-                seq.detok.step(final=True)
             self.scheduler.finish(seq)
             del self.seqs[seq.request_id]
         new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted:]

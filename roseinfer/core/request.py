@@ -18,7 +18,8 @@ class Status(enum.Enum):
 class Sequence:
     __slots__ = ("request_id", "params", "token_ids", "num_prompt_tokens", "num_computed",
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
-                 "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot")
+                 "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
+                 "row", "synced")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
@@ -40,6 +41,8 @@ class Sequence:
         # the next step reads it from row ``sample_slot`` of the sampled buffer.
         self.pending = 0
         self.sample_slot = -1
+        self.row = -1                  # device block-table row while it holds blocks
+        self.synced = 0                # entries of block_table already on the device
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,7 @@ from roseinfer.core.cuda_graphs import DecodeGraphs
 from roseinfer.core.kv_cache import KVCache, SlotBatch
 from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
-from roseinfer.core.step_inputs import InputStager, PackedInputs, fill
+from roseinfer.core.step_inputs import InputStager, PackedInputs, TableRows, fill, fixed_size
 
 
 @dataclass
@@ -44,8 +44,12 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // self.block_size)
         self.max_model_len = max_model_len
         tokens = max(max_num_batched_tokens, max_num_seqs)
-        self.stager = InputStager(6 * tokens + 2 * max_num_seqs + 1
-                                  + max_num_seqs * self.max_blocks, device)
+        # Updates: at most every entry of every table, when all sequences are new.
+        self.stager = InputStager(fixed_size(tokens, max_num_seqs)
+                                  + 2 * max_num_seqs * self.max_blocks, device)
+        self.rows = TableRows(max_num_seqs, self.max_blocks)
+        self.tables = torch.full((max_num_seqs + 1, self.max_blocks), kv_cache.scratch_block,
+                                 dtype=torch.int32, device=device)
         self.sampler = Sampler()
         self.sampled = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         # Two host landing buffers: step n's copy must not overwrite step n-1's ids.
@@ -61,12 +65,13 @@ class ModelRunner:
     def context(self, inp: PackedInputs, max_query_len: int, max_context_len: int) -> StepContext:
         offsets = inp.offsets
         slots = SlotBatch(inp.block_idx, offsets, shared_offset=offsets[:1])
-        attn = AttnMetadata(inp.block_tables, inp.context_lens, inp.query_start,
+        attn = AttnMetadata(None, inp.context_lens, inp.query_start,
                             max_query_len, max_context_len)
         return StepContext(self.kv_cache, self.attention, attn, slots)
 
     def forward(self, ctx: StepContext, inp: PackedInputs, logits_rows=None) -> torch.Tensor:
         """Model forward under ``ctx``; logits of ``logits_rows`` (all rows if None)."""
+        ctx.attn.block_tables = self.tables[inp.seq_rows]
         src = inp.src_rows
         ids = torch.where(src >= 0, self.sampled[src.clamp(min=0)], inp.input_ids)
         self.kv_cache.begin_step(ctx.slots)
@@ -84,11 +89,11 @@ class ModelRunner:
         seqs, num_tokens = batch.seqs, batch.num_tokens
         n_tok, n_seq = sum(num_tokens), len(seqs)
         graph = self.graphs.bucket(n_seq) if self.graphs and n_tok == n_seq else None
-        if graph is not None:
-            host = self.stager.host_views(graph, graph, self.max_blocks)
-        else:
-            host = self.stager.host_views(n_tok, n_seq, max(len(s.block_table) for s in seqs))
-        rows = fill(host, seqs, num_tokens, self.block_size, self.kv_cache.scratch_block)
+        host = self.stager.host_views(graph or n_tok, graph or n_seq)
+        rows, upd_idx, upd_val = fill(host, seqs, num_tokens, self.block_size, self.rows,
+                                      self.kv_cache.scratch_block)
+        if upd_idx:
+            host = self.stager.add_updates(host, upd_idx, upd_val)
         if graph is not None:
             logits, inp = self.graphs.replay(graph, host, n_seq)
             logits = logits[inp.sample_idx[:len(rows)]] if len(rows) < n_seq else logits[:n_seq]
@@ -114,9 +119,16 @@ class ModelRunner:
             done.record()
         return LaunchedStep(batch, rows, landing, done)
 
+    def to_device(self, host: PackedInputs) -> PackedInputs:
+        """Copy the packed inputs over and apply the block-table updates they carry."""
+        inp = self.stager.to_device(host)
+        if inp.n_upd:
+            self.tables.view(-1)[inp.table_idx.long()] = inp.table_val
+        return inp
+
     def _eager(self, host: PackedInputs, num_tokens, num_samples: int) -> torch.Tensor:
         shared = bool((host.offsets == host.offsets[0]).all())
-        inp = self.stager.to_device(host)
+        inp = self.to_device(host)
         ctx = self.context(inp, max(num_tokens), int(host.context_lens.max()))
         if not shared:
             ctx.slots.shared_offset = None

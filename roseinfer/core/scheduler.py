@@ -45,14 +45,16 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        running, reserve = self.running, self.blocks.reserve
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.num_scheduled_tokens >= seq.max_len:  # its last token is in flight
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            total = len(seq.token_ids) + seq.pending
+            if total >= seq.max_len:  # its last token is in flight
                 i += 1
                 continue
-            n = min(seq.num_scheduled_tokens - seq.num_computed, budget)
-            while not self.blocks.reserve(seq, n):
+            n = min(total - seq.num_computed, budget)
+            while not reserve(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 if victim is seq:

@@ -2,7 +2,10 @@
 
 Packing means one host-to-device copy per step (from pinned memory on CUDA)
 and, for CUDA graphs, fixed device addresses for every batch-size bucket:
-the layout depends only on (tokens, sequences, block-table width).
+the fixed part of the layout depends only on (tokens, sequences).
+
+Block tables live on the device, one row per running sequence; a step
+carries only the entries that changed since the sequence's last step.
 """
 from __future__ import annotations
 
@@ -14,17 +17,13 @@ import torch
 # src_rows[i] >= 0: token i is the one sampled into row src_rows[i] of the
 # device-side sampled buffer by the previous step, which the host has not seen.
 # sample_idx[k]: the token whose logits the k-th sampling sequence samples from.
+# seq_rows[s]: the device block-table row of sequence s.
 FIELDS = ("input_ids", "src_rows", "positions", "block_idx", "offsets", "context_lens",
-          "query_start", "sample_idx", "block_tables")
+          "query_start", "sample_idx", "seq_rows")
 
 
-def layout(n_tok: int, n_seq: int, width: int) -> dict[str, tuple[int, int]]:
-    sizes = (n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq * width)
-    spans, start = {}, 0
-    for name, size in zip(FIELDS, sizes):
-        spans[name] = (start, start + size)
-        start += size
-    return spans
+def fixed_size(n_tok: int, n_seq: int) -> int:
+    return 5 * n_tok + 3 * n_seq + 1
 
 
 @dataclass
@@ -33,8 +32,7 @@ class PackedInputs:
     fields: dict
     n_tok: int
     n_seq: int
-    width: int
-    total: int
+    n_upd: int = 0
 
     def __getattr__(self, name):
         try:
@@ -42,57 +40,96 @@ class PackedInputs:
         except KeyError:
             raise AttributeError(name) from None
 
-
-def views(buf, n_tok: int, n_seq: int, width: int) -> PackedInputs:
-    spans = layout(n_tok, n_seq, width)
-    fields = {name: buf[a:b] for name, (a, b) in spans.items()}
-    fields["block_tables"] = fields["block_tables"].reshape(n_seq, width)
-    return PackedInputs(fields, n_tok, n_seq, width, spans["block_tables"][1])
+    @property
+    def total(self) -> int:
+        return fixed_size(self.n_tok, self.n_seq) + 2 * self.n_upd
 
 
-def fill(host: PackedInputs, seqs, num_tokens, block_size: int, scratch_block: int) -> list[int]:
-    """Write the step's inputs (padding rows after the real ones point at the
-    scratch block); returns the rows whose chunk reaches the end of their sequence."""
-    ids, src, pos, ctx, qs, bt = (host.input_ids, host.src_rows, host.positions,
-                                  host.context_lens, host.query_start, host.block_tables)
-    bt.fill(scratch_block)
-    src.fill(-1)
-    sample_rows, t = [], 0
-    qs[0] = 0
+def views(buf, n_tok: int, n_seq: int, n_upd: int = 0) -> PackedInputs:
+    sizes = (n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq, n_upd, n_upd)
+    fields, start = {}, 0
+    for name, size in zip(FIELDS + ("table_idx", "table_val"), sizes):
+        fields[name] = buf[start:start + size]
+        start += size
+    return PackedInputs(fields, n_tok, n_seq, n_upd)
+
+
+class TableRows:
+    """Hands out device block-table rows; the last row is the padding row."""
+
+    def __init__(self, num_rows: int, width: int):
+        self.width = width
+        self.free = list(range(num_rows - 1, -1, -1))
+        self.pad_row = num_rows
+
+    def assign(self, seq) -> None:
+        seq.row = self.free.pop()
+        seq.synced = 0
+
+    def release(self, seq) -> None:
+        if seq.row >= 0:
+            self.free.append(seq.row)
+            seq.row = -1
+
+
+def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
+         scratch_block: int) -> tuple[list[int], list[int], list[int]]:
+    """Write the step's inputs; padding rows after the real ones write to the
+    scratch block. Returns (rows that sample, table entry indices, values).
+
+    The loop only appends to Python lists (cheap); numpy takes them in bulk.
+    """
+    ids, src, pos, bidx, ctx, seq_rows, sample_rows = [], [], [], [], [], [], []
+    upd_idx, upd_val = [], []
     for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+        if seq.row < 0:
+            rows.assign(seq)
+        table = seq.block_table
+        if seq.synced < len(table):
+            base = seq.row * rows.width
+            upd_idx += range(base + seq.synced, base + len(table))
+            upd_val += table[seq.synced:]
+            seq.synced = len(table)
         start = seq.num_computed
         end = start + n
         if n == 1:
-            if seq.pending:
-                src[t] = seq.sample_slot
-            else:
-                ids[t] = seq.token_ids[start]
-            pos[t] = start
+            # a token still in flight is read on the device from the sampled buffer
+            pending = seq.pending
+            ids.append(0 if pending else seq.token_ids[start])
+            src.append(seq.sample_slot if pending else -1)
+            pos.append(start)
+            bidx.append(table[start // block_size])
         else:
-            ids[t:t + n] = seq.token_ids[start:end]
-            pos[t:t + n] = np.arange(start, end)
-        table = seq.block_table
-        bt[i, :len(table)] = table
-        t += n
-        qs[i + 1] = t
-        ctx[i] = end
-        if end == seq.num_scheduled_tokens:
-            host.sample_idx[len(sample_rows)] = t - 1
+            ids += seq.token_ids[start:end]
+            src += [-1] * n
+            pos += range(start, end)
+            bidx += [table[p // block_size] for p in range(start, end)]
+        ctx.append(end)
+        seq_rows.append(seq.row)
+        if end == len(seq.token_ids) + seq.pending:
             sample_rows.append(i)
-    _pad(host, t, len(seqs))
-    seq_of_token = np.repeat(np.arange(host.n_seq), np.diff(qs))
-    host.block_idx[:] = bt[seq_of_token, pos // block_size]
-    np.remainder(pos, block_size, out=host.offsets)
-    return sample_rows
+    t, s = len(ids), len(seqs)
+    f = host.fields
+    f["input_ids"][:t], f["src_rows"][:t], f["positions"][:t] = ids, src, pos
+    f["block_idx"][:t], f["context_lens"][:s], f["seq_rows"][:s] = bidx, ctx, seq_rows
+    qs = f["query_start"]
+    qs[0] = 0
+    np.cumsum(num_tokens, out=qs[1:s + 1])
+    f["sample_idx"][:len(sample_rows)] = qs[1:][sample_rows] - 1
+    _pad(host, t, s, rows.pad_row, scratch_block)
+    np.remainder(f["positions"], block_size, out=f["offsets"])
+    return sample_rows, upd_idx, upd_val
 
 
-def _pad(host: PackedInputs, t: int, s: int) -> None:
+def _pad(host: PackedInputs, t: int, s: int, pad_row: int, scratch_block: int) -> None:
     """Padding: one token per padded sequence, at position 0 of the scratch block."""
     host.input_ids[t:] = 0
     host.src_rows[t:] = -1
     host.positions[t:] = 0
+    host.block_idx[t:] = scratch_block
     host.context_lens[s:] = 1
     host.query_start[s + 1:] = t + 1 + np.arange(host.n_seq - s)
+    host.seq_rows[s:] = pad_row
 
 
 class InputStager:
@@ -110,13 +147,20 @@ class InputStager:
         self.dev = torch.zeros(capacity, dtype=torch.int32, device=device) if pin else None
         self.turn = 0
 
-    def host_views(self, n_tok, n_seq, width) -> PackedInputs:
+    def host_views(self, n_tok, n_seq) -> PackedInputs:
         self.turn = (self.turn + 1) % len(self.host_t)
-        return views(self.host_t[self.turn].numpy(), n_tok, n_seq, width)
+        return views(self.host_t[self.turn].numpy(), n_tok, n_seq)
+
+    def add_updates(self, host: PackedInputs, idx: list[int], val: list[int]) -> PackedInputs:
+        """Append block-table updates after the fixed fields."""
+        host = views(self.host_t[self.turn].numpy(), host.n_tok, host.n_seq, len(idx))
+        host.table_idx[:] = idx
+        host.table_val[:] = val
+        return host
 
     def to_device(self, host: PackedInputs) -> PackedInputs:
         src = self.host_t[self.turn]
         if self.dev is None:
-            return views(src, host.n_tok, host.n_seq, host.width)
+            return views(src, host.n_tok, host.n_seq, host.n_upd)
         self.dev[:host.total].copy_(src[:host.total], non_blocking=True)
-        return views(self.dev, host.n_tok, host.n_seq, host.width)
+        return views(self.dev, host.n_tok, host.n_seq, host.n_upd)

@@ -7,9 +7,10 @@ from roseinfer.core.hookspecs import hookimpl
 
 def gather_context(cache, block_tables, max_context_len):
     """[blocks, H_kv, bs, D] through [S, MB] tables -> [S, H_kv, max_ctx, D]."""
-    s, mb = block_tables.shape
     _, h, bs, d = cache.shape
-    x = cache[block_tables.long()]                      # [S, MB, H_kv, bs, D]
+    mb = -(-max_context_len // bs)  # tables may be wider than the longest context
+    s = block_tables.shape[0]
+    x = cache[block_tables[:, :mb].long()]              # [S, MB, H_kv, bs, D]
     x = x.permute(0, 2, 1, 3, 4).reshape(s, h, mb * bs, d)
     return x[:, :, :max_context_len]
 
