@@ -181,3 +181,18 @@ def test_resumed_text_continues_the_stream():
     while eng.has_unfinished():
         rest += "".join(o.new_text for o in eng.step())
     assert tok.decode(whole.token_ids[:5]) + rest == whole.text
+
+
+def test_packed_inputs_do_not_overlap():
+    import numpy as np
+
+    from roseinfer.core.step_inputs import views
+
+    buf = np.full(200, -7, dtype=np.int32)
+    host = views(buf, 6, 4, 3)
+    for i, name in enumerate(sorted(host.fields)):
+        host.fields[name][:] = i
+    used = buf[:host.total]
+    assert (buf[host.total:] == -7).all()
+    assert sorted(np.unique(used).tolist()) == list(range(len(host.fields)))
+    assert sum(len(v) for v in host.fields.values()) == host.total

@@ -22,8 +22,13 @@ FIELDS = ("input_ids", "src_rows", "positions", "block_idx", "offsets", "context
           "query_start", "sample_idx", "seq_rows")
 
 
+def _sizes(n_tok: int, n_seq: int, n_upd: int) -> tuple[int, ...]:
+    """Lengths of FIELDS, then of the block-table updates (indices, values)."""
+    return (n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq, n_upd, n_upd)
+
+
 def fixed_size(n_tok: int, n_seq: int) -> int:
-    return 5 * n_tok + 3 * n_seq + 1
+    return sum(_sizes(n_tok, n_seq, 0))
 
 
 @dataclass
@@ -46,9 +51,8 @@ class PackedInputs:
 
 
 def views(buf, n_tok: int, n_seq: int, n_upd: int = 0) -> PackedInputs:
-    sizes = (n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq, n_upd, n_upd)
     fields, start = {}, 0
-    for name, size in zip(FIELDS + ("table_idx", "table_val"), sizes):
+    for name, size in zip(FIELDS + ("table_idx", "table_val"), _sizes(n_tok, n_seq, n_upd)):
         fields[name] = buf[start:start + size]
         start += size
     return PackedInputs(fields, n_tok, n_seq, n_upd)

@@ -8,6 +8,18 @@ from torch import nn
 from roseinfer.models.layers import LogitsHead, PagedAttention
 
 
+def linear_gelu_tanh(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """GELU (tanh approximation, GPT-2's gelu_new) of a linear layer.
+
+    On CUDA the activation runs in the GEMM epilogue (cuBLASLt GELU_BIAS, which
+    is the tanh form): one kernel instead of two. The CPU version of that op
+    uses the erf form, so the CPU keeps the two-step path.
+    """
+    if x.is_cuda and x.dim() == 2:
+        return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
+    return F.gelu(linear(x), approximate="tanh")
+
+
 class GPT2Block(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -24,7 +36,7 @@ class GPT2Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.c_attn(self.ln_1(x)).chunk(3, dim=-1)
         x = x + self.attn_proj(self.attn(q, k, v))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+        return x + self.mlp_proj(linear_gelu_tanh(self.ln_2(x), self.c_fc))
 
 
 class GPT2ForCausalLM(nn.Module):
