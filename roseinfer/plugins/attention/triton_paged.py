@@ -20,31 +20,11 @@ from __future__ import annotations  # kernel annotations stay strings without tr
 
 import functools
 import math
-import os
 
 import torch
 
 from roseinfer.core.hookspecs import hookimpl
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the backend is simply not registered
-    triton = tl = None
-
-BLOCK_N = 32          # keys per tile
-MIN_SPLIT_LEN = 256   # fewer keys per split cost more in merging than they win
-MAX_SPLITS = 16
-
-
-def triton_usable(device: torch.device) -> bool:
-    """Compiled on CUDA; on CPU only through the interpreter (tests)."""
-    return triton is not None and (
-        device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def _kernel(fn):
-    return triton.jit(fn) if triton is not None else fn
+from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_usable
 
 
 @_kernel
@@ -177,7 +157,7 @@ def num_splits(attn, num_kv_heads: int, num_sms: int) -> int:
 
 class TritonPagedAttention:
     def supports(self, device) -> bool:
-        return triton_usable(torch.device(device))
+        return triton_usable(device)
 
     def forward(self, q, k_cache, v_cache, attn, scale):
         n, num_heads, head_dim = q.shape

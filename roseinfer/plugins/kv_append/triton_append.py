@@ -11,27 +11,11 @@ One program per new token writes every KV head of K and V. No host syncs.
 from __future__ import annotations  # kernel annotations stay strings without triton
 
 import functools
-import os
 
 import torch
 
 from roseinfer.core.hookspecs import hookimpl
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: the backends are simply not registered
-    triton = tl = None
-
-
-def triton_usable(device: torch.device) -> bool:
-    """Compiled on CUDA; on CPU only through the interpreter (tests)."""
-    return triton is not None and (
-        device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def _kernel(fn):
-    return triton.jit(fn) if triton is not None else fn
+from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_usable
 
 
 @_kernel
@@ -76,7 +60,7 @@ class TritonAppend:
         self.variant = variant
 
     def supports(self, slots, device) -> bool:
-        if not triton_usable(torch.device(device)):
+        if not triton_usable(device):
             return False
         if self.variant == "generic":
             return True

@@ -1,0 +1,23 @@
+"""Optional Triton: kernels are defined either way; they run compiled on CUDA
+and, on the CPU, only through Triton's interpreter (TRITON_INTERPRET=1, tests)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: Triton plugins register nothing
+    triton = tl = None
+
+
+def triton_usable(device) -> bool:
+    return triton is not None and (
+        torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def kernel(fn):
+    """``triton.jit`` when Triton is installed; the plain function otherwise."""
+    return triton.jit(fn) if triton is not None else fn
