@@ -26,6 +26,10 @@ import torch
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_usable
 
+BLOCK_N = 32          # keys per tile
+MIN_SPLIT_LEN = 256   # fewer keys per split cost more in merging than they win
+MAX_SPLITS = 16
+
 
 @_kernel
 def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
