@@ -5,7 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roseinfer.models.fused import add_layer_norm
 from roseinfer.models.layers import LogitsHead, PagedAttention
+
+
+def layer_norm(ln: nn.LayerNorm, x, residual):
+    """(ln(x + residual), x + residual) in one kernel on CUDA."""
+    return add_layer_norm(x, residual, ln.weight, ln.bias, ln.eps)
 
 
 def linear_gelu_tanh(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -33,10 +39,13 @@ class GPT2Block(nn.Module):
         self.mlp_proj = nn.Linear(inner, e)
         self.attn = PagedAttention(layer_idx, h, h, e // h, (e // h) ** -0.5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.c_attn(self.ln_1(x)).chunk(3, dim=-1)
-        x = x + self.attn_proj(self.attn(q, k, v))
-        return x + self.mlp_proj(linear_gelu_tanh(self.ln_2(x), self.c_fc))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """Returns (this block's output, the residual stream before it is added):
+        the next norm adds the two in one fused kernel."""
+        h, residual = layer_norm(self.ln_1, x, residual)
+        q, k, v = self.c_attn(h).chunk(3, dim=-1)
+        h, residual = layer_norm(self.ln_2, self.attn_proj(self.attn(q, k, v)), residual)
+        return self.mlp_proj(linear_gelu_tanh(h, self.c_fc)), residual
 
 
 class GPT2ForCausalLM(nn.Module):
@@ -52,10 +61,10 @@ class GPT2ForCausalLM(nn.Module):
         self.head.bind(self.wte.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)
+        x, residual = self.wte(input_ids) + self.wpe(positions), None
         for block in self.h:
-            x = block(x)
-        return self.ln_f(x)
+            x, residual = block(x, residual)
+        return layer_norm(self.ln_f, x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.attention import get_context
+from roseinfer.models.fused import apply_rope
 
 
 class PagedAttention(nn.Module):
@@ -49,16 +50,8 @@ class RotaryEmbedding(nn.Module):
         self.sin = (freqs.sin() * scaling).to(device)
 
     def forward(self, positions, q, k, num_heads, num_kv_heads):
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return (_rotate(q.view(q.shape[0], num_heads, -1), cos, sin).flatten(1),
-                _rotate(k.view(k.shape[0], num_kv_heads, -1), cos, sin).flatten(1))
-
-
-def _rotate(x, cos, sin):
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        """Rotates q and k in place (they may be column slices of a fused qkv)."""
+        return apply_rope(q, k, positions, self.cos, self.sin, num_heads, num_kv_heads)
 
 
 class LogitsHead(nn.Module):

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from roseinfer.models.fused import add_rms_norm, silu_and_mul
 from roseinfer.models.layers import LogitsHead, PagedAttention, RotaryEmbedding
 
 
@@ -28,8 +28,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(norm(x + residual), x + residual) in one kernel on CUDA."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaLayer(nn.Module):
@@ -49,13 +50,14 @@ class LlamaLayer(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(layer_idx, h, hkv, d, d ** -0.5)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q, k, self.h, self.hkv)
-        x = x + self.o_proj(self.attn(q, k, v))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
+        """Returns (this layer's output, the residual stream before it is added):
+        the next norm adds the two in one fused kernel."""
+        h, residual = self.input_layernorm(x, residual)
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary(positions, q, k, self.h, self.hkv)  # in place, inside qkv
+        h, residual = self.post_attention_layernorm(self.o_proj(self.attn(q, k, v)), residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -75,10 +77,10 @@ class LlamaForCausalLM(nn.Module):
         self.head.bind(self.embed_tokens.weight if self.tied else self.lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)

@@ -13,7 +13,7 @@ import redis
 import redis.asyncio
 
 from roseinfer.frontends.redis_streams.protocol import (
-    DEFAULT_PREFIX, Chunk, Keys, Prompt, decode_chunk, encode_request)
+    DEFAULT_PREFIX, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request)
 
 DEFAULT_URL = "redis://127.0.0.1:6379"
 CANCEL_MAXLEN = 10_000  # cancels matter for seconds; the cap keeps the stream small
@@ -49,9 +49,12 @@ class _ReplyReader:
         self.prefix = keys.prefix
         self.timeout = timeout
         self.last_id = "0-0"
-        self.next_seq = 0
-        self.done = False
+        self.order = ChunkOrder()
         self._deadline = self._next_deadline()
+
+    @property
+    def done(self) -> bool:
+        return self.order.done
 
     def _next_deadline(self) -> float:
         return float("inf") if self.timeout is None else time.monotonic() + self.timeout
@@ -72,10 +75,8 @@ class _ReplyReader:
         for entry_id, fields in response[0][1]:
             self.last_id = entry_id
             chunk = decode_chunk(fields)
-            if self.done or chunk.seq < self.next_seq:
-                continue
-            self.next_seq, self.done = chunk.seq + 1, chunk.finished
-            chunks.append(chunk)
+            if self.order.accept(chunk):
+                chunks.append(chunk)
         return chunks
 
 

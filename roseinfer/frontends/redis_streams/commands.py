@@ -1,31 +1,53 @@
-"""CLI commands of the Redis frontend: `roseinfer serve`, `roseinfer worker`, `roseinfer submit`.
+"""CLI commands of the Redis frontend: `roseinfer serve | worker | submit | status`.
 
 roseinfer/cli.py calls add_commands(); each command returns the process exit code.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
+import tomllib
 
 import redis
 
+from roseinfer.frontends.redis_streams import metrics, status
 from roseinfer.frontends.redis_streams.client import DEFAULT_URL, Client
-from roseinfer.frontends.redis_streams.protocol import DEFAULT_GROUP, DEFAULT_PREFIX
+from roseinfer.frontends.redis_streams.protocol import DEFAULT_GROUP, DEFAULT_PREFIX, Keys
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis
-from roseinfer.frontends.redis_streams.worker import Worker
+from roseinfer.frontends.redis_streams.worker import EngineFailed, Worker
 
 log = logging.getLogger("roseinfer.worker")
 EXAMPLE_PROMPT = "What is the capital of France?"
+# Well above a blocking read (1 s): only a Redis that stopped answering trips it, and the
+# worker then retries as through any outage.
+SOCKET_TIMEOUT_S = 10.0
+
+# Worker settings: flag (--claim-idle-ms), or key of the --config file's [worker] table
+# (claim_idle_ms = 10000); the flag wins. name: (default, type, help)
+WORKER_SETTINGS = {
+    "redis_url": (None, str, "Redis to serve from (worker default: " + DEFAULT_URL
+                  + "; serve default: start an embedded one)"),
+    "prefix": (DEFAULT_PREFIX, str, "key prefix"),
+    "group": (DEFAULT_GROUP, str, "consumer group"),
+    "consumer": (None, str, "consumer name, unique per worker (default: HOST-PID)"),
+    "claim_idle_ms": (30_000, int, "claim a dead worker's request once idle this long"),
+    "max_deliveries": (5, int, "move a request delivered more often than this to P:dead"),
+    "grace_s": (30.0, float, "on SIGTERM/SIGINT, let in-flight requests finish this long"),
+    "heartbeat_s": (5.0, float, "rewrite this worker's heartbeat key this often"),
+    "metrics_port": (None, int, "serve Prometheus metrics at http://ADDR:PORT/metrics "
+                                "(default: off)"),
+    "metrics_addr": ("0.0.0.0", str, "address of the metrics endpoint"),
+    "raw": (False, bool, "pass text prompts as they are, not wrapped in the chat template"),
+}
 
 
 def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     serve = subparsers.add_parser(
         "serve", parents=[engine_parent],
         help="run a worker, with an embedded Redis unless --redis-url is given")
-    serve.add_argument("--redis-url", default=None,
-                       help="use this Redis instead of starting one (default: start one)")
     serve.add_argument("--port", type=int, default=6379,
                        help="port of the embedded Redis, on 127.0.0.1 (default: %(default)s)")
     _add_worker_flags(serve)
@@ -33,9 +55,15 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
 
     worker = subparsers.add_parser("worker", parents=[engine_parent],
                                    help="serve requests from a Redis stream")
-    worker.add_argument("--redis-url", default=DEFAULT_URL, help="(default: %(default)s)")
     _add_worker_flags(worker)
     worker.set_defaults(func=worker_command)
+
+    st = subparsers.add_parser("status", help="list live workers, queue lag and in-flight counts")
+    st.add_argument("--redis-url", default=DEFAULT_URL, help="(default: %(default)s)")
+    st.add_argument("--prefix", default=DEFAULT_PREFIX, help="(default: %(default)s)")
+    st.add_argument("--group", default=DEFAULT_GROUP, help="(default: %(default)s)")
+    st.add_argument("--json", action="store_true", help="print it as JSON")
+    st.set_defaults(func=status_command)
 
     submit = subparsers.add_parser("submit", help="send a prompt to the workers, print the reply")
     submit.add_argument("prompt")
@@ -60,48 +88,96 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix (default: %(default)s)")
-    p.add_argument("--group", default=DEFAULT_GROUP, help="consumer group (default: %(default)s)")
-    p.add_argument("--consumer", default=None, help="consumer name (default: HOST-PID)")
-    p.add_argument("--raw", action="store_true",
-                   help="pass text prompts as they are, not wrapped in the model's chat template")
+    g = p.add_argument_group("worker (flags, or keys of the --config file's [worker] table)")
+    for name, (default, kind, help) in WORKER_SETTINGS.items():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            g.add_argument(flag, action="store_true", default=None, help=help)
+        else:  # None here, so that a flag left out lets the config file speak
+            shown = help if default is None else f"{help} (default: {default})"
+            g.add_argument(flag, type=kind, default=None, help=shown)
+
+
+def worker_settings(args: argparse.Namespace) -> dict:
+    """Flags given on the command line override the config file's [worker] table, which
+    overrides the defaults."""
+    settings = {name: default for name, (default, _, _) in WORKER_SETTINGS.items()}
+    if getattr(args, "config", None):
+        with open(args.config, "rb") as f:
+            table = tomllib.load(f).get("worker", {})
+        unknown = sorted(set(table) - set(settings))
+        if unknown:
+            sys.exit(f"unknown key(s) {unknown} in the [worker] table of {args.config}; "
+                     f"known: {sorted(settings)}")
+        settings.update(table)
+    settings.update((k, getattr(args, k)) for k in settings if getattr(args, k, None) is not None)
+    return settings
 
 
 def worker_command(args: argparse.Namespace) -> int:
     _show_worker_logs()
-    return _serve_with(args, args.redis_url)
+    settings = worker_settings(args)
+    return _serve_with(args, settings, settings["redis_url"] or DEFAULT_URL)
 
 
 def serve_command(args: argparse.Namespace) -> int:
     _show_worker_logs()
-    if args.redis_url:
-        return _serve_with(args, args.redis_url)
+    settings = worker_settings(args)
+    if settings["redis_url"]:
+        return _serve_with(args, settings, settings["redis_url"])
     with EmbeddedRedis(port=args.port) as server:
         log.info("embedded Redis listening at %s", server.url)
-        return _serve_with(args, server.url, announce=True)
+        return _serve_with(args, settings, server.url, announce=True)
 
 
-def _serve_with(args: argparse.Namespace, redis_url: str, announce: bool = False) -> int:
+def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
+                announce: bool = False) -> int:
     from roseinfer.core.llm import llm_from_args  # torch loads only for commands that need it
 
-    redis_client = _connect(redis_url)  # before the model loads: fail fast
-    llm = llm_from_args(args)
-    worker = Worker(llm.engine, redis_client, prefix=args.prefix,
-                    group=args.group, consumer=args.consumer, chat_template=not args.raw)
-    if announce:
-        print(f"roseinfer is serving {args.model} at {redis_url}; from another terminal:\n"
-              f"  roseinfer submit {EXAMPLE_PROMPT!r}{_client_flags(args, redis_url)}", flush=True)
-    _stop_on_signals(worker)
+    # Both before the model loads: fail fast on an unreachable Redis or a taken port.
+    redis_client = _connect(redis_url, socket_timeout=SOCKET_TIMEOUT_S)
+    worker_metrics = metrics.Metrics(model_name=args.model)
+    stop_metrics = _serve_metrics(worker_metrics, settings)
     try:
+        llm = llm_from_args(args)
+        worker = Worker(llm.engine, redis_client, prefix=settings["prefix"],
+                        group=settings["group"], consumer=settings["consumer"],
+                        grace_s=settings["grace_s"], claim_idle_ms=settings["claim_idle_ms"],
+                        max_deliveries=settings["max_deliveries"],
+                        heartbeat_s=settings["heartbeat_s"], metrics=worker_metrics,
+                        chat_template=not settings["raw"], model_name=args.model)
+        if announce:
+            print(f"roseinfer is serving {args.model} at {redis_url}; from another terminal:\n"
+                  f"  roseinfer submit {EXAMPLE_PROMPT!r}{_client_flags(settings, redis_url)}",
+                  flush=True)
+        _stop_on_signals(worker)
         worker.run()
     except KeyboardInterrupt:
         log.warning("interrupted twice: quit without finishing in-flight requests")
         return 130
+    except EngineFailed as e:
+        log.error("%s (%s)", e, e.__cause__)
+        return 1
+    finally:
+        stop_metrics()
     return 0
 
 
-def _connect(url: str) -> redis.Redis:
-    client = redis.Redis.from_url(url)
+def _serve_metrics(worker_metrics: metrics.Metrics, settings: dict):
+    port = settings["metrics_port"]
+    if port is None:
+        return lambda: None
+    try:
+        stop = metrics.serve(worker_metrics, port, settings["metrics_addr"])
+    except OSError as e:
+        sys.exit(f"cannot serve metrics on {settings['metrics_addr']}:{port} ({e}): "
+                 "pick another --metrics-port")
+    log.info("metrics at http://%s:%d/metrics", settings["metrics_addr"], port)
+    return stop
+
+
+def _connect(url: str, **options) -> redis.Redis:
+    client = redis.Redis.from_url(url, socket_connect_timeout=5, **options)
     try:
         client.ping()
     except redis.ConnectionError as e:
@@ -110,9 +186,9 @@ def _connect(url: str) -> redis.Redis:
     return client
 
 
-def _client_flags(args: argparse.Namespace, redis_url: str) -> str:
+def _client_flags(settings: dict, redis_url: str) -> str:
     flags = "" if redis_url == DEFAULT_URL else f" --redis-url {redis_url}"
-    return flags + ("" if args.prefix == DEFAULT_PREFIX else f" --prefix {args.prefix}")
+    return flags + ("" if settings["prefix"] == DEFAULT_PREFIX else f" --prefix {settings['prefix']}")
 
 
 def _stop_on_signals(worker: Worker) -> None:
@@ -157,4 +233,10 @@ def submit_command(args: argparse.Namespace) -> int:
     usage = final.usage
     print(f"[{final.finish_reason}: {usage['prompt_tokens']} prompt + "
           f"{usage['completion_tokens']} generated tokens]", file=sys.stderr)
+    return 0
+
+
+def status_command(args: argparse.Namespace) -> int:
+    found = status.collect(_connect(args.redis_url), Keys(args.prefix), args.group)
+    print(json.dumps(found, indent=2) if args.json else status.render(found))
     return 0

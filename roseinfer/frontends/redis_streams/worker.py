@@ -1,8 +1,15 @@
 """The Redis worker: pulls requests through a consumer group, steps the engine, publishes chunks.
 
 One loop iteration is one engine step and one Redis round trip: a single pipeline carries
-the step's chunks and acks, then reads new cancels and as many new requests as there are
-free slots, blocking only while the engine is idle (so an idle worker does not spin).
+the step's writes (chunks, acks, ownership refreshes, the heartbeat), then reads new
+cancels, the owners of in-flight entries when a refresh is due, and as many new requests
+as there are free slots, blocking only while the engine is idle. A few times per claim
+period, a worker with free slots also claims abandoned entries (one more round trip).
+
+The guarantees (docs/operations.md): a request entry is acknowledged only together with
+its final chunk; a live worker keeps its entries, a dead one's are claimed and resumed
+from their reply streams; an entry delivered too often goes to P:dead; Redis outages
+are waited out; SIGTERM drains.
 """
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -18,19 +25,35 @@ from redis import Redis
 from redis.exceptions import ResponseError
 
 from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.sampling import SamplingParams
+from roseinfer.frontends.redis_streams.events import event, log
+from roseinfer.frontends.redis_streams.heartbeat import Heartbeat
+from roseinfer.frontends.redis_streams.metrics import Metrics
+from roseinfer.frontends.redis_streams.outage import GaveUp, Outage, is_transient
+from roseinfer.frontends.redis_streams.ownership import Ownership
 from roseinfer.frontends.redis_streams.protocol import (
-    DEFAULT_GROUP, DEFAULT_PREFIX, Chunk, Keys, decode_request, encode_chunk, error_chunk,
-    reply_rid)
-
-log = logging.getLogger("roseinfer.worker")
+    DEFAULT_GROUP, DEFAULT_PREFIX, Chunk, Keys, decode_request, encode_chunk, entry_time,
+    error_chunk, reply_rid)
+from roseinfer.frontends.redis_streams.takeover import (
+    Takeover, dead_letter_fields, read_takeovers)
 
 # Cancels of requests this worker has not read yet: remembered so that a request cancelled
 # while still queued is aborted as soon as it arrives. Bounded: old ones fall out first.
 MAX_REMEMBERED_CANCELS = 10_000
+# From this delivery on, an entry runs alone: when a batch keeps failing, running its
+# requests one by one tells the poison entry from the ones that only shared its batches.
+RUN_ALONE_FROM_DELIVERY = 3
+DEAD_MAXLEN = 100_000
+PROBE_RID = "roseinfer-probe"
+MAX_DRAIN_STEPS = 100
 
 
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class EngineFailed(RuntimeError):
+    """engine.step() failed and the engine could not serve even a one-token probe after."""
 
 
 @dataclass
@@ -38,24 +61,45 @@ class _InFlight:
     """A request this worker owns: its entry (acked with the final chunk) and unsent output."""
     entry_id: str
     stream_interval: int
-    started: float
+    deliveries: int
+    arrival: float                  # when Redis added the entry (epoch seconds)
+    resumed: bool
     seq: int = 0
     held_ids: list[int] = field(default_factory=list)
     held_text: str = ""
+    last_token_at: Optional[float] = None
+
+    @property
+    def alone(self) -> bool:
+        return self.deliveries >= RUN_ALONE_FROM_DELIVERY
+
+
+@dataclass
+class _Plan:
+    """What a step's round trip reads besides cancels."""
+    owned: list[str]    # entries whose owner to check (empty: no refresh this time)
+    slots: int          # new requests to read
+    block: Optional[int]
 
 
 class Worker:
     """Serves one engine from Redis: ``Worker(llm.engine, Redis.from_url(url)).run()``.
 
     run() owns the engine until stop(); keep block_ms under the Redis client's
-    socket_timeout (redis-py's default is 5 s).
+    socket_timeout, if it has one.
     """
 
     def __init__(self, engine, redis: Redis, *, prefix: str = DEFAULT_PREFIX,
                  group: str = DEFAULT_GROUP, consumer: Optional[str] = None,
-                 block_ms: int = 1000, grace_s: float = 30.0, reply_ttl_s: int = 3600,
+                 block_ms: int = 1000, grace_s: float = 30.0, claim_idle_ms: int = 30_000,
+                 max_deliveries: int = 5, heartbeat_s: float = 5.0,
+                 metrics: Optional[Metrics] = None, reply_ttl_s: int = 3600,
                  reply_maxlen: int = 100_000, progress_every_s: float = 10.0,
-                 chat_template: bool = True):
+                 chat_template: bool = True, model_name: str = ""):
+        if claim_idle_ms < 100:
+            raise ValueError(f"claim_idle_ms must be at least 100, got {claim_idle_ms}")
+        if max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be at least 1, got {max_deliveries}")
         self.engine = engine
         self.redis = redis
         self.keys = Keys(prefix)
@@ -63,38 +107,60 @@ class Worker:
         self.consumer = consumer or default_consumer_name()
         self.block_ms = block_ms            # also bounds how long stop() takes when idle
         self.grace_s = grace_s
+        self.max_deliveries = max_deliveries
         self.reply_ttl_s = reply_ttl_s
         # Far above any request's chunk count: the cap only guards Redis against a runaway.
         self.reply_maxlen = reply_maxlen
         self.progress_every_s = progress_every_s
         # Chat models answer sensibly only inside their template; raw text is for base models.
         self.chat_template = chat_template and bool(getattr(engine.tokenizer, "chat_template", None))
+        self.metrics = metrics or Metrics(model_name)
+        self.ownership = Ownership(self.keys, group, self.consumer, claim_idle_ms)
+        self.heartbeat = Heartbeat(self.keys, self.consumer, heartbeat_s, model=model_name,
+                                   max_num_seqs=engine.config.max_num_seqs)
+        self.outage = Outage(self._past_deadline, self.metrics.redis_outages.inc)
+        # Refreshing four times per claim period keeps a live worker's entries far from it.
+        self._tick_s = claim_idle_ms / 4000
+        self._next_refresh = self._next_claim = 0.0
+        self._claim_now = False
+        self._claim_cursor = "0-0"
         self._inflight: dict[str, _InFlight] = {}
+        self._suspects: deque[Takeover] = deque()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._pipe = redis.pipeline(transaction=False)
+        self._writes: list[tuple] = []      # (fn, args, kwargs), replayed until Redis took them
         self._cancel_cursor = "0-0"
         self._stop_at: Optional[float] = None
+        self._engine_failure: Optional[BaseException] = None
+        self._totals = {"tokens": 0, "finished": 0}
         self._progress = {"at": time.monotonic(), "tokens": 0, "finished": 0}
 
     # --- lifecycle ----------------------------------------------------------------------
 
     def setup(self) -> None:
-        self._ensure_group()
+        self.outage.call(self._ensure_group)
         # Cancels sent before this worker started concern requests it cannot own yet.
-        last = self.redis.xrevrange(self.keys.cancel, count=1)
+        last = self.outage.call(lambda: self.redis.xrevrange(self.keys.cancel, count=1))
         self._cancel_cursor = last[0][0] if last else "0-0"
-        log.info("worker %s reading %s as group %s (max_num_seqs=%d)", self.consumer,
-                 self.keys.requests, self.group, self.engine.config.max_num_seqs)
+        event("started", consumer=self.consumer, stream=self.keys.requests, group=self.group,
+              max_num_seqs=self.engine.config.max_num_seqs,
+              claim_idle_ms=self.ownership.claim_idle_ms, max_deliveries=self.max_deliveries)
 
     def run(self) -> None:
-        """Serve until stop() was called and the in-flight requests finished (or grace ran out)."""
-        self.setup()
-        while not self._stopped():
-            self.run_once()
-        if self._inflight:
-            log.warning("stopped with %d request(s) unfinished; their entries stay pending",
-                        len(self._inflight))
-        log.info("worker %s stopped", self.consumer)
+        """Serve until stop() was called and the in-flight requests finished (or grace ran
+        out); what did not finish is handed back to the other workers. Raises EngineFailed
+        when the engine broke (after handing its requests back)."""
+        try:
+            self.setup()
+            while not self._stopped():
+                self.run_once()
+            self._leave()
+        except GaveUp as e:
+            event("stopped", logging.WARNING, consumer=self.consumer, reason=str(e),
+                  unfinished=len(self._inflight), note="unfinished entries stay pending")
+            return
+        if self._engine_failure is not None:
+            raise EngineFailed("the engine failed a step and then a one-token probe; "
+                               "restart this worker") from self._engine_failure
 
     def stop(self, grace_s: Optional[float] = None) -> None:
         """Stop reading new requests; in-flight ones get grace_s seconds to finish. Thread-safe."""
@@ -104,51 +170,130 @@ class Worker:
     def stopping(self) -> bool:
         return self._stop_at is not None
 
+    def _past_deadline(self) -> bool:
+        return self.stopping and time.monotonic() >= self._stop_at
+
     def _stopped(self) -> bool:
-        return self.stopping and (not self._inflight or time.monotonic() >= self._stop_at)
+        if self._engine_failure is not None:
+            return True
+        return self.stopping and (not self._inflight or self._past_deadline())
+
+    def _leave(self) -> None:
+        unfinished = len(self._inflight) + len(self._suspects)
+        self._hand_back_all()
+        self._write(self.heartbeat.remove)
+        self._round_trip()
+        self._forget_consumer_if_idle()
+        event("stopped", consumer=self.consumer, handed_back=unfinished)
 
     def run_once(self) -> None:
         if self.engine.has_unfinished():
-            for out in self.engine.step():
-                self._on_output(out)
-        cancels, entries = self._exchange()
+            self._step()
+        self._start_suspect()
+        if self._claim_due():
+            self._claim()
+        cancels, owners, entries = self._exchange()
         for rid in cancels:
             self._cancel(rid)
+        if owners is not None:
+            self._keep_or_drop(owners)
         for entry_id, fields in entries:
-            self._admit(entry_id.decode(), fields)
+            self._admit(entry_id, fields)
         self._log_progress()
 
-    # --- Redis round trip ---------------------------------------------------------------
+    # --- Redis round trips --------------------------------------------------------------
 
-    def _exchange(self) -> tuple[list[str], list]:
-        """Send the queued writes, then read cancels and new requests, in one round trip."""
-        pipe, writes = self._pipe, len(self._pipe)
-        pipe.xread({self.keys.cancel: self._cancel_cursor}, count=1000)
-        slots = 0 if self.stopping else self._free_slots()
-        if slots:
-            block = None if self.engine.has_unfinished() else self.block_ms
-            pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">"},
-                            count=slots, block=block)
-        results = pipe.execute(raise_on_error=False)
-        for failed in (r for r in results[:writes] if isinstance(r, Exception)):
-            # e.g. a client wrote a non-stream value under a reply key: that client's loss only
-            log.warning("a reply write failed: %s", failed)
-        cancel_read, *request_read = results[writes:]
-        entries = self._entries(request_read[0]) if request_read else []
-        cancels = self._entries(cancel_read)
+    def _write(self, fn, *args, **kwargs) -> None:
+        """Queue a write for the next round trip: fn(pipe, *args, **kwargs)."""
+        self._writes.append((fn, args, kwargs))
+
+    def _round_trip(self, add_reads=None) -> list:
+        """Send the queued writes and add_reads(pipe)'s reads in one pipeline; returns the
+        reads' replies. Through an outage the same writes go again until Redis takes them."""
+        def once():
+            pipe = self.redis.pipeline(transaction=False)
+            for fn, args, kwargs in self._writes:
+                fn(pipe, *args, **kwargs)
+            writes = len(pipe)
+            if add_reads is not None:
+                add_reads(pipe)
+            results = pipe.execute(raise_on_error=False)
+            for i, r in enumerate(results):
+                if isinstance(r, Exception) and is_transient(r):
+                    raise r
+                if isinstance(r, Exception) and i < writes:
+                    # e.g. a client wrote a non-stream value under a reply key: its loss only
+                    event("write_failed", logging.WARNING, error=r)
+            return results[writes:]
+
+        reads = self.outage.call(once)
+        self._writes.clear()
+        return reads
+
+    def _exchange(self):
+        """This step's round trip: (cancelled rids, owners or None, new entries)."""
+        plan = self._plan()
+        if self.heartbeat.due():
+            self._write(self.heartbeat.write, "draining" if self.stopping else "serving",
+                        **self._live_status())
+
+        def add_reads(pipe):
+            pipe.xread({self.keys.cancel: self._cancel_cursor}, count=1000)
+            self.ownership.check(pipe, plan.owned)
+            if plan.slots:
+                pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">"},
+                                count=plan.slots, block=plan.block)
+
+        cancel_read, *reads = self._round_trip(add_reads)
+        owner_replies, request_read = reads[:len(plan.owned)], reads[len(plan.owned):]
+        owners = None
+        if plan.owned and not any(isinstance(r, Exception) for r in owner_replies):
+            owners = Ownership.owners(plan.owned, owner_replies)
+        entries = []
+        if request_read and self._readable(request_read[0]) and request_read[0]:
+            entries = [(i.decode(), f) for i, f in request_read[0][0][1]]
+        cancels = cancel_read[0][1] if cancel_read else []
         if cancels:
             self._cancel_cursor = cancels[-1][0]
-        return [f[b"rid"].decode(errors="replace") for _, f in cancels if b"rid" in f], entries
+        return ([f[b"rid"].decode(errors="replace") for _, f in cancels if b"rid" in f],
+                owners, entries)
 
-    def _entries(self, result) -> list:
-        if isinstance(result, ResponseError) and str(result).startswith("NOGROUP"):
-            log.warning("%s or its group vanished (was Redis flushed?); recreating it",
-                        self.keys.requests)
-            self._ensure_group()
-            return []
-        if isinstance(result, Exception):
-            raise result
-        return result[0][1] if result else []
+    def _plan(self) -> _Plan:
+        now = time.monotonic()
+        owned = []
+        if now >= self._next_refresh and (self._inflight or self._suspects):
+            self._next_refresh = now + self._tick_s
+            owned = [f.entry_id for f in self._inflight.values()] + [t.entry_id for t in self._suspects]
+        idle = not (self.engine.has_unfinished() or self._suspects)
+        return _Plan(owned, self._free_slots(), self.block_ms if idle else None)
+
+    def _claim_due(self) -> bool:
+        now = time.monotonic()
+        if not (self._claim_now or now >= self._next_claim) or not self._free_slots():
+            return False
+        self._next_claim = now + self._tick_s
+        return True
+
+    def _claim(self) -> None:
+        """Claim entries idle past the threshold: a dead worker's, or ones handed back."""
+        slots = self._free_slots()
+        (reply,) = self._round_trip(lambda pipe: self.ownership.claim(pipe, self._claim_cursor, slots))
+        if not self._readable(reply):
+            return
+        self._claim_cursor, claimed = Ownership.claimed(reply)
+        self._claim_now = self._claim_cursor != "0-0"  # more of the PEL to scan: next step
+        if claimed:
+            self._take_over(claimed)
+
+    def _readable(self, reply) -> bool:
+        if isinstance(reply, ResponseError) and str(reply).startswith("NOGROUP"):
+            event("group_recreated", logging.WARNING, stream=self.keys.requests,
+                  reason="the stream or its group vanished (was Redis flushed?)")
+            self.outage.call(self._ensure_group)
+            return False
+        if isinstance(reply, Exception):
+            raise reply
+        return True
 
     def _ensure_group(self) -> None:
         try:
@@ -159,40 +304,189 @@ class Worker:
                 raise
 
     def _free_slots(self) -> int:
+        if self.stopping or self._suspects or any(f.alone for f in self._inflight.values()):
+            return 0
         return max(0, self.engine.config.max_num_seqs - self.engine.num_unfinished())
 
-    def _publish(self, chunk: Chunk, ack_entry_id: Optional[str] = None) -> None:
-        key = self.keys.out(chunk.rid)
-        self._pipe.xadd(key, encode_chunk(chunk), maxlen=self.reply_maxlen, approximate=True)
-        self._pipe.expire(key, self.reply_ttl_s)
-        if ack_entry_id is not None:
-            # Acked only together with the final chunk, so a crash never loses a request;
-            # deleted too, since nothing reads an acked request again.
-            self._pipe.xack(self.keys.requests, self.group, ack_entry_id)
-            self._pipe.xdel(self.keys.requests, ack_entry_id)
+    def _live_status(self) -> dict:
+        s = self.engine.stats()
+        return {"in_flight": len(self._inflight), "suspects": len(self._suspects),
+                "running": s.num_running, "waiting": s.num_waiting,
+                "kv_cache_usage": s.kv_cache_usage, "generated_tokens": self._totals["tokens"],
+                "finished": self._totals["finished"]}
+
+    def _forget_consumer_if_idle(self) -> None:
+        # Keeps XINFO CONSUMERS to the workers that matter; never while entries are ours.
+        mine = self.outage.call(lambda: self.redis.xpending_range(
+            self.keys.requests, self.group, "-", "+", 1, consumername=self.consumer))
+        if not mine:
+            self.outage.call(lambda: self.redis.xgroup_delconsumer(
+                self.keys.requests, self.group, self.consumer))
+
+    # --- ownership ----------------------------------------------------------------------
+
+    def _keep_or_drop(self, owners: dict) -> None:
+        mine = [e for e, o in owners.items() if o is not None and o.consumer == self.consumer]
+        if mine:
+            self._write(self.ownership.refresh, mine)
+        for entry_id in owners.keys() - set(mine):
+            self._drop(entry_id, owners[entry_id])
+
+    def _drop(self, entry_id: str, owner) -> None:
+        """Another worker owns the entry now (this one stalled past the claim threshold),
+        or it was acknowledged: stop serving it, silently, since its client is served."""
+        rid = next((r for r, f in self._inflight.items() if f.entry_id == entry_id), None)
+        if rid is not None:
+            del self._inflight[rid]
+            self.engine.abort(rid)  # its "abort" output is ignored: the rid is no longer ours
+        else:
+            self._suspects = deque(t for t in self._suspects if t.entry_id != entry_id)
+        event("ownership_lost", logging.WARNING, rid=rid, entry=entry_id,
+              owner=owner.consumer if owner else "none (acknowledged or deleted)")
+
+    def _take_over(self, claimed: list) -> None:
+        takeovers = self.outage.call(lambda: read_takeovers(
+            self.redis.pipeline(transaction=False), self.keys, self.group, claimed))
+        for t in takeovers:
+            if t.finished:  # its worker died between the final chunk and the ack
+                self._write(self.ownership.ack, t.entry_id)
+                event("acked", rid=t.rid, entry=t.entry_id, reason="already finished")
+            elif t.deliveries > self.max_deliveries:
+                self._dead_letter(t)
+            elif t.deliveries >= RUN_ALONE_FROM_DELIVERY:
+                self._suspects.append(t)
+            else:
+                self._admit(t.entry_id, t.fields, t)
+
+    def _start_suspect(self) -> None:
+        if self._suspects and not self._inflight and not self.engine.has_unfinished():
+            t = self._suspects.popleft()
+            event("running_alone", rid=t.rid, entry=t.entry_id, deliveries=t.deliveries)
+            self._admit(t.entry_id, t.fields, t)
+
+    def _dead_letter(self, t: Takeover) -> None:
+        reason = (f"delivered {t.deliveries} times without finishing (--max-deliveries "
+                  f"{self.max_deliveries}); it may be crashing workers")
+        self._write(lambda pipe, fields: pipe.xadd(self.keys.dead, fields, maxlen=DEAD_MAXLEN,
+                                                   approximate=True),
+                    dead_letter_fields(t, reason, self.consumer))
+        message = f"{reason}; moved to {self.keys.dead} for an operator to look at"
+        self._publish(error_chunk(t.rid, "dead_letter", message, t.next_seq, len(t.emitted_ids)),
+                      t.entry_id)
+        self.metrics.dead_lettered.inc()
+        self.metrics.finished("error")
+        event("dead_lettered", logging.WARNING, rid=t.rid, entry=t.entry_id,
+              deliveries=t.deliveries, dead_stream=self.keys.dead)
+
+    def _hand_back_all(self) -> None:
+        """Give every unfinished entry back to the group, not counted as a delivery."""
+        if self._inflight and self._engine_failure is None:
+            try:  # leaves the engine empty, for whoever drives it next in this process
+                for rid in self._inflight:
+                    self.engine.abort(rid)
+                self._drain_engine()
+            except Exception:
+                log.exception("event=drain_failed")
+        for f in self._inflight.values():
+            self._write(self.ownership.hand_back, f.entry_id, f.deliveries, False)
+        for t in self._suspects:
+            self._write(self.ownership.hand_back, t.entry_id, t.deliveries, False)
+        self._inflight.clear()
+        self._suspects.clear()
+
+    # --- the engine ---------------------------------------------------------------------
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # the batch fails, not the worker
+            self._on_step_failure(e)
+            return
+        for out in outputs:
+            self._on_output(out)
+        stats = self.engine.stats()
+        self.metrics.engine_stats(stats)
+        event("step", logging.DEBUG, outputs=len(outputs), running=stats.num_running,
+              waiting=stats.num_waiting, step_ms=1000 * (time.monotonic() - started))
+
+    def _on_step_failure(self, error: Exception) -> None:
+        """Hand the batch back: its entries are claimed again (here or elsewhere), each claim
+        a delivery, so a request that keeps failing steps ends in P:dead. Unless the engine
+        itself is broken (it fails a one-token probe): then nobody's delivery counts, and
+        the worker stops so that its supervisor restarts it."""
+        log.error("event=step_failed in_flight=%d rids=%s", len(self._inflight),
+                  ",".join(self._inflight), exc_info=error)
+        self.metrics.step_failures.inc()
+        healthy = self._probe_engine()
+        for f in self._inflight.values():
+            self._write(self.ownership.hand_back, f.entry_id, f.deliveries, healthy)
+        event("handed_back", logging.WARNING, count=len(self._inflight), counted=healthy)
+        self._inflight.clear()
+        if healthy:
+            self._claim_now = True  # take them again at once: the ones that run alone tell
+        else:
+            self._engine_failure = error
+
+    def _probe_engine(self) -> bool:
+        try:
+            for rid in self._inflight:
+                self.engine.abort(rid)
+            self._drain_engine()
+            # Token 0 exists in every vocabulary; one token needs a prefill and a sample.
+            self.engine.add_request(PROBE_RID, [0], SamplingParams(max_tokens=1, temperature=0))
+            return self._drain_engine()
+        except Exception:
+            log.exception("event=probe_failed")
+            return False
+
+    def _drain_engine(self) -> bool:
+        """Step until the engine holds nothing; the outputs are nobody's (all aborted)."""
+        for _ in range(MAX_DRAIN_STEPS):
+            if not self.engine.has_unfinished():
+                return True
+            self.engine.step()
+        return False
 
     # --- requests -----------------------------------------------------------------------
 
-    def _admit(self, entry_id: str, fields: dict) -> None:
+    def _admit(self, entry_id: str, fields: dict, resume: Optional[Takeover] = None) -> None:
         rid = reply_rid(entry_id, fields)
+        seq, emitted = (resume.next_seq, resume.emitted_ids) if resume else (0, [])
         try:
             req = decode_request(entry_id, fields)
             if req.rid in self._inflight:
-                rid = entry_id  # P:out:{rid} belongs to the request already running
+                rid, seq, emitted = entry_id, 0, []  # P:out:{rid} belongs to the running one
                 raise InvalidRequestError("rid", f"{req.rid!r} is already in flight; use a new rid")
-            self.engine.add_request(req.rid, self._engine_prompt(req.prompt), req.params)
+            self.engine.add_request(req.rid, self._engine_prompt(req.prompt), req.params,
+                                    emitted_ids=emitted)
         except InvalidRequestError as e:
-            log.warning("rejected %s (entry %s): %s: %s", rid, entry_id, e.code, e)
-            self._publish(error_chunk(rid, e.code, str(e)), entry_id)
+            event("rejected", logging.WARNING, rid=rid, entry=entry_id, code=e.code, error=e)
+            self._fail(rid, entry_id, e.code, str(e), seq, len(emitted))
             return
         except Exception as e:  # an engine bug must cost this request, not the whole worker
-            log.exception("add_request failed for %s (entry %s)", rid, entry_id)
-            self._publish(error_chunk(rid, "internal", f"{type(e).__name__}: {e}"), entry_id)
+            log.exception("event=add_request_failed rid=%s entry=%s", rid, entry_id)
+            self._fail(rid, entry_id, "internal", f"{type(e).__name__}: {e}", seq, len(emitted))
             return
-        self._inflight[req.rid] = _InFlight(entry_id, req.stream_interval, time.monotonic())
+        deliveries = resume.deliveries if resume else 1
+        self._inflight[req.rid] = _InFlight(entry_id, req.stream_interval, deliveries,
+                                            entry_time(entry_id), resume is not None, seq)
+        if resume:
+            self.metrics.resumed.inc()
+            event("resumed", rid=req.rid, entry=entry_id, seq=seq, emitted_tokens=len(emitted),
+                  deliveries=deliveries)
+        else:
+            queue_s = max(0.0, time.time() - entry_time(entry_id))
+            self.metrics.queue_time.observe(queue_s)
+            event("admitted", rid=req.rid, entry=entry_id, queue_s=queue_s)
         if req.rid in self._cancelled:
             del self._cancelled[req.rid]
             self._cancel(req.rid)
+
+    def _fail(self, rid: str, entry_id: str, code: str, message: str, seq: int,
+              completion_tokens: int) -> None:
+        self._publish(error_chunk(rid, code, message, seq, completion_tokens), entry_id)
+        self.metrics.finished("error")
 
     def _engine_prompt(self, prompt):
         if self.chat_template and isinstance(prompt, str):
@@ -200,36 +494,70 @@ class Worker:
         return prompt
 
     def _cancel(self, rid: str) -> None:
-        f = self._inflight.get(rid)
-        if f is None:
-            self._cancelled[rid] = None
-            if len(self._cancelled) > MAX_REMEMBERED_CANCELS:
-                self._cancelled.popitem(last=False)
-        else:
+        if rid in self._inflight:
             self.engine.abort(rid)  # its "abort" output comes out of the next step
+            return
+        self._cancelled[rid] = None
+        if len(self._cancelled) > MAX_REMEMBERED_CANCELS:
+            self._cancelled.popitem(last=False)
+
+    def _publish(self, chunk: Chunk, ack_entry_id: Optional[str] = None) -> None:
+        self._write(self._send_chunk, self.keys.out(chunk.rid), encode_chunk(chunk))
+        if ack_entry_id is not None:
+            # Acked only together with the final chunk, so a crash never loses a request.
+            self._write(self.ownership.ack, ack_entry_id)
+
+    def _send_chunk(self, pipe, key: str, fields: dict) -> None:
+        pipe.xadd(key, fields, maxlen=self.reply_maxlen, approximate=True)
+        pipe.expire(key, self.reply_ttl_s)
 
     def _on_output(self, out) -> None:
-        f = self._inflight[out.request_id]
+        f = self._inflight.get(out.request_id)
+        if f is None:
+            return  # a request handed back or owned elsewhere now: its output is not ours
+        self._observe_tokens(f, out)
         f.held_ids += out.new_token_ids
         f.held_text += out.new_text
-        self._progress["tokens"] += len(out.new_token_ids)
         due = f.held_ids and (f.seq == 0 or len(f.held_ids) >= f.stream_interval)
         if not (due or out.finished):
             return
         chunk = Chunk(out.request_id, f.seq, f.held_ids, f.held_text)
         f.seq, f.held_ids, f.held_text = f.seq + 1, [], ""
-        if not out.finished:
+        if out.finished:
+            self._finish(f, out, chunk)
+        else:
             self._publish(chunk)
+
+    def _observe_tokens(self, f: _InFlight, out) -> None:
+        n = len(out.new_token_ids)
+        if not n:
             return
+        now = time.monotonic()
+        if f.last_token_at is None:  # this worker's first token: it prefilled the prompt
+            self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+            if not f.resumed:
+                self.metrics.ttft.observe(max(0.0, time.time() - f.arrival))
+        else:
+            self.metrics.itl.observe(now - f.last_token_at)
+        f.last_token_at = now
+        self.metrics.generation_tokens.inc(n)
+        self._totals["tokens"] += n
+        self._progress["tokens"] += n
+
+    def _finish(self, f: _InFlight, out, chunk: Chunk) -> None:
         chunk.finish_reason = out.finish_reason
         chunk.usage = {"prompt_tokens": len(out.prompt_token_ids),
                        "completion_tokens": len(out.token_ids)}
         self._publish(chunk, f.entry_id)
         del self._inflight[out.request_id]
+        e2e_s = max(0.0, time.time() - f.arrival)
+        self.metrics.finished(out.finish_reason)
+        self.metrics.e2e.observe(e2e_s)
+        self._totals["finished"] += 1
         self._progress["finished"] += 1
-        log.info("finished %s: %s, %d prompt + %d generated tokens in %.2fs", out.request_id,
-                 out.finish_reason, chunk.usage["prompt_tokens"],
-                 chunk.usage["completion_tokens"], time.monotonic() - f.started)
+        event("finished", rid=out.request_id, reason=out.finish_reason,
+              prompt_tokens=chunk.usage["prompt_tokens"],
+              completion_tokens=chunk.usage["completion_tokens"], chunks=chunk.seq + 1, e2e_s=e2e_s)
 
     def _log_progress(self) -> None:
         p, now = self._progress, time.monotonic()
@@ -237,7 +565,7 @@ class Worker:
             return
         if p["tokens"] or self._inflight:
             s = self.engine.stats()
-            log.info("running=%d waiting=%d kv_cache=%.0f%% generated=%.1f tok/s finished=%d",
-                     s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
-                     p["tokens"] / (now - p["at"]), p["finished"])
+            event("progress", running=s.num_running, waiting=s.num_waiting,
+                  kv_cache=s.kv_cache_usage, tok_per_s=p["tokens"] / (now - p["at"]),
+                  finished=p["finished"])
         self._progress = {"at": now, "tokens": 0, "finished": 0}

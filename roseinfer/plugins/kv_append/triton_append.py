@@ -12,7 +12,6 @@ from __future__ import annotations  # kernel annotations stay strings without tr
 
 import functools
 
-import torch
 
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_usable

@@ -1,0 +1,1 @@
+"""Benchmark harness: `roseinfer bench offline | serve | plot` (docs/benchmarks.md)."""

@@ -1,0 +1,93 @@
+"""`roseinfer bench offline | serve | plot` (roseinfer/cli.py calls add_commands)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from roseinfer.bench.hf_baseline import VARIANTS
+
+MODES = ("offline", "serve")
+
+
+def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
+    bench = subparsers.add_parser("bench", help="measure throughput and latency (docs/benchmarks.md)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    workload = _workload_parent()
+    off = sub.add_parser("offline", parents=[engine_parent, workload],
+                         help="the engine in this process, no frontend")
+    off.set_defaults(func=lambda args: run_bench(args, "offline"))
+    srv = sub.add_parser("serve", parents=[engine_parent, workload],
+                         help="through Redis: a worker thread, clients in other processes")
+    g = srv.add_argument_group("serve")
+    g.add_argument("--stream-interval", type=int, default=1, help="tokens per chunk (default: 1)")
+    g.add_argument("--redis-url", default=None,
+                   help="use this Redis (default: start an embedded redis-server)")
+    g.add_argument("--client-procs", type=int, default=1,
+                   help="client processes sharing the requests (default: 1)")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds to wait for each chunk (default: %(default)s)")
+    srv.set_defaults(func=lambda args: run_bench(args, "serve"))
+    plot = sub.add_parser("plot", help="one chart from several bench JSON files")
+    plot.add_argument("results", nargs="+", help="JSON files written by --output-json")
+    plot.add_argument("--output", required=True, help="PNG path")
+    plot.add_argument("--labels", default=None, help="comma-separated, one per file")
+    plot.set_defaults(func=cmd_plot)
+
+
+def _workload_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-requests", type=int, default=16, help="(default: %(default)s)")
+    g.add_argument("--prompt", default="Hello", help="prompt unit (default: %(default)s)")
+    g.add_argument("--prompt-repeats", default="1", help="request i repeats the unit "
+                   "repeats[i %% len] times, e.g. '1,4' (default: %(default)s)")
+    g.add_argument("--prompt-sep", default=" ", help="joins text repeats (default: a space)")
+    g.add_argument("--pretok", action="store_true", help="send token ids, tokenized once "
+                   "(automatic when the model has no tokenizer)")
+    g.add_argument("--prompt-token-id", type=int, default=None,
+                   help="with --pretok: the unit is this one token instead of --prompt's ids")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true", help="always make --max-new-tokens tokens")
+    g.add_argument("--submit-interval-ms", type=float, default=0.0,
+                   help="gap between submits; 0 = all at once (default: 0)")
+    g.add_argument("--schedule", choices=("absolute", "relative"), default="absolute",
+                   help="absolute: request i due at t0 + i*interval; relative: interval after "
+                        "the previous submit (default: %(default)s)")
+    r = p.add_argument_group("runs and output")
+    r.add_argument("--warmup-runs", type=int, default=1, help="untimed runs first (default: 1)")
+    r.add_argument("--repeat-runs", type=int, default=3, help="timed runs (default: 3)")
+    r.add_argument("--compare-hf", action="store_true",
+                   help="also time transformers generate on the same weights and prompts")
+    r.add_argument("--hf-variants", default=",".join(VARIANTS),
+                   help="dynamic (DynamicCache) and/or static (StaticCache + torch.compile) "
+                        "(default: %(default)s)")
+    r.add_argument("--output-json", default=None, help="write every run and the summary here")
+    r.add_argument("--plot", default=None, help="write a PNG chart here (needs matplotlib)")
+    r.add_argument("--label", default=None, help="name of this workload in charts")
+    r.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+    return p
+
+
+def run_bench(args, mode: str) -> int:
+    from roseinfer.bench.runner import BenchRun
+    return BenchRun(args, mode).main()
+
+
+def cmd_plot(args) -> int:
+    from roseinfer.bench.report import plot
+
+    results = []
+    for path in args.results:
+        with open(path) as f:
+            results.append(json.load(f))
+    labels = args.labels.split(",") if args.labels else [
+        r["meta"].get("label") or os.path.splitext(os.path.basename(p))[0]
+        for r, p in zip(results, args.results)]
+    if len(labels) != len(results):
+        raise SystemExit(f"--labels has {len(labels)} names for {len(results)} files")
+    plot(results, labels, args.output)
+    print(f"chart written to {args.output}")
+    return 0
+

@@ -1,0 +1,165 @@
+"""One `bench offline|serve` invocation: build the engine (and the transformers twin), run
+warm-up and timed runs, compare, report."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from rich.console import Console
+
+from roseinfer.bench import hf_baseline, report
+from roseinfer.bench.metrics import RequestRecord, summarize
+from roseinfer.bench.probe import EngineProbe
+from roseinfer.bench.progress import Progress
+from roseinfer.bench.workloads import Workload, build_prompts, parse_repeats
+
+
+class BenchRun:
+    def __init__(self, args, mode: str):
+        self.args, self.mode = args, mode
+        self.console = Console(stderr=True)
+        self.variants = [v for v in args.hf_variants.split(",") if v] if args.compare_hf else []
+        for v in self.variants:
+            if v not in hf_baseline.VARIANTS:
+                raise SystemExit(f"unknown --hf-variants entry {v!r}; known: "
+                                 f"{', '.join(hf_baseline.VARIANTS)}")
+        if args.plot:
+            report.require_matplotlib()  # before the runs, not after them
+
+    def main(self) -> int:
+        a = self.args
+        if a.num_requests < 1 or a.max_new_tokens < 1 or a.repeat_runs < 1 or a.warmup_runs < 0:
+            raise SystemExit("--num-requests, --max-new-tokens and --repeat-runs must be >= 1, "
+                             "--warmup-runs >= 0")
+        llm, hf_model = self._build()
+        engine = llm.engine
+        w = self._workload(engine)
+        meta = {"mode": self.mode, "model": a.model, "label": a.label,
+                "command": report.command_line(getattr(a, "argv", None)),
+                **report.machine_info(engine.device)}
+        self.console.log(f"{self.mode}: {w.num_requests} requests, {w.max_new_tokens} new tokens, "
+                         f"{engine.device}/{str(engine.dtype).removeprefix('torch.')}, "
+                         f"load avg {meta['load_avg_1m_at_start']:.2f}")
+        runs, records = self._run_ours(EngineProbe(engine), w)
+        hf = {v: self._run_hf(hf_model, engine.tokenizer, w, v, records) for v in self.variants}
+        ours = summarize(runs)
+        meta["load_avg_1m_at_end"] = os.getloadavg()[0]
+        result = {"meta": meta, "workload": w.describe(),
+                  "engine_config": dataclasses.asdict(engine.config),
+                  "roseinfer": {"summary": ours, "runs": runs}, "hf": hf,
+                  "ratios": {v: ours["output_throughput"] / r["summary"]["output_throughput"]
+                             for v, r in hf.items() if "summary" in r}}
+        self._emit(result)
+        ok = all(r["completed"] == r["num_requests"] for r in runs)
+        return 0 if ok else 1
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def _build(self):
+        """The engine; with --compare-hf built from the very transformers model timed next."""
+        from roseinfer.core.config import config_from_args
+        from roseinfer.core.llm import LLM, llm_from_args
+
+        a = self.args
+        if not self.variants:
+            return llm_from_args(a), None
+        config = config_from_args(a)
+        hf_model, tok = hf_baseline.load_hf_model(a.model, seed=config.seed or 0)
+        llm = LLM(hf_model, tokenizer=a.tokenizer or tok, **dataclasses.asdict(config))
+        hf_model.to(device=llm.engine.device, dtype=llm.engine.dtype)
+        return llm, hf_model
+
+    def _workload(self, engine) -> Workload:
+        a = self.args
+        if engine.tokenizer is None and not a.pretok:
+            self.console.log("the model has no tokenizer: sending pre-tokenized prompts")
+        prompts, ids = build_prompts(a.num_requests, a.prompt, parse_repeats(a.prompt_repeats),
+                                     engine.tokenizer, engine.vocab_size, a.pretok, a.prompt_sep,
+                                     a.prompt_token_id)
+        longest = max(len(p) for p in ids) + a.max_new_tokens
+        if longest > engine.max_model_len:
+            raise SystemExit(f"prompt + --max-new-tokens = {longest} tokens exceeds the engine's "
+                             f"max_model_len {engine.max_model_len}")
+        return Workload(prompts, ids, a.max_new_tokens, a.ignore_eos,
+                        a.submit_interval_ms / 1e3, a.schedule, getattr(a, "stream_interval", 1))
+
+    # --- runs -----------------------------------------------------------------------------
+
+    def _run_ours(self, probe: EngineProbe, w: Workload) -> tuple[list[dict], list[RequestRecord]]:
+        a = self.args
+        runs, records = [], []
+        with self._harness(probe) as harness:
+            for k in range(a.warmup_runs + a.repeat_runs):
+                warm = k < a.warmup_runs
+                name = f"warmup {k + 1}/{a.warmup_runs}" if warm else \
+                    f"run {k - a.warmup_runs + 1}/{a.repeat_runs}"
+                total = w.num_requests * w.max_new_tokens
+                with Progress(total, f"roseinfer {name}", a.progress) as progress:
+                    metrics, records = harness.run(w, f"{'w' if warm else 'r'}{k}", progress)
+                self.console.log(f"roseinfer {name}: {metrics['output_throughput']:,.1f} "
+                                 f"completion tok/s, {metrics['completed']}/{w.num_requests} done, "
+                                 f"{metrics['duration_s']:.3f} s")
+                if metrics["completed"] == 0:  # broken set-up: say why now, not after R runs
+                    why = next((r.error for r in records if r.error), "no error was reported")
+                    raise SystemExit(f"roseinfer {name}: no request completed: {why}")
+                if not warm:
+                    runs.append(metrics)
+        return runs, records
+
+    def _harness(self, probe: EngineProbe):
+        if self.mode == "serve":
+            from roseinfer.bench.serve import ServeHarness
+            a = self.args
+            return ServeHarness(probe, a.redis_url, a.client_procs, a.request_timeout)
+        return _OfflineHarness(probe)
+
+    def _run_hf(self, model, tokenizer, w: Workload, variant: str, ours: list[RequestRecord]) -> dict:
+        a = self.args
+        # A compiled variant's first call compiles: never time it.
+        warmups = max(a.warmup_runs, 1) if variant == "static" else a.warmup_runs
+        runs, outputs = [], None
+        try:
+            for k in range(warmups + a.repeat_runs):
+                warm = k < warmups
+                self.console.log(f"transformers {variant} {'warm-up' if warm else 'run'} "
+                                 f"{k + 1 if warm else k - warmups + 1} ...")
+                r = hf_baseline.run_hf(model, tokenizer, w, variant)
+                outputs = r.pop("outputs")
+                self.console.log(f"transformers {variant}: {r['output_throughput']:,.1f} "
+                                 f"completion tok/s, {r['duration_s']:.3f} s")
+                if not warm:
+                    runs.append(r)
+        except hf_baseline.VariantUnavailable as e:
+            self.console.log(f"[yellow]transformers {variant} skipped[/]: {e}")
+            return {"skipped": str(e)}
+        same = sum(r.token_ids == o for r, o in zip(ours, outputs))
+        return {"summary": {**summarize(runs), "outputs_equal_to_roseinfer": same / len(ours)},
+                "runs": runs}
+
+    # --- output ---------------------------------------------------------------------------
+
+    def _emit(self, result: dict) -> None:
+        a = self.args
+        if a.output_json:
+            report.write_json(result, a.output_json)
+            self.console.log(f"results written to {a.output_json}")
+        if a.plot:
+            label = a.label or f"{self.mode} {result['workload']['num_requests']} req"
+            report.plot([result], [label], a.plot)
+            self.console.log(f"chart written to {a.plot}")
+        report.print_report(result, Console())
+
+
+class _OfflineHarness:
+    def __init__(self, probe: EngineProbe):
+        self.probe = probe
+
+    def __enter__(self) -> "_OfflineHarness":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def run(self, w: Workload, run_id: str, progress: Progress):
+        from roseinfer.bench.offline import run_offline
+        return run_offline(self.probe, w, run_id, progress)

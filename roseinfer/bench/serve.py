@@ -1,0 +1,166 @@
+"""`bench serve`: requests go through Redis to a worker, from client processes on a schedule.
+
+Layout: a real redis-server (the frontend's embedded one unless --redis-url), the worker
+in a thread of this process driving an EngineProbe (so queue wait and step times are
+observable), and the load in separate client processes (asyncio + the frontend's
+AsyncClient), so the clients never compete with the worker for this process's GIL.
+Times are time.monotonic() in every process (one system clock on Linux).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing
+import threading
+import uuid
+from concurrent.futures import ProcessPoolExecutor, wait
+from typing import Optional
+
+from roseinfer.bench.metrics import RequestRecord
+from roseinfer.bench.offline import finish_run
+from roseinfer.bench.probe import EngineProbe
+from roseinfer.bench.progress import Progress
+from roseinfer.bench.timing import now
+from roseinfer.bench.workloads import Workload
+
+START_MARGIN_S = 0.2  # the client processes are warm; this covers handing them the run
+
+
+class ServeHarness:
+    """``with ServeHarness(probe, ...) as h: metrics = h.run(workload, "r0", progress)``"""
+
+    def __init__(self, probe: EngineProbe, redis_url: Optional[str] = None,
+                 client_procs: int = 1, request_timeout_s: float = 600.0):
+        self.probe = probe
+        self.redis_url = redis_url
+        self.client_procs = client_procs
+        self.timeout_s = request_timeout_s
+        self.prefix = f"bench-{uuid.uuid4().hex[:8]}"
+        self._server = None
+        self._worker = None
+        self._thread = None
+        self._error: Optional[BaseException] = None
+        self._pools: list[ProcessPoolExecutor] = []
+
+    def __enter__(self) -> "ServeHarness":
+        import redis
+
+        from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
+        from roseinfer.frontends.redis_streams.worker import Worker
+
+        try:
+            if self.redis_url is None:
+                self._server = EmbeddedRedis(port=free_port()).start()
+                self.redis_url = self._server.url
+            # Raw prompts, as `bench offline` sends them: no chat template.
+            self._worker = Worker(self.probe, redis.Redis.from_url(self.redis_url),
+                                  prefix=self.prefix, block_ms=50, chat_template=False)
+            self._thread = threading.Thread(target=self._run_worker, daemon=True,
+                                            name="bench-worker")
+            self._thread.start()
+            ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
+            self._pools = [ProcessPoolExecutor(1, mp_context=ctx) for _ in range(self.client_procs)]
+            for f in [p.submit(_ping) for p in self._pools]:
+                f.result()  # pay the client processes' start-up before any clock runs
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _run_worker(self) -> None:
+        try:
+            self._worker.run()
+        except BaseException as e:  # reported by run(): the bench must not wait forever
+            self._error = e
+
+    def __exit__(self, *exc) -> None:
+        if self._worker is not None:
+            self._worker.stop(grace_s=5.0)
+            self._thread.join(15)
+        for p in self._pools:
+            p.shutdown(cancel_futures=True)
+        if self._server is not None:
+            self._server.stop()
+
+    def run(self, w: Workload, run_id: str,
+            progress: Progress) -> tuple[dict, list[RequestRecord]]:
+        if w.schedule == "relative" and self.client_procs > 1:
+            raise ValueError("--schedule relative needs --client-procs 1: each submit waits "
+                             "for the previous one")
+        self.probe.reset()  # safe: the worker is idle between runs
+        t0 = now() + START_MARGIN_S
+        futures = [pool.submit(client_run, self._spec(w, run_id, t0, k))
+                   for k, pool in enumerate(self._pools)]
+        self._wait(futures, progress)
+        records = [RequestRecord(**r) for f in futures for r in f.result()]
+        records.sort(key=lambda r: int(r.rid.rsplit("-", 1)[1]))
+        for r in records:
+            r.first_scheduled = self.probe.first_scheduled.get(r.rid)
+        end = max((r.chunks[-1][0] for r in records if r.chunks), default=now())
+        return finish_run(records, end - t0, self.probe), records
+
+    def _spec(self, w: Workload, run_id: str, t0: float, shard: int) -> dict:
+        params = {"max_tokens": w.max_new_tokens, "temperature": 0.0,
+                  "ignore_eos": w.ignore_eos, "stream_interval": w.stream_interval}
+        return {"url": self.redis_url, "prefix": self.prefix, "run_id": run_id, "t0": t0,
+                "prompts": w.prompts, "params": params, "interval_s": w.submit_interval_s,
+                "schedule": w.schedule, "shard": shard, "num_shards": self.client_procs,
+                "timeout_s": self.timeout_s}
+
+    def _wait(self, futures, progress: Progress) -> None:
+        seen = 0
+        while wait(futures, timeout=0.5).not_done:
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"the bench worker died: {self._error!r}")
+            total = self.probe.num_outputs
+            progress.advance(now(), total - seen)
+            seen = total
+        for f in futures:
+            f.result()
+
+
+# --- the client processes ---------------------------------------------------------------
+
+def _ping() -> bool:
+    import roseinfer.frontends.redis_streams.client  # noqa: F401  (the import is the warm-up)
+    return True
+
+
+def client_run(spec: dict) -> list[dict]:
+    """Submit this shard's requests on the schedule and read their streams; records as dicts."""
+    return asyncio.run(_client(spec))
+
+
+async def _client(spec: dict) -> list[dict]:
+    from roseinfer.frontends.redis_streams.client import AsyncClient
+
+    client = AsyncClient(spec["url"], spec["prefix"])
+    mine = range(spec["shard"], len(spec["prompts"]), spec["num_shards"])
+    records = [RequestRecord(f"{spec['run_id']}-{i}") for i in mine]
+    tasks, last = [], spec["t0"]
+    try:
+        for i, rec in zip(mine, records):
+            relative = spec["schedule"] == "relative" and tasks
+            rec.due = last + spec["interval_s"] if relative else spec["t0"] + i * spec["interval_s"]
+            await asyncio.sleep(max(0.0, rec.due - now()))
+            rec.submit = last = now()
+            await client.submit(spec["prompts"][i], rid=rec.rid, **spec["params"])
+            tasks.append(asyncio.create_task(_read(client, rec, spec["timeout_s"])))
+        await asyncio.gather(*tasks)
+    finally:
+        await client.close()
+    return [dataclasses.asdict(r) for r in records]
+
+
+async def _read(client, rec: RequestRecord, timeout_s: float) -> None:
+    try:
+        async for chunk in client.stream(rec.rid, timeout=timeout_s):
+            rec.chunks.append((now(), len(chunk.token_ids)))
+            rec.token_ids += chunk.token_ids
+            if chunk.finished:
+                rec.finish_reason = chunk.finish_reason
+                rec.prompt_tokens = (chunk.usage or {}).get("prompt_tokens", 0)
+                if chunk.error:
+                    rec.error = f"{chunk.error.get('code')}: {chunk.error.get('message')}"
+    except Exception as e:  # a lost request counts as failed, the run goes on
+        rec.error = f"{type(e).__name__}: {e}"

@@ -1,0 +1,83 @@
+"""A workload: which prompts to send, with which parameters, on which submit schedule."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+Prompt = Union[str, list[int]]
+
+# Models without a tokenizer (e.g. smollm2-random) get this token repeated; its value does
+# not matter for speed, only the prompt length does.
+DEFAULT_FIXED_TOKEN = 1000
+
+
+@dataclass
+class Workload:
+    prompts: list[Prompt]          # what the engine (or the Redis client) receives
+    prompt_ids: list[list[int]]    # the same prompts as token ids, for transformers
+    max_new_tokens: int
+    ignore_eos: bool
+    submit_interval_s: float = 0.0
+    schedule: str = "absolute"     # "absolute": t0 + i*interval; "relative": previous + interval
+    stream_interval: int = 1
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    def describe(self) -> dict:
+        lens = [len(p) for p in self.prompt_ids]
+        return {"num_requests": self.num_requests, "max_new_tokens": self.max_new_tokens,
+                "ignore_eos": self.ignore_eos, "prompt_tokens_min": min(lens),
+                "prompt_tokens_max": max(lens), "prompt_tokens_total": sum(lens),
+                "pretokenized": bool(self.prompts) and not isinstance(self.prompts[0], str),
+                "submit_interval_ms": self.submit_interval_s * 1e3, "schedule": self.schedule,
+                "stream_interval": self.stream_interval}
+
+
+def parse_repeats(text: str) -> list[int]:
+    try:
+        repeats = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        repeats = []
+    if not repeats or min(repeats) < 1:
+        raise ValueError(f"--prompt-repeats wants positive integers like '1,4', got {text!r}")
+    return repeats
+
+
+def build_prompts(n: int, text: str, repeats: list[int], tokenizer, vocab_size: int,
+                  pretok: bool = False, sep: str = " ",
+                  fixed_token: Optional[int] = None) -> tuple[list[Prompt], list[list[int]]]:
+    """Request i gets the prompt unit repeated ``repeats[i % len(repeats)]`` times.
+
+    Text prompts are joined with ``sep`` ("Hello Hello" is two GPT-2 tokens, "HelloHello"
+    is not). Pre-tokenized prompts repeat the unit's ids; without a tokenizer the unit is
+    one fixed token. Returns (prompts as sent, prompts as ids).
+    """
+    if tokenizer is None:
+        pretok = True
+    unit = _unit_ids(text, tokenizer, vocab_size, fixed_token) if pretok else None
+    prompts: list[Prompt] = []
+    ids: list[list[int]] = []
+    for i in range(n):
+        r = repeats[i % len(repeats)]
+        if pretok:
+            prompts.append(unit * r)
+            ids.append(unit * r)
+        else:
+            prompt = sep.join([text] * r)
+            prompts.append(prompt)
+            ids.append(tokenizer.encode(prompt))
+    return prompts, ids
+
+
+def _unit_ids(text: str, tokenizer, vocab_size: int, fixed_token: Optional[int]) -> list[int]:
+    if fixed_token is not None or tokenizer is None:
+        token = DEFAULT_FIXED_TOKEN % vocab_size if fixed_token is None else fixed_token
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"--prompt-token-id {token} is outside the vocabulary [0, {vocab_size})")
+        return [token]
+    unit = tokenizer.encode(text, add_special_tokens=False)
+    if not unit:
+        raise ValueError(f"prompt {text!r} tokenizes to nothing")
+    return unit

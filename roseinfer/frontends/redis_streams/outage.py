@@ -1,0 +1,69 @@
+"""Riding out Redis outages: retry a round trip with backoff until Redis answers again.
+
+A lost connection, a restart (LOADING while it reads its AOF), a failover or a full
+memory all look the same from here: nothing can be written, so the worker waits and
+sends the same writes again. Resending is safe: clients drop chunks whose seq they have
+seen, and acks, claims and expiries are idempotent.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Callable, TypeVar
+
+from redis.exceptions import ConnectionError, ResponseError, TimeoutError
+
+from roseinfer.frontends.redis_streams.events import event
+
+T = TypeVar("T")
+
+# Replies that mean "not now" rather than "never": retried like a lost connection.
+# (A full Redis under maxmemory-policy noeviction answers OOM; a replica being promoted
+# answers READONLY or MASTERDOWN.)
+TRANSIENT_REPLIES = ("OOM", "MISCONF", "LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN",
+                     "CLUSTERDOWN", "NOREPLICAS")
+
+
+class GaveUp(Exception):
+    """Redis stayed unreachable past the shutdown deadline."""
+
+
+def is_transient(error: BaseException) -> bool:
+    if isinstance(error, (ConnectionError, TimeoutError)):  # BusyLoadingError included
+        return True
+    return isinstance(error, ResponseError) and str(error).startswith(TRANSIENT_REPLIES)
+
+
+class Outage:
+    """``Outage(give_up).call(fn)`` runs fn until it does not fail transiently, sleeping
+    0.05 s, 0.1 s, ... up to max_backoff_s between tries. Logs once when Redis goes away
+    and once when it is back; raises GaveUp once give_up() says so."""
+
+    def __init__(self, give_up: Callable[[], bool], on_outage: Callable[[], None] = lambda: None,
+                 max_backoff_s: float = 2.0):
+        self.give_up = give_up
+        self.on_outage = on_outage
+        self.max_backoff_s = max_backoff_s
+
+    def call(self, fn: Callable[[], T]) -> T:
+        started, attempt = None, 0
+        while True:
+            try:
+                result = fn()
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                if started is None:
+                    started = time.monotonic()
+                    event("redis_unavailable", logging.WARNING, error=f"{type(e).__name__}: {e}",
+                          action="retrying with backoff; in-flight requests wait")
+                    self.on_outage()
+                if self.give_up():
+                    raise GaveUp(f"Redis unreachable for {time.monotonic() - started:.1f}s") from e
+                time.sleep(min(self.max_backoff_s, 0.05 * 2 ** attempt) * random.uniform(0.5, 1.0))
+                attempt += 1
+                continue
+            if started is not None:
+                event("redis_back", down_s=time.monotonic() - started, attempts=attempt + 1)
+            return result

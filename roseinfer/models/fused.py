@@ -1,0 +1,218 @@
+"""Fused elementwise ops for the decode step: one kernel where the plain model runs several.
+
+At decode batch sizes every small kernel costs more in launch and gap than in
+work, so each op here folds a chain of elementwise torch ops into one Triton
+kernel:
+
+- ``add_layer_norm`` / ``add_rms_norm``: residual add + norm (one shared kernel).
+- ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` on the fused gate_up output.
+- ``apply_rope``: gather cos/sin by position and rotate q and k, in place.
+
+Every op has a plain-torch twin with the same semantics, used off CUDA.
+``use_triton=None`` picks Triton iff the input is on CUDA; ``True`` forces it
+(on CPU that needs ``TRITON_INTERPRET=1``, for tests). Both paths compute in
+float32 and return the input dtype. The kernels do no host syncs and allocate
+only shape-dependent outputs, so they are CUDA-graph capturable.
+"""
+from __future__ import annotations  # kernel annotations stay strings without triton
+
+import torch
+import torch.nn.functional as F
+
+from roseinfer.core.triton_support import kernel as _kernel, tl, triton
+
+def _use_triton(use_triton: bool | None, x: torch.Tensor) -> bool:
+    if use_triton is None:
+        return x.is_cuda and triton is not None
+    if use_triton and triton is None:
+        raise RuntimeError("use_triton=True but Triton is not installed")
+    return use_triton
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D [rows, cols] view with unit column stride (rows may be strided)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _warps(block: int) -> int:
+    return min(max(block // 256, 1), 16)
+
+
+# ---------------------------------------------------------------- residual add + norm
+
+@_kernel
+def _add_norm_kernel(
+    x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
+    s_x, s_res, s_out, s_res_out,                # row strides
+    n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, IS_RMS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 on long prefills
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    h = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * s_res + cols, mask=mask, other=0.0)
+        # The unfused model stores x + residual in the activation dtype and
+        # normalises what it stored: round the sum the same way.
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * s_res_out + cols, h, mask=mask)
+    h = h.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+        # LlamaRMSNorm rounds the normalised value to the activation dtype
+        # before scaling by the weight.
+        y = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    else:
+        mean = tl.sum(h, axis=0) / n_cols
+        centered = tl.where(mask, h - mean, 0.0)  # padding lanes must not add to the variance
+        rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = centered * rstd * w + b
+    tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _add_norm_triton(x, residual, weight, bias, eps, is_rms):
+    """Returns (normed, x + residual), or (normed, x) itself when residual is None."""
+    rows = _rows(x)
+    n_rows, n_cols = rows.shape
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if residual is None:
+        res = res_out = rows  # never touched: HAS_RESIDUAL is off
+    else:
+        res = _rows(residual)
+        res_out = torch.empty_like(out)
+    block = triton.next_power_of_2(n_cols)
+    _add_norm_kernel[(n_rows,)](
+        rows, res, weight, weight if bias is None else bias, out, res_out,
+        rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        n_cols, eps,
+        HAS_RESIDUAL=residual is not None, IS_RMS=is_rms, BLOCK=block,
+        num_warps=_warps(block),
+    )
+    return out.view(x.shape), x if residual is None else res_out.view(x.shape)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float, use_triton: bool | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (``x`` when residual is None), then ``(layer_norm(h), h)``.
+
+    ``h`` is rounded to ``x.dtype`` before it is normalised, as in the unfused
+    model; statistics and the affine are float32. With ``residual=None`` the
+    second result is ``x`` itself.
+    """
+    if _use_triton(use_triton, x):
+        return _add_norm_triton(x, residual, weight, bias, eps, is_rms=False)
+    h = x if residual is None else x + residual
+    normed = F.layer_norm(h.float(), (h.shape[-1],), weight.float(), bias.float(), eps)
+    return normed.to(h.dtype), h
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, use_triton: bool | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (``x`` when residual is None), then ``(rms_norm(h), h)``.
+
+    Rounds like transformers' LlamaRMSNorm: float32 variance of ``h``, then
+    ``weight * (h * rsqrt(var + eps)).to(x.dtype)``; the result is ``x.dtype``.
+    With ``residual=None`` the second result is ``x`` itself.
+    """
+    if _use_triton(use_triton, x):
+        return _add_norm_triton(x, residual, weight, None, eps, is_rms=True)
+    h = x if residual is None else x + residual
+    normed = F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype) * weight
+    return normed.to(h.dtype), h
+
+
+# ---------------------------------------------------------------- SwiGLU
+
+@_kernel
+def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * s_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [..., 2I]`` (gate first); returns ``[..., I]``."""
+    n_cols = gate_up.shape[-1] // 2
+    if not _use_triton(use_triton, gate_up):
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(gate_up.dtype)
+    x = _rows(gate_up)
+    out = torch.empty((x.shape[0], n_cols), dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(n_cols), 1024)
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, block))](
+        x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=_warps(block))
+    return out.view(*gate_up.shape[:-1], n_cols)
+
+
+# ---------------------------------------------------------------- RoPE
+
+@_kernel
+def _rotate_heads(ptr, row_offset, num_heads, cos, sin, half,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate-half RoPE of one token's heads, in place: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < num_heads) & (j < half)
+    first = ptr + row_offset + h * (2 * half) + j
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
+    tl.store(first + half, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+
+
+@_kernel
+def _rope_kernel(
+    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
+    s_q, s_k, s_pos, s_table,                    # row strides (q/k may be slices of qkv)
+    num_heads, num_kv_heads, half,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program per token: its cos/sin row is gathered once for all q and k heads.
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + row * s_pos).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_ptr + pos * s_table + j, mask=j < half, other=0.0)
+    sin = tl.load(sin_ptr + pos * s_table + j, mask=j < half, other=0.0)
+    _rotate_heads(q_ptr, row * s_q, num_heads, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, row * s_k, num_kv_heads, cos, sin, half, BLOCK_HK, BLOCK_HALF)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+               use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE, IN PLACE: overwrites ``q`` [N, H*D] and ``k`` [N, Hkv*D] and returns them.
+
+    ``q`` and ``k`` need unit column stride only (column slices of a fused qkv
+    tensor are fine); ``positions`` [N] must index rows of the float32
+    ``cos``/``sin`` tables [max_pos, D/2] (not bounds-checked on the Triton path).
+    """
+    if not _use_triton(use_triton, q):
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        for x, heads in ((q, num_heads), (k, num_kv_heads)):
+            per_head = x.view(x.shape[0], heads, -1)
+            x1, x2 = per_head.float().chunk(2, dim=-1)
+            per_head.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        return q, k
+    half = cos.shape[1]
+    assert q.shape[1] == num_heads * 2 * half and k.shape[1] == num_kv_heads * 2 * half
+    assert q.stride(1) == k.stride(1) == cos.stride(1) == 1 and sin.stride() == cos.stride()
+    block_half = triton.next_power_of_2(half)
+    _rope_kernel[(q.shape[0],)](
+        q, k, positions, cos, sin,
+        q.stride(0), k.stride(0), positions.stride(0), cos.stride(0),
+        num_heads, num_kv_heads, half,
+        BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=block_half,
+        num_warps=_warps(triton.next_power_of_2(num_heads + num_kv_heads) * block_half),
+    )
+    return q, k

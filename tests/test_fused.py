@@ -1,0 +1,185 @@
+"""Fused elementwise ops: the Triton path against the torch path and an independent reference.
+
+The references are what the unfused models compute: torch's layer_norm,
+transformers' LlamaRMSNorm and apply_rotary_pos_emb, silu(gate) * up. Off
+CUDA the Triton path runs interpreted on tiny shapes; on a GPU it runs
+compiled and the shapes grow.
+"""
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from roseinfer.models.fused import add_layer_norm, add_rms_norm, apply_rope, silu_and_mul
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+ROWS = 300 if CUDA else 5
+HIDDEN = [72, 576] + ([4096] if CUDA else [])
+INTERMEDIATE = [72, 1536] + ([14336] if CUDA else [])
+# The interpreter truncates float32 -> bfloat16 casts instead of rounding to
+# nearest, so bf16 is checked compiled only.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+# float32 differs by summation order and rsqrt rounding only; half types by
+# an output rounded to the neighbouring value.
+TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6),
+       torch.float16: dict(atol=1e-3, rtol=1e-3),
+       torch.bfloat16: dict(atol=8e-3, rtol=8e-3)}
+EPS = 1e-5
+MAX_POS = 64 if not CUDA else 4096
+H, HKV = 6, 2  # GQA: 3 query heads per KV head
+
+dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+
+
+@pytest.fixture
+def gen(request):
+    """A generator seeded by the test id: fresh inputs per case, reproducible."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def randn(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def assert_close(actual, expected, dtype):
+    """Close within TOL and, for half types, bit-equal almost everywhere.
+
+    Both sides round one float32 value per element, so only values within
+    float32 noise of a rounding boundary may differ; a different rounding order
+    (e.g. LlamaRMSNorm's intermediate cast skipped) changes far more of them.
+    """
+    assert actual.dtype == expected.dtype == dtype
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+    if dtype != torch.float32:
+        assert (actual != expected).float().mean().item() <= 0.01
+
+
+@dtypes
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no_residual"])
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_add_layer_norm(gen, hidden, with_residual, dtype):
+    x = randn(gen, ROWS, hidden, dtype=dtype)
+    residual = randn(gen, ROWS, hidden, dtype=dtype) if with_residual else None
+    weight, bias = 1 + 0.2 * randn(gen, hidden, dtype=dtype), randn(gen, hidden, dtype=dtype)
+    summed = x + residual if with_residual else x
+    expected = F.layer_norm(summed.float(), (hidden,), weight.float(), bias.float(), EPS).to(dtype)
+
+    for use_triton in (True, False):
+        normed, residual_out = add_layer_norm(x, residual, weight, bias, EPS, use_triton=use_triton)
+        assert torch.equal(residual_out, summed)
+        assert_close(normed, expected, dtype)
+
+
+@dtypes
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no_residual"])
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_add_rms_norm(gen, hidden, with_residual, dtype):
+    x = randn(gen, ROWS, hidden, dtype=dtype)
+    residual = randn(gen, ROWS, hidden, dtype=dtype) if with_residual else None
+    hf_norm = LlamaRMSNorm(hidden, eps=EPS).to(DEVICE, dtype)
+    with torch.no_grad():
+        hf_norm.weight.copy_(1 + 0.2 * randn(gen, hidden, dtype=dtype))
+        summed = x + residual if with_residual else x
+        expected = hf_norm(summed)
+
+    for use_triton in (True, False):
+        normed, residual_out = add_rms_norm(x, residual, hf_norm.weight.detach(), EPS,
+                                            use_triton=use_triton)
+        assert torch.equal(residual_out, summed)
+        assert_close(normed, expected, dtype)
+
+
+@dtypes
+@pytest.mark.parametrize("lead", [(ROWS,), (2, 3)], ids=["2d", "3d"])
+@pytest.mark.parametrize("intermediate", INTERMEDIATE)
+def test_silu_and_mul(gen, intermediate, lead, dtype):
+    gate_up = 3 * randn(gen, *lead, 2 * intermediate, dtype=dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (F.silu(gate) * up).to(dtype)
+
+    for use_triton in (True, False):
+        assert_close(silu_and_mul(gate_up, use_triton=use_triton), expected, dtype)
+
+
+def rope_tables(head_dim):
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.outer(torch.arange(MAX_POS).float(), inv_freq)
+    return freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+
+
+def rope_reference(x, heads, positions, cos, sin):
+    """transformers' apply_rotary_pos_emb on [1, heads, N, D] with full-width cos/sin."""
+    per_head = x.float().view(x.shape[0], heads, -1).transpose(0, 1).unsqueeze(0)
+    cos = torch.cat([cos[positions]] * 2, dim=-1).unsqueeze(0)
+    sin = torch.cat([sin[positions]] * 2, dim=-1).unsqueeze(0)
+    rotated, _ = apply_rotary_pos_emb(per_head, per_head, cos, sin)
+    return rotated[0].transpose(0, 1).reshape(x.shape).to(x.dtype)
+
+
+@dtypes
+@pytest.mark.parametrize("fused", [True, False], ids=["qkv_view", "contiguous"])
+@pytest.mark.parametrize("head_dim", [12, 64])
+def test_apply_rope(gen, head_dim, fused, dtype):
+    """In place on q and k, which may be column slices of a fused qkv tensor; v untouched."""
+    q_size, kv_size = H * head_dim, HKV * head_dim
+    qkv = randn(gen, ROWS, q_size + 2 * kv_size, dtype=dtype)
+    # Unsorted positions; int32 as the engine packs them, int64 as indexing produces them.
+    positions = torch.randperm(MAX_POS, generator=gen)[:ROWS].to(
+        torch.int32 if fused else torch.int64).to(DEVICE)
+    cos, sin = rope_tables(head_dim)
+    expected_q = rope_reference(qkv[:, :q_size], H, positions, cos, sin)
+    expected_k = rope_reference(qkv[:, q_size:q_size + kv_size], HKV, positions, cos, sin)
+
+    for use_triton in (True, False):
+        work = qkv.clone()
+        q, k = work[:, :q_size], work[:, q_size:q_size + kv_size]
+        if not fused:
+            q, k = q.contiguous(), k.contiguous()
+        q_out, k_out = apply_rope(q, k, positions, cos, sin, H, HKV, use_triton=use_triton)
+        assert q_out is q and k_out is k
+        assert_close(q, expected_q, dtype)
+        assert_close(k, expected_k, dtype)
+        assert torch.equal(work[:, q_size + kv_size:], qkv[:, q_size + kv_size:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay():
+    """All four ops capture into one graph and replay on new inputs written in place."""
+    gen = torch.Generator().manual_seed(0)
+    rows, hidden, inter, head_dim, dtype = 128, 576, 1536, 64, torch.float16
+    q_size, kv_size = H * head_dim, HKV * head_dim
+    x, residual = randn(gen, rows, hidden, dtype=dtype), randn(gen, rows, hidden, dtype=dtype)
+    weight, bias = randn(gen, hidden, dtype=dtype), randn(gen, hidden, dtype=dtype)
+    gate_up = randn(gen, rows, 2 * inter, dtype=dtype)
+    qkv = randn(gen, rows, q_size + 2 * kv_size, dtype=dtype)
+    positions = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    cos, sin = rope_tables(head_dim)
+
+    def step(use_triton=None):
+        q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+        apply_rope(q, k, positions, cos, sin, H, HKV, use_triton=use_triton)
+        return (*add_layer_norm(x, residual, weight, bias, EPS, use_triton=use_triton),
+                *add_rms_norm(x, residual, weight, EPS, use_triton=use_triton),
+                silu_and_mul(gate_up, use_triton=use_triton))
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+
+    for _ in range(2):
+        for t in (x, residual, gate_up, qkv):
+            t.copy_(randn(gen, *t.shape, dtype=dtype))
+        positions.copy_(torch.randperm(MAX_POS, generator=gen)[:rows])
+        qkv_in = qkv.clone()
+        graph.replay()
+        replayed = (qkv.clone(), *outs)
+        qkv.copy_(qkv_in)
+        expected = step(use_triton=False)  # rotates qkv in place as well
+        for got, want in zip(replayed, (qkv, *expected)):
+            assert_close(got, want, dtype)
