@@ -90,8 +90,8 @@ class ModelRunner:
         n_tok, n_seq = sum(num_tokens), len(seqs)
         graph = self.graphs.bucket(n_seq) if self.graphs and n_tok == n_seq else None
         host = self.stager.host_views(graph or n_tok, graph or n_seq)
-        rows, upd_idx, upd_val = fill(host, seqs, num_tokens, self.block_size, self.rows,
-                                      self.kv_cache.scratch_block)
+        rows, upd_idx, upd_val, greedy = fill(host, seqs, num_tokens, self.block_size,
+                                              self.rows, self.kv_cache.scratch_block)
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
         if graph is not None:
@@ -99,19 +99,20 @@ class ModelRunner:
             logits = logits[inp.sample_idx[:len(rows)]] if len(rows) < n_seq else logits[:n_seq]
         else:
             logits = self._eager(host, num_tokens, len(rows))
-        return self._sample(batch, rows, logits)
+        return self._sample(batch, rows, logits, greedy)
 
-    def _sample(self, batch, rows, logits) -> LaunchedStep:
+    def _sample(self, batch, rows, logits, greedy: bool) -> LaunchedStep:
         landing = self.landing[self.launches % 2]
         self.launches += 1
         if not rows:
             return LaunchedStep(batch, rows, landing, None)
-        picked = [batch.seqs[r] for r in rows]
-        tokens = self.sampler(logits, [s.params for s in picked], [s.generator for s in picked])
+        if greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            picked = [batch.seqs[r] for r in rows]
+            tokens = self.sampler(logits, [s.params for s in picked],
+                                  [s.generator for s in picked])
         self.sampled[:len(rows)].copy_(tokens)
-        for slot, seq in enumerate(picked):
-            seq.sample_slot = slot
-            seq.pending += 1
         landing[:len(rows)].copy_(self.sampled[:len(rows)], non_blocking=True)
         done = None
         if self.device.type == "cuda":

@@ -14,8 +14,6 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[Optional[torch.Generator]]) -> torch.Tensor:
-        if all(p.greedy for p in params):
-            return logits.argmax(dim=-1)
         logits = logits.float()
         dev = logits.device
         temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)

@@ -77,14 +77,18 @@ class TableRows:
 
 
 def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
-         scratch_block: int) -> tuple[list[int], list[int], list[int]]:
+         scratch_block: int) -> tuple[list[int], list[int], list[int], bool]:
     """Write the step's inputs; padding rows after the real ones write to the
-    scratch block. Returns (rows that sample, table entry indices, values).
+    scratch block. Returns (rows that sample, table entry indices, values,
+    whether every sampling row is greedy).
 
+    A sampling sequence's token is marked in flight (``pending``) at the slot
+    of the sampled buffer it will land in: the next step reads it from there.
     The loop only appends to Python lists (cheap); numpy takes them in bulk.
     """
     ids, src, pos, bidx, ctx, seq_rows, sample_rows = [], [], [], [], [], [], []
     upd_idx, upd_val = [], []
+    greedy = True
     for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
         if seq.row < 0:
             rows.assign(seq)
@@ -111,6 +115,9 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
         ctx.append(end)
         seq_rows.append(seq.row)
         if end == len(seq.token_ids) + seq.pending:
+            seq.sample_slot = len(sample_rows)
+            seq.pending += 1
+            greedy = greedy and seq.params.temperature == 0
             sample_rows.append(i)
     t, s = len(ids), len(seqs)
     f = host.fields
@@ -122,7 +129,7 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
     f["sample_idx"][:len(sample_rows)] = qs[1:][sample_rows] - 1
     _pad(host, t, s, rows.pad_row, scratch_block)
     np.remainder(f["positions"], block_size, out=f["offsets"])
-    return sample_rows, upd_idx, upd_val
+    return sample_rows, upd_idx, upd_val, greedy
 
 
 def _pad(host: PackedInputs, t: int, s: int, pad_row: int, scratch_block: int) -> None:
