@@ -26,7 +26,10 @@ import torch
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_usable
 
-BLOCK_N = 32          # keys per tile
+# Launch settings per batch kind; keys per tile (block_n) and warps were
+# measured on an H100 (docs/benchmarks.md). A dict so benchmarks can sweep it.
+TUNING = {"decode": {"block_n": 64, "num_warps": 4, "num_stages": 2},
+          "prefill": {"block_n": 32, "num_warps": 4, "num_stages": 2}}
 MIN_SPLIT_LEN = 256   # fewer keys per split cost more in merging than they win
 MAX_SPLITS = 16
 
@@ -171,7 +174,8 @@ class TritonPagedAttention:
         block_m = max(16 if attn.is_decode else 64, triton.next_power_of_2(group))
         block_q = block_m // group
         splits = num_splits(attn, num_kv_heads, _num_sms(q.device))
-        tiles_per_split = triton.cdiv(triton.cdiv(attn.max_context_len, BLOCK_N), splits)
+        tune = TUNING["decode" if attn.is_decode else "prefill"]
+        tiles_per_split = triton.cdiv(triton.cdiv(attn.max_context_len, tune["block_n"]), splits)
 
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if splits == 1:
@@ -188,9 +192,10 @@ class TritonPagedAttention:
             attn.block_tables.stride(0), attn.num_seqs, head_dim,
             scale * math.log2(math.e), tiles_per_split,
             G=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-            BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_N=tune["block_n"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             PARTIAL=splits > 1,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=tune["num_warps"], num_stages=tune["num_stages"],
         )
         if splits > 1:
             _merge_splits_kernel[(n, num_heads)](
