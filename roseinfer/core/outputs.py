@@ -7,7 +7,7 @@ from typing import Optional
 from roseinfer.core.request import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]      # ids generated in this step
