@@ -196,3 +196,35 @@ def test_packed_inputs_do_not_overlap():
     assert (buf[host.total:] == -7).all()
     assert sorted(np.unique(used).tolist()) == list(range(len(host.fields)))
     assert sum(len(v) for v in host.fields.values()) == host.total
+
+
+def test_resume_releases_text_the_first_owner_held_back():
+    """A stop string longer than the text makes the first owner hold text back;
+    the resuming engine must hand it out, not lose it."""
+    from transformers import GPT2LMHeadModel, GPT2Config
+
+    from roseinfer.models.loader import CACHE_DIR
+    from roseinfer.models.tokenizers import gpt2_tokenizer
+
+    tok = gpt2_tokenizer(CACHE_DIR)
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=128,
+                                    initializer_range=0.3)).eval()
+    llm = LLM(hf, tokenizer=tok, device="cpu", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                            stop=["never-appears-in-this-text"])
+    whole = llm.generate(["Once upon a time"], params)[0]
+    eng = llm.engine
+    eng.add_request("first", "Once upon a time", params)
+    handed_out, ids = "", []
+    while len(ids) < 5:
+        for out in eng.step():
+            ids += out.new_token_ids
+            handed_out += out.new_text
+    eng.abort("first")
+    eng.step()
+    eng.add_request("r", "Once upon a time", params, emitted_ids=ids, emitted_text=handed_out)
+    rest = ""
+    while eng.has_unfinished():
+        rest += "".join(o.new_text for o in eng.step())
+    assert handed_out + rest == whole.text

@@ -96,10 +96,11 @@ class Engine:
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
 
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    emitted_ids: Optional[list[int]] = None):
+                    emitted_ids: Optional[list[int]] = None, emitted_text: Optional[str] = None):
         """Queue a request. ``emitted_ids`` resumes one whose first tokens were
         already handed out elsewhere: they are recomputed as context, count
-        against ``max_tokens``, and are not emitted again."""
+        against ``max_tokens``, and are not emitted again. ``emitted_text`` is
+        the text handed out with them: text still held back then comes out next."""
         params = params or SamplingParams()
         if request_id in self.seqs:
             raise InvalidRequestError("rid", f"request id {request_id!r} is already in use")
@@ -119,7 +120,10 @@ class Engine:
         seq.token_ids += emitted
         seq.num_emitted = len(emitted)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(seq.token_ids, seq.num_tokens, params.stop)
+            seq.detok = IncrementalDetokenizer(seq.token_ids, len(ids), params.stop)
+            if emitted:  # decode them as their first owner did, then skip what it released
+                self.decoder.step([seq], [False])
+                seq.detok.released = len(seq.detok.text if emitted_text is None else emitted_text)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 

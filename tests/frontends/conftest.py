@@ -3,9 +3,12 @@ follows the engine contract, a tiny random GPT-2 with the real GPT-2 tokenizer, 
 worker running in a thread."""
 from __future__ import annotations
 
+import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Optional
 
 import fakeredis
 import pytest
@@ -13,8 +16,36 @@ import redis
 
 from roseinfer.core.config import EngineConfig
 from roseinfer.core.errors import InvalidRequestError
+from roseinfer.frontends.redis_streams.protocol import Keys, decode_chunk
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
 from roseinfer.frontends.redis_streams.worker import Worker
+
+
+WORDS = "the a red fox jumps over lazy dog in Paris capital of France is what".split()
+
+
+# --- reading reply streams -----------------------------------------------------------------
+
+def raw_chunks(redis, prefix, rid):
+    """Every chunk on the reply stream, duplicates included: what the client de-duplicates."""
+    return [decode_chunk(f) for _, f in redis.xrange(Keys(prefix).out(rid))]
+
+
+def assert_well_formed(chunks):
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].usage["completion_tokens"] == sum(len(c.token_ids) for c in chunks)
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def pending(redis, prefix):
+    return redis.xpending(Keys(prefix).requests, "workers")["pending"]
 
 
 # --- the fake engine ---------------------------------------------------------------------
@@ -25,6 +56,7 @@ class _FakeSeq:
     params: object
     out_ids: list = field(default_factory=list)
     aborted: bool = False
+    poisoned: bool = False
 
 
 @dataclass
@@ -50,17 +82,23 @@ class FakeStats:
 
 class FakeEngine:
     """The engine contract with a toy model: after token t comes t+1 (mod vocab), and token
-    t reads as the letter 'a' + t % 26. Prompt text becomes ids by ord(c) % vocab."""
+    t reads as the letter 'a' + t % 26. Prompt text becomes ids by ord(c) % vocab.
+
+    step_s slows each step down; a request whose prompt is ``poison`` makes every step
+    after its first token raise, as an engine bug triggered by one request would."""
     vocab_size = 100
     max_model_len = 64
 
-    def __init__(self, max_num_seqs: int = 4):
+    def __init__(self, max_num_seqs: int = 4, step_s: float = 0.0, poison: Optional[str] = None):
         self.config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs)
         self.tokenizer = None
         self.seqs: dict[str, _FakeSeq] = {}
         self.steps = 0
+        self.step_s = step_s
+        self.poison = poison
+        self.added = []  # every rid ever added, probes included
 
-    def add_request(self, rid, prompt, params):
+    def add_request(self, rid, prompt, params, emitted_ids=None, emitted_text=None):
         ids = [ord(c) % self.vocab_size for c in prompt] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("prompt", "must not be empty")
@@ -68,11 +106,19 @@ class FakeEngine:
             raise InvalidRequestError("prompt_token_ids", f"ids must be in [0, {self.vocab_size})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError("prompt", "prompt + max_tokens is too long", "too_long")
+        emitted = list(emitted_ids or [])
+        if len(emitted) >= params.max_tokens:
+            raise InvalidRequestError("emitted_ids", "the request already has all its tokens")
         assert rid not in self.seqs, f"duplicate rid {rid}"
-        self.seqs[rid] = _FakeSeq(ids, params)
+        self.seqs[rid] = _FakeSeq(ids, params, emitted, poisoned=prompt == self.poison)
+        self.added.append(rid)
 
     def step(self):
         self.steps += 1
+        time.sleep(self.step_s)
+        batch = list(self.seqs.values())[: self.config.max_num_seqs]
+        if any(s.poisoned and s.out_ids and not s.aborted for s in batch):
+            raise RuntimeError("poisoned batch")
         outs = []
         for rid, s in list(self.seqs.items())[: self.config.max_num_seqs]:
             new = [] if s.aborted else [((s.out_ids or s.prompt_ids)[-1] + 1) % self.vocab_size]
@@ -86,7 +132,8 @@ class FakeEngine:
         return outs
 
     def abort(self, rid):
-        self.seqs[rid].aborted = True
+        if rid in self.seqs:
+            self.seqs[rid].aborted = True
 
     def has_unfinished(self):
         return bool(self.seqs)
@@ -205,3 +252,16 @@ def tiny_llm(tiny_gpt2_dir):
     from roseinfer import LLM
 
     return LLM(tiny_gpt2_dir, **TINY_ENGINE)
+
+
+def roseinfer_cmd(*args):
+    return [sys.executable, "-m", "roseinfer.cli", *args]
+
+
+def engine_flags(model_dir):
+    """The CLI flags of TINY_ENGINE on the tiny model."""
+    flags = ["--model", model_dir]
+    for name, value in TINY_ENGINE.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    return flags

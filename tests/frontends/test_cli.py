@@ -1,8 +1,8 @@
-"""`roseinfer worker`, `submit` and `serve` as real processes."""
+"""`roseinfer worker`, `submit`, `status` and `serve` as real processes."""
+import json
 import signal
 import socket
 import subprocess
-import sys
 
 import pytest
 
@@ -10,21 +10,9 @@ from roseinfer import SamplingParams
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.server import free_port
 
-from .conftest import TINY_ENGINE
+from .conftest import engine_flags, roseinfer_cmd as roseinfer
 
 PROMPT = "The capital of France is"
-
-
-def roseinfer(*args):
-    return [sys.executable, "-m", "roseinfer.cli", *args]
-
-
-def engine_flags(model_dir):
-    flags = ["--model", model_dir]
-    for name, value in TINY_ENGINE.items():
-        flag = "--" + name.replace("_", "-")
-        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
-    return flags
 
 
 @pytest.fixture
@@ -56,6 +44,8 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, expected, redis_server, pref
         streamed = subprocess.run(roseinfer(*submit), capture_output=True, text=True, timeout=60)
         whole = subprocess.run(roseinfer(*submit, "--no-stream"), capture_output=True, text=True, timeout=60)
         bad = subprocess.run(roseinfer(*submit, "--top-p", "2"), capture_output=True, text=True, timeout=60)
+        status = subprocess.run(roseinfer("status", "--redis-url", redis_server.url, "--prefix", prefix,
+                                          "--json"), capture_output=True, text=True, timeout=60)
     finally:
         code, _, log = stop(worker)
     assert streamed.returncode == 0, streamed.stderr
@@ -65,6 +55,9 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, expected, redis_server, pref
     assert bad.returncode == 1 and "error (bad_request): top_p: must be in (0, 1]" in bad.stderr
     assert code == 0, log
     assert "rejected" in log and "stopped" in log
+    found = json.loads(status.stdout)
+    assert [(w["pid"], w["status"]) for w in found["workers"]] == [(worker.pid, "serving")]
+    assert (found["waiting"], found["pending"], found["dead"]) == (0, 0, 0)
 
 
 def test_serve_runs_an_embedded_redis_and_stops_on_ctrl_c(tiny_gpt2_dir, expected):

@@ -8,27 +8,9 @@ import msgpack
 
 from roseinfer import SamplingParams
 from roseinfer.frontends.redis_streams.client import AsyncClient, Client
-from roseinfer.frontends.redis_streams.protocol import Keys, decode_chunk
+from roseinfer.frontends.redis_streams.protocol import Keys
 
-WORDS = "the a red fox jumps over lazy dog in Paris capital of France is what".split()
-
-
-def raw_chunks(redis, prefix, rid):
-    """Every chunk on the reply stream, duplicates included: what the client de-duplicates."""
-    return [decode_chunk(f) for _, f in redis.xrange(Keys(prefix).out(rid))]
-
-
-def assert_well_formed(chunks):
-    assert [c.seq for c in chunks] == list(range(len(chunks)))
-    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
-    assert chunks[-1].usage["completion_tokens"] == sum(len(c.token_ids) for c in chunks)
-
-
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+from .conftest import WORDS, assert_well_formed, raw_chunks, wait_until
 
 
 def mixed_requests(n, rng):

@@ -99,10 +99,10 @@ def test_bad_entries_get_an_error_and_do_not_disturb_the_batch(worker, client, f
 def test_engine_bug_in_add_request_costs_only_that_request(worker, client, fake_redis, fake_engine):
     real_add = fake_engine.add_request
 
-    def add(rid, prompt, params):
+    def add(rid, prompt, params, emitted_ids=None, emitted_text=None):
         if rid == "boom":
             raise RuntimeError("kaput")
-        real_add(rid, prompt, params)
+        real_add(rid, prompt, params, emitted_ids, emitted_text)
 
     fake_engine.add_request = add
     client.submit("a", rid="boom")
@@ -161,11 +161,19 @@ def test_stop_drains_in_flight_requests_and_reads_no_more(worker, client, fake_r
 
 def test_one_round_trip_per_step(worker, client, fake_redis, monkeypatch):
     for _ in range(3):
-        client.submit("a", max_tokens=4)
-    worker.run_once()
+        client.submit("a", max_tokens=8)
+    for _ in range(3):  # admission, then an ownership check and its refresh
+        worker.run_once()
     executes, commands = [], []
-    monkeypatch.setattr(worker._pipe, "execute", lambda _real=worker._pipe.execute, **k:
-                        executes.append(len(worker._pipe)) or _real(**k))
+    real_pipeline = fake_redis.pipeline
+
+    def pipeline(**kwargs):
+        pipe = real_pipeline(**kwargs)
+        real_execute = pipe.execute
+        pipe.execute = lambda **k: executes.append(len(pipe)) or real_execute(**k)
+        return pipe
+
+    monkeypatch.setattr(fake_redis, "pipeline", pipeline)
     monkeypatch.setattr(fake_redis, "execute_command", lambda *a, **k: commands.append(a))
     worker.run_once()
     # 3 chunks (XADD + EXPIRE each), then the cancel and request reads

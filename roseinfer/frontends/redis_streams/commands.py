@@ -15,6 +15,7 @@ import redis
 
 from roseinfer.frontends.redis_streams import metrics, status
 from roseinfer.frontends.redis_streams.client import DEFAULT_URL, Client
+from roseinfer.frontends.redis_streams.events import event
 from roseinfer.frontends.redis_streams.protocol import DEFAULT_GROUP, DEFAULT_PREFIX, Keys
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis
 from roseinfer.frontends.redis_streams.worker import EngineFailed, Worker
@@ -28,8 +29,8 @@ SOCKET_TIMEOUT_S = 10.0
 # Worker settings: flag (--claim-idle-ms), or key of the --config file's [worker] table
 # (claim_idle_ms = 10000); the flag wins. name: (default, type, help)
 WORKER_SETTINGS = {
-    "redis_url": (None, str, "Redis to serve from (worker default: " + DEFAULT_URL
-                  + "; serve default: start an embedded one)"),
+    "redis_url": (None, str, (f"Redis to serve from (worker default: {DEFAULT_URL}; "
+                              "serve default: start an embedded one)")),
     "prefix": (DEFAULT_PREFIX, str, "key prefix"),
     "group": (DEFAULT_GROUP, str, "consumer group"),
     "consumer": (None, str, "consumer name, unique per worker (default: HOST-PID)"),
@@ -37,8 +38,7 @@ WORKER_SETTINGS = {
     "max_deliveries": (5, int, "move a request delivered more often than this to P:dead"),
     "grace_s": (30.0, float, "on SIGTERM/SIGINT, let in-flight requests finish this long"),
     "heartbeat_s": (5.0, float, "rewrite this worker's heartbeat key this often"),
-    "metrics_port": (None, int, "serve Prometheus metrics at http://ADDR:PORT/metrics "
-                                "(default: off)"),
+    "metrics_port": (None, int, "serve Prometheus metrics at http://ADDR:PORT/metrics (default: off)"),
     "metrics_addr": ("0.0.0.0", str, "address of the metrics endpoint"),
     "raw": (False, bool, "pass text prompts as they are, not wrapped in the chat template"),
 }
@@ -195,7 +195,8 @@ def _stop_on_signals(worker: Worker) -> None:
     def handler(signum, frame):
         if worker.stopping:
             raise KeyboardInterrupt
-        log.info("stopping: finishing in-flight requests (Ctrl-C again to quit at once)")
+        event("stopping", signal=signal.Signals(signum).name, grace_s=worker.grace_s,
+              note="finishing in-flight requests; the same signal again quits at once")
         worker.stop()
 
     signal.signal(signal.SIGINT, handler)

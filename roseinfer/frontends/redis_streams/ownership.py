@@ -9,20 +9,11 @@ Every method adds commands to a pipeline, so they ride the worker's one round tr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 from roseinfer.frontends.redis_streams.protocol import Keys
 
 # Idle time given to an entry handed back: past any worker's --claim-idle-ms, so the next
 # XAUTOCLAIM anywhere takes it at once.
 HANDED_BACK_IDLE_MS = 86_400_000
-
-
-@dataclass(frozen=True)
-class Owner:
-    consumer: str
-    deliveries: int
 
 
 class Ownership:
@@ -32,18 +23,24 @@ class Ownership:
         self.consumer = consumer
         self.claim_idle_ms = claim_idle_ms
 
-    # --- reads ---------------------------------------------------------------------------
+    def refresh(self, pipe, entries: list[tuple[str, float]]) -> None:
+        """Queue a refresh of entries this worker believes it owns, each given with its age:
+        seconds since this worker last knew it untouched (read, claimed or refreshed it).
 
-    def check(self, pipe, entry_ids: list[str]) -> None:
-        """Queue one owner lookup per entry; parse the replies with owners()."""
-        for entry_id in entry_ids:
-            pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+        Another worker can claim an entry only after it sat idle for claim_idle_ms, so once
+        claimed, its idle time is at least claim_idle_ms shorter than that age. Claiming it
+        with a minimum idle time of age - claim_idle_ms/2 therefore succeeds, resetting the
+        idle time, exactly for the entries still untouched, in one atomic command (JUSTID:
+        not a delivery). Read the replies with kept()."""
+        for entry_id, age_s in entries:
+            min_idle_ms = max(0, int(age_s * 1000) - self.claim_idle_ms // 2)
+            pipe.xclaim(self.stream, self.group, self.consumer, min_idle_ms, [entry_id], justid=True)
 
     @staticmethod
-    def owners(entry_ids: list[str], replies: list) -> dict[str, Optional[Owner]]:
-        """Each entry's owner, None for one no longer pending (acknowledged, or Redis lost it)."""
-        return {entry_id: (Owner(r[0]["consumer"].decode(), r[0]["times_delivered"]) if r else None)
-                for entry_id, r in zip(entry_ids, replies)}
+    def kept(replies: list) -> list[bool]:
+        """Per refreshed entry: still this worker's? (No: claimed elsewhere, or acknowledged.
+        An error reply, as when the stream was deleted, says nothing about it: kept.)"""
+        return [bool(r) or isinstance(r, Exception) for r in replies]
 
     def claim(self, pipe, cursor: str, count: int) -> None:
         """Queue an XAUTOCLAIM of up to ``count`` entries idle past the threshold."""
@@ -58,12 +55,6 @@ class Ownership:
         entry (without its ID): nothing to serve, so it is dropped here."""
         cursor, entries = reply[0], reply[1]
         return cursor.decode(), [(i.decode(), f) for i, f in entries if i is not None and f]
-
-    # --- writes ---------------------------------------------------------------------------
-
-    def refresh(self, pipe, entry_ids: list[str]) -> None:
-        """Reset the idle time of entries this worker still owns (JUSTID: not a delivery)."""
-        pipe.xclaim(self.stream, self.group, self.consumer, 0, entry_ids, justid=True)
 
     def hand_back(self, pipe, entry_id: str, deliveries: int, count_it: bool) -> None:
         """Make an unfinished entry claimable at once by any worker (this one included).

@@ -85,7 +85,10 @@ class EmbeddedRedis:
     def stop(self, kill: bool = False) -> None:
         """Shut the server down (kill: SIGKILL, as a crash would); a temporary dir goes too."""
         if self._proc is not None:
-            self._proc.kill() if kill else self._proc.terminate()
+            if kill:
+                self._proc.kill()
+            else:
+                self._proc.terminate()
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -46,9 +46,9 @@ def _waiting(redis: Redis, keys: Keys, info: dict) -> int:
 
 def render(s: dict) -> str:
     oldest = "" if s["oldest_waiting_s"] is None else f", oldest {s['oldest_waiting_s']:.1f}s"
-    lines = [f"queue {s['stream']} (group {s['group']}): {s['waiting']} waiting{oldest}, "
-             f"{s['pending']} pending, {s['dead']} dead-lettered",
-             f"workers: {len(s['workers'])} alive"]
+    queue = (f"queue {s['stream']} (group {s['group']}): {s['waiting']} waiting{oldest}, "
+             f"{s['pending']} pending, {s['dead']} dead-lettered")
+    lines = [queue, f"workers: {len(s['workers'])} alive"]
     if s["workers"]:
         lines.append(f"  {'CONSUMER':<28} {'STATUS':<9} {'IN-FLIGHT':>9} {'RUNNING':>7} "
                      f"{'WAITING':>7} {'KV-CACHE':>8} {'FINISHED':>8} {'SEEN':>6}")

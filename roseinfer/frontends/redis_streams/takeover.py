@@ -8,10 +8,12 @@ chunk takes the next seq, so its client sees neither a duplicate nor a gap.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from roseinfer.frontends.redis_streams.protocol import (
     Chunk, Keys, accepted_chunks, reply_rid)
+
+DEAD_MAXLEN = 100_000  # P:dead is for people to read: it should never come near this
 
 
 @dataclass
@@ -21,6 +23,8 @@ class Takeover:
     rid: str
     deliveries: int        # this delivery included
     chunks: list[Chunk]    # what the request's client has received so far
+    # When this worker last knew the entry its own: just claimed (see Ownership.refresh).
+    refreshed_at: float = field(default_factory=time.monotonic)
 
     @property
     def finished(self) -> bool:
@@ -53,9 +57,10 @@ def read_takeovers(pipe, keys: Keys, group: str, claimed: list) -> list[Takeover
     return takeovers
 
 
-def dead_letter_fields(t: Takeover, reason: str, consumer: str) -> dict:
-    """A P:dead entry: the request's own fields, replayable as they are (XADD them to
-    P:requests again; the dead_* fields are ignored there), and why it died."""
-    return {**t.fields, "dead_entry_id": t.entry_id, "dead_rid": t.rid,
-            "dead_deliveries": t.deliveries, "dead_reason": reason, "dead_consumer": consumer,
-            "dead_at": f"{time.time():.3f}"}
+def dead_letter(pipe, keys: Keys, t: Takeover, reason: str, consumer: str) -> None:
+    """Queue the P:dead entry: the request's own fields, replayable as they are (XADD them
+    to P:requests again; the dead_* fields are ignored there), and why it died."""
+    fields = {**t.fields, "dead_entry_id": t.entry_id, "dead_rid": t.rid,
+              "dead_deliveries": t.deliveries, "dead_reason": reason, "dead_consumer": consumer,
+              "dead_at": f"{time.time():.3f}"}
+    pipe.xadd(keys.dead, fields, maxlen=DEAD_MAXLEN, approximate=True)

@@ -1,10 +1,10 @@
 """The Redis worker: pulls requests through a consumer group, steps the engine, publishes chunks.
 
 One loop iteration is one engine step and one Redis round trip: a single pipeline carries
-the step's writes (chunks, acks, ownership refreshes, the heartbeat), then reads new
-cancels, the owners of in-flight entries when a refresh is due, and as many new requests
-as there are free slots, blocking only while the engine is idle. A few times per claim
-period, a worker with free slots also claims abandoned entries (one more round trip).
+the step's writes (chunks, acks, the heartbeat), reads new cancels, refreshes its claim
+on its in-flight entries when due, and reads as many new requests as there are free
+slots, blocking only while the engine is idle. A few times per claim period, a worker
+with free slots also claims abandoned entries (one more round trip).
 
 The guarantees (docs/operations.md): a request entry is acknowledged only together with
 its final chunk; a live worker keeps its entries, a dead one's are claimed and resumed
@@ -18,34 +18,29 @@ import os
 import socket
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from redis import Redis
 from redis.exceptions import ResponseError
 
 from roseinfer.core.errors import InvalidRequestError
-from roseinfer.core.sampling import SamplingParams
+from roseinfer.frontends.redis_streams import engine_health
 from roseinfer.frontends.redis_streams.events import event, log
 from roseinfer.frontends.redis_streams.heartbeat import Heartbeat
+from roseinfer.frontends.redis_streams.inflight import RUN_ALONE_FROM_DELIVERY, InFlight
 from roseinfer.frontends.redis_streams.metrics import Metrics
-from roseinfer.frontends.redis_streams.outage import GaveUp, Outage, is_transient
+from roseinfer.frontends.redis_streams.outage import GaveUp, Outage
+from roseinfer.frontends.redis_streams.outbox import Outbox
 from roseinfer.frontends.redis_streams.ownership import Ownership
 from roseinfer.frontends.redis_streams.protocol import (
     DEFAULT_GROUP, DEFAULT_PREFIX, Chunk, Keys, decode_request, encode_chunk, entry_time,
     error_chunk, reply_rid)
-from roseinfer.frontends.redis_streams.takeover import (
-    Takeover, dead_letter_fields, read_takeovers)
+from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, read_takeovers
 
 # Cancels of requests this worker has not read yet: remembered so that a request cancelled
 # while still queued is aborted as soon as it arrives. Bounded: old ones fall out first.
 MAX_REMEMBERED_CANCELS = 10_000
-# From this delivery on, an entry runs alone: when a batch keeps failing, running its
-# requests one by one tells the poison entry from the ones that only shared its batches.
-RUN_ALONE_FROM_DELIVERY = 3
-DEAD_MAXLEN = 100_000
-PROBE_RID = "roseinfer-probe"
-MAX_DRAIN_STEPS = 100
 
 
 def default_consumer_name() -> str:
@@ -57,27 +52,9 @@ class EngineFailed(RuntimeError):
 
 
 @dataclass
-class _InFlight:
-    """A request this worker owns: its entry (acked with the final chunk) and unsent output."""
-    entry_id: str
-    stream_interval: int
-    deliveries: int
-    arrival: float                  # when Redis added the entry (epoch seconds)
-    resumed: bool
-    seq: int = 0
-    held_ids: list[int] = field(default_factory=list)
-    held_text: str = ""
-    last_token_at: Optional[float] = None
-
-    @property
-    def alone(self) -> bool:
-        return self.deliveries >= RUN_ALONE_FROM_DELIVERY
-
-
-@dataclass
 class _Plan:
-    """What a step's round trip reads besides cancels."""
-    owned: list[str]    # entries whose owner to check (empty: no refresh this time)
+    """What a step's round trip does besides sending writes and reading cancels."""
+    owned: list         # InFlight and Takeover entries to refresh (often none)
     slots: int          # new requests to read
     block: Optional[int]
 
@@ -119,15 +96,15 @@ class Worker:
         self.heartbeat = Heartbeat(self.keys, self.consumer, heartbeat_s, model=model_name,
                                    max_num_seqs=engine.config.max_num_seqs)
         self.outage = Outage(self._past_deadline, self.metrics.redis_outages.inc)
+        self.outbox = Outbox(redis, self.outage)
         # Refreshing four times per claim period keeps a live worker's entries far from it.
         self._tick_s = claim_idle_ms / 4000
         self._next_refresh = self._next_claim = 0.0
         self._claim_now = False
         self._claim_cursor = "0-0"
-        self._inflight: dict[str, _InFlight] = {}
+        self._inflight: dict[str, InFlight] = {}
         self._suspects: deque[Takeover] = deque()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._writes: list[tuple] = []      # (fn, args, kwargs), replayed until Redis took them
         self._cancel_cursor = "0-0"
         self._stop_at: Optional[float] = None
         self._engine_failure: Optional[BaseException] = None
@@ -181,8 +158,8 @@ class Worker:
     def _leave(self) -> None:
         unfinished = len(self._inflight) + len(self._suspects)
         self._hand_back_all()
-        self._write(self.heartbeat.remove)
-        self._round_trip()
+        self.outbox.write(self.heartbeat.remove)
+        self.outbox.send()
         self._forget_consumer_if_idle()
         event("stopped", consumer=self.consumer, handed_back=unfinished)
 
@@ -192,78 +169,47 @@ class Worker:
         self._start_suspect()
         if self._claim_due():
             self._claim()
-        cancels, owners, entries = self._exchange()
+        cancels, entries = self._exchange()
         for rid in cancels:
             self._cancel(rid)
-        if owners is not None:
-            self._keep_or_drop(owners)
         for entry_id, fields in entries:
             self._admit(entry_id, fields)
         self._log_progress()
 
     # --- Redis round trips --------------------------------------------------------------
 
-    def _write(self, fn, *args, **kwargs) -> None:
-        """Queue a write for the next round trip: fn(pipe, *args, **kwargs)."""
-        self._writes.append((fn, args, kwargs))
-
-    def _round_trip(self, add_reads=None) -> list:
-        """Send the queued writes and add_reads(pipe)'s reads in one pipeline; returns the
-        reads' replies. Through an outage the same writes go again until Redis takes them."""
-        def once():
-            pipe = self.redis.pipeline(transaction=False)
-            for fn, args, kwargs in self._writes:
-                fn(pipe, *args, **kwargs)
-            writes = len(pipe)
-            if add_reads is not None:
-                add_reads(pipe)
-            results = pipe.execute(raise_on_error=False)
-            for i, r in enumerate(results):
-                if isinstance(r, Exception) and is_transient(r):
-                    raise r
-                if isinstance(r, Exception) and i < writes:
-                    # e.g. a client wrote a non-stream value under a reply key: its loss only
-                    event("write_failed", logging.WARNING, error=r)
-            return results[writes:]
-
-        reads = self.outage.call(once)
-        self._writes.clear()
-        return reads
-
     def _exchange(self):
-        """This step's round trip: (cancelled rids, owners or None, new entries)."""
+        """This step's round trip: (cancelled rids, new entries)."""
         plan = self._plan()
         if self.heartbeat.due():
-            self._write(self.heartbeat.write, "draining" if self.stopping else "serving",
-                        **self._live_status())
+            status = "draining" if self.stopping else "serving"
+            self.outbox.write(self.heartbeat.write, status, **self._live_status())
 
         def add_reads(pipe):
             pipe.xread({self.keys.cancel: self._cancel_cursor}, count=1000)
-            self.ownership.check(pipe, plan.owned)
+            now = time.monotonic()
+            self.ownership.refresh(pipe, [(o.entry_id, now - o.refreshed_at) for o in plan.owned])
             if plan.slots:
                 pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">"},
                                 count=plan.slots, block=plan.block)
 
-        cancel_read, *reads = self._round_trip(add_reads)
-        owner_replies, request_read = reads[:len(plan.owned)], reads[len(plan.owned):]
-        owners = None
-        if plan.owned and not any(isinstance(r, Exception) for r in owner_replies):
-            owners = Ownership.owners(plan.owned, owner_replies)
+        cancel_read, *reads = self.outbox.send(add_reads)
+        self._keep_or_drop(plan.owned, reads[:len(plan.owned)])
+        request_read = reads[len(plan.owned):]
         entries = []
         if request_read and self._readable(request_read[0]) and request_read[0]:
             entries = [(i.decode(), f) for i, f in request_read[0][0][1]]
         cancels = cancel_read[0][1] if cancel_read else []
         if cancels:
             self._cancel_cursor = cancels[-1][0]
-        return ([f[b"rid"].decode(errors="replace") for _, f in cancels if b"rid" in f],
-                owners, entries)
+        return [f[b"rid"].decode(errors="replace") for _, f in cancels if b"rid" in f], entries
 
     def _plan(self) -> _Plan:
         now = time.monotonic()
         owned = []
         if now >= self._next_refresh and (self._inflight or self._suspects):
             self._next_refresh = now + self._tick_s
-            owned = [f.entry_id for f in self._inflight.values()] + [t.entry_id for t in self._suspects]
+            owned = [*self._inflight.values(), *self._suspects]
         idle = not (self.engine.has_unfinished() or self._suspects)
         return _Plan(owned, self._free_slots(), self.block_ms if idle else None)
 
@@ -277,7 +223,8 @@ class Worker:
     def _claim(self) -> None:
         """Claim entries idle past the threshold: a dead worker's, or ones handed back."""
         slots = self._free_slots()
-        (reply,) = self._round_trip(lambda pipe: self.ownership.claim(pipe, self._claim_cursor, slots))
+        cursor = self._claim_cursor
+        (reply,) = self.outbox.send(lambda pipe: self.ownership.claim(pipe, cursor, slots))
         if not self._readable(reply):
             return
         self._claim_cursor, claimed = Ownership.claimed(reply)
@@ -325,31 +272,31 @@ class Worker:
 
     # --- ownership ----------------------------------------------------------------------
 
-    def _keep_or_drop(self, owners: dict) -> None:
-        mine = [e for e, o in owners.items() if o is not None and o.consumer == self.consumer]
-        if mine:
-            self._write(self.ownership.refresh, mine)
-        for entry_id in owners.keys() - set(mine):
-            self._drop(entry_id, owners[entry_id])
+    def _keep_or_drop(self, owned: list, replies: list) -> None:
+        confirmed_at = time.monotonic()  # after Redis ran the refresh: never too early
+        for o, kept in zip(owned, Ownership.kept(replies)):
+            if kept:
+                o.refreshed_at = confirmed_at
+            else:
+                self._drop(o)
 
-    def _drop(self, entry_id: str, owner) -> None:
-        """Another worker owns the entry now (this one stalled past the claim threshold),
-        or it was acknowledged: stop serving it, silently, since its client is served."""
-        rid = next((r for r, f in self._inflight.items() if f.entry_id == entry_id), None)
-        if rid is not None:
-            del self._inflight[rid]
-            self.engine.abort(rid)  # its "abort" output is ignored: the rid is no longer ours
+    def _drop(self, o) -> None:
+        """Another worker claimed the entry (this one stalled past the claim threshold), or
+        it was acknowledged: stop serving it, silently, since its client is served."""
+        if isinstance(o, Takeover):
+            self._suspects.remove(o)
         else:
-            self._suspects = deque(t for t in self._suspects if t.entry_id != entry_id)
-        event("ownership_lost", logging.WARNING, rid=rid, entry=entry_id,
-              owner=owner.consumer if owner else "none (acknowledged or deleted)")
+            del self._inflight[o.rid]
+            self.engine.abort(o.rid)  # its "abort" output is ignored: the rid is not ours
+        event("ownership_lost", logging.WARNING, rid=o.rid, entry=o.entry_id,
+              reason="claimed by another worker, or acknowledged")
 
     def _take_over(self, claimed: list) -> None:
         takeovers = self.outage.call(lambda: read_takeovers(
             self.redis.pipeline(transaction=False), self.keys, self.group, claimed))
         for t in takeovers:
             if t.finished:  # its worker died between the final chunk and the ack
-                self._write(self.ownership.ack, t.entry_id)
+                self.outbox.write(self.ownership.ack, t.entry_id)
                 event("acked", rid=t.rid, entry=t.entry_id, reason="already finished")
             elif t.deliveries > self.max_deliveries:
                 self._dead_letter(t)
@@ -359,7 +306,8 @@ class Worker:
                 self._admit(t.entry_id, t.fields, t)
 
     def _start_suspect(self) -> None:
-        if self._suspects and not self._inflight and not self.engine.has_unfinished():
+        """Run the next suspect once the engine is empty (nothing else is read meanwhile)."""
+        if self._suspects and not (self._inflight or self.engine.has_unfinished() or self.stopping):
             t = self._suspects.popleft()
             event("running_alone", rid=t.rid, entry=t.entry_id, deliveries=t.deliveries)
             self._admit(t.entry_id, t.fields, t)
@@ -367,9 +315,7 @@ class Worker:
     def _dead_letter(self, t: Takeover) -> None:
         reason = (f"delivered {t.deliveries} times without finishing (--max-deliveries "
                   f"{self.max_deliveries}); it may be crashing workers")
-        self._write(lambda pipe, fields: pipe.xadd(self.keys.dead, fields, maxlen=DEAD_MAXLEN,
-                                                   approximate=True),
-                    dead_letter_fields(t, reason, self.consumer))
+        self.outbox.write(dead_letter, self.keys, t, reason, self.consumer)
         message = f"{reason}; moved to {self.keys.dead} for an operator to look at"
         self._publish(error_chunk(t.rid, "dead_letter", message, t.next_seq, len(t.emitted_ids)),
                       t.entry_id)
@@ -380,17 +326,12 @@ class Worker:
 
     def _hand_back_all(self) -> None:
         """Give every unfinished entry back to the group, not counted as a delivery."""
-        if self._inflight and self._engine_failure is None:
-            try:  # leaves the engine empty, for whoever drives it next in this process
-                for rid in self._inflight:
-                    self.engine.abort(rid)
-                self._drain_engine()
-            except Exception:
-                log.exception("event=drain_failed")
+        if self._engine_failure is None:
+            engine_health.abandon(self.engine, list(self._inflight))
         for f in self._inflight.values():
-            self._write(self.ownership.hand_back, f.entry_id, f.deliveries, False)
+            self.outbox.write(self.ownership.hand_back, f.entry_id, f.deliveries, False)
         for t in self._suspects:
-            self._write(self.ownership.hand_back, t.entry_id, t.deliveries, False)
+            self.outbox.write(self.ownership.hand_back, t.entry_id, t.deliveries, False)
         self._inflight.clear()
         self._suspects.clear()
 
@@ -403,8 +344,10 @@ class Worker:
         except Exception as e:  # the batch fails, not the worker
             self._on_step_failure(e)
             return
-        for out in outputs:
-            self._on_output(out)
+        tokens = sum(self._on_output(out) for out in outputs)
+        self.metrics.generation_tokens.inc(tokens)
+        self._totals["tokens"] += tokens
+        self._progress["tokens"] += tokens
         stats = self.engine.stats()
         self.metrics.engine_stats(stats)
         event("step", logging.DEBUG, outputs=len(outputs), running=stats.num_running,
@@ -418,9 +361,9 @@ class Worker:
         log.error("event=step_failed in_flight=%d rids=%s", len(self._inflight),
                   ",".join(self._inflight), exc_info=error)
         self.metrics.step_failures.inc()
-        healthy = self._probe_engine()
+        healthy = engine_health.works_after_failure(self.engine, list(self._inflight))
         for f in self._inflight.values():
-            self._write(self.ownership.hand_back, f.entry_id, f.deliveries, healthy)
+            self.outbox.write(self.ownership.hand_back, f.entry_id, f.deliveries, healthy)
         event("handed_back", logging.WARNING, count=len(self._inflight), counted=healthy)
         self._inflight.clear()
         if healthy:
@@ -428,38 +371,19 @@ class Worker:
         else:
             self._engine_failure = error
 
-    def _probe_engine(self) -> bool:
-        try:
-            for rid in self._inflight:
-                self.engine.abort(rid)
-            self._drain_engine()
-            # Token 0 exists in every vocabulary; one token needs a prefill and a sample.
-            self.engine.add_request(PROBE_RID, [0], SamplingParams(max_tokens=1, temperature=0))
-            return self._drain_engine()
-        except Exception:
-            log.exception("event=probe_failed")
-            return False
-
-    def _drain_engine(self) -> bool:
-        """Step until the engine holds nothing; the outputs are nobody's (all aborted)."""
-        for _ in range(MAX_DRAIN_STEPS):
-            if not self.engine.has_unfinished():
-                return True
-            self.engine.step()
-        return False
-
     # --- requests -----------------------------------------------------------------------
 
     def _admit(self, entry_id: str, fields: dict, resume: Optional[Takeover] = None) -> None:
         rid = reply_rid(entry_id, fields)
         seq, emitted = (resume.next_seq, resume.emitted_ids) if resume else (0, [])
+        emitted_text = "".join(c.text for c in resume.chunks) if resume else ""
         try:
             req = decode_request(entry_id, fields)
             if req.rid in self._inflight:
                 rid, seq, emitted = entry_id, 0, []  # P:out:{rid} belongs to the running one
                 raise InvalidRequestError("rid", f"{req.rid!r} is already in flight; use a new rid")
             self.engine.add_request(req.rid, self._engine_prompt(req.prompt), req.params,
-                                    emitted_ids=emitted)
+                                    emitted_ids=emitted, emitted_text=emitted_text)
         except InvalidRequestError as e:
             event("rejected", logging.WARNING, rid=rid, entry=entry_id, code=e.code, error=e)
             self._fail(rid, entry_id, e.code, str(e), seq, len(emitted))
@@ -469,7 +393,7 @@ class Worker:
             self._fail(rid, entry_id, "internal", f"{type(e).__name__}: {e}", seq, len(emitted))
             return
         deliveries = resume.deliveries if resume else 1
-        self._inflight[req.rid] = _InFlight(entry_id, req.stream_interval, deliveries,
+        self._inflight[req.rid] = InFlight(req.rid, entry_id, req.stream_interval, deliveries,
                                             entry_time(entry_id), resume is not None, seq)
         if resume:
             self.metrics.resumed.inc()
@@ -502,62 +426,40 @@ class Worker:
             self._cancelled.popitem(last=False)
 
     def _publish(self, chunk: Chunk, ack_entry_id: Optional[str] = None) -> None:
-        self._write(self._send_chunk, self.keys.out(chunk.rid), encode_chunk(chunk))
+        self.outbox.write(self._send_chunk, self.keys.out(chunk.rid), encode_chunk(chunk))
         if ack_entry_id is not None:
             # Acked only together with the final chunk, so a crash never loses a request.
-            self._write(self.ownership.ack, ack_entry_id)
+            self.outbox.write(self.ownership.ack, ack_entry_id)
 
     def _send_chunk(self, pipe, key: str, fields: dict) -> None:
         pipe.xadd(key, fields, maxlen=self.reply_maxlen, approximate=True)
         pipe.expire(key, self.reply_ttl_s)
 
-    def _on_output(self, out) -> None:
+    def _on_output(self, out) -> int:
+        """Publish what the output makes due; returns how many tokens it brought."""
         f = self._inflight.get(out.request_id)
         if f is None:
-            return  # a request handed back or owned elsewhere now: its output is not ours
-        self._observe_tokens(f, out)
-        f.held_ids += out.new_token_ids
-        f.held_text += out.new_text
-        due = f.held_ids and (f.seq == 0 or len(f.held_ids) >= f.stream_interval)
-        if not (due or out.finished):
-            return
-        chunk = Chunk(out.request_id, f.seq, f.held_ids, f.held_text)
-        f.seq, f.held_ids, f.held_text = f.seq + 1, [], ""
-        if out.finished:
-            self._finish(f, out, chunk)
-        else:
+            return 0  # a request handed back or owned elsewhere now: its output is not ours
+        n = f.observe(out, self.metrics)
+        chunk = f.take(out)
+        if chunk is not None and chunk.finished:
+            self._finish(f, chunk)
+        elif chunk is not None:
             self._publish(chunk)
+        return n
 
-    def _observe_tokens(self, f: _InFlight, out) -> None:
-        n = len(out.new_token_ids)
-        if not n:
-            return
-        now = time.monotonic()
-        if f.last_token_at is None:  # this worker's first token: it prefilled the prompt
-            self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-            if not f.resumed:
-                self.metrics.ttft.observe(max(0.0, time.time() - f.arrival))
-        else:
-            self.metrics.itl.observe(now - f.last_token_at)
-        f.last_token_at = now
-        self.metrics.generation_tokens.inc(n)
-        self._totals["tokens"] += n
-        self._progress["tokens"] += n
-
-    def _finish(self, f: _InFlight, out, chunk: Chunk) -> None:
-        chunk.finish_reason = out.finish_reason
-        chunk.usage = {"prompt_tokens": len(out.prompt_token_ids),
-                       "completion_tokens": len(out.token_ids)}
+    def _finish(self, f: InFlight, chunk: Chunk) -> None:
         self._publish(chunk, f.entry_id)
-        del self._inflight[out.request_id]
+        del self._inflight[f.rid]
         e2e_s = max(0.0, time.time() - f.arrival)
-        self.metrics.finished(out.finish_reason)
+        self.metrics.finished(chunk.finish_reason)
         self.metrics.e2e.observe(e2e_s)
         self._totals["finished"] += 1
         self._progress["finished"] += 1
-        event("finished", rid=out.request_id, reason=out.finish_reason,
+        event("finished", rid=f.rid, reason=chunk.finish_reason,
               prompt_tokens=chunk.usage["prompt_tokens"],
-              completion_tokens=chunk.usage["completion_tokens"], chunks=chunk.seq + 1, e2e_s=e2e_s)
+              completion_tokens=chunk.usage["completion_tokens"], chunks=chunk.seq + 1,
+              e2e_s=e2e_s)
 
     def _log_progress(self) -> None:
         p, now = self._progress, time.monotonic()

@@ -1,0 +1,112 @@
+"""`roseinfer worker` processes on the tiny GPT-2 and a real Redis: one killed with SIGKILL
+mid-flight (the other resumes its requests), one stopped with SIGTERM mid-batch."""
+import os
+import random
+import signal
+import subprocess
+
+import pytest
+
+from roseinfer import SamplingParams
+from roseinfer.frontends.redis_streams.client import Client
+from roseinfer.frontends.redis_streams.heartbeat import read_heartbeats
+from roseinfer.frontends.redis_streams.protocol import Keys
+
+from .conftest import (WORDS, assert_well_formed, engine_flags, pending, raw_chunks,
+                       roseinfer_cmd, wait_until)
+
+START_TIMEOUT_S = 90  # torch and the model load in each worker process
+
+
+@pytest.fixture
+def worker_processes(tiny_gpt2_dir, redis_server, prefix):
+    """start(consumer, *flags) -> a `roseinfer worker` process; all are gone after the test."""
+    procs = []
+
+    def start(consumer, *flags):
+        cmd = roseinfer_cmd("worker", "--redis-url", redis_server.url, "--prefix", prefix,
+                            "--consumer", consumer, "--heartbeat-s", "0.2", *flags,
+                            *engine_flags(tiny_gpt2_dir))
+        # One thread each: two workers and the test share a small machine.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True, env=env))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def greedy_requests(n, rng, max_tokens):
+    return [(" ".join(rng.choices(WORDS, k=rng.randint(1, 20))),
+             {"max_tokens": rng.randint(*max_tokens), "temperature": 0, "ignore_eos": True,
+              "stream_interval": rng.choice([1, 3])}) for _ in range(n)]
+
+
+def assert_match_llm_generate(llm, real_redis, prefix, rids, reqs):
+    expected = llm.generate([p for p, _ in reqs],
+                            [SamplingParams(max_tokens=kw["max_tokens"], temperature=0, ignore_eos=True)
+                             for _, kw in reqs])
+    for rid, ref in zip(rids, expected):
+        chunks = raw_chunks(real_redis, prefix, rid)  # as written: duplicates would show
+        assert_well_formed(chunks)
+        assert sum((c.token_ids for c in chunks), []) == ref.token_ids
+        assert "".join(c.text for c in chunks) == ref.text
+        assert chunks[-1].finish_reason == ref.finish_reason
+
+
+def alive(real_redis, prefix, *consumers):
+    return {b["consumer"] for b in read_heartbeats(real_redis, Keys(prefix))} >= set(consumers)
+
+
+def test_kill_9_mid_flight_the_other_worker_resumes_without_gap_or_repeat(
+        tiny_llm, worker_processes, real_redis, prefix, redis_server):
+    keys = Keys(prefix)
+    victim = worker_processes("victim", "--claim-idle-ms", "1000")
+    survivor = worker_processes("survivor", "--claim-idle-ms", "1000")
+    wait_until(lambda: alive(real_redis, prefix, "victim", "survivor"), START_TIMEOUT_S)
+    reqs = greedy_requests(10, random.Random(1), (60, 120))
+    client = Client(redis_server.url, prefix)
+    rids = [client.submit(p, **kw) for p, kw in reqs]  # no rid given: rid = entry ID
+
+    def victim_mid_request():
+        owned = real_redis.xpending_range(keys.requests, "workers", "-", "+", 100, consumername="victim")
+        progress = [raw_chunks(real_redis, prefix, p["message_id"].decode()) for p in owned]
+        return any(len(c) >= 2 and not c[-1].finished for c in progress)
+
+    wait_until(victim_mid_request, 30)
+    victim.kill()
+    victim.wait()
+    for rid in rids:
+        assert list(client.stream(rid, timeout=60))[-1].finish_reason == "length"
+    assert_match_llm_generate(tiny_llm, real_redis, prefix, rids, reqs)
+    wait_until(lambda: pending(real_redis, prefix) == 0)
+    survivor.send_signal(signal.SIGTERM)
+    _, log = survivor.communicate(timeout=30)
+    assert survivor.returncode == 0, log
+    assert "event=resumed" in log
+
+
+def test_sigterm_during_a_batch_finishes_it_and_exits_0(tiny_llm, worker_processes, real_redis, prefix, redis_server):
+    keys = Keys(prefix)
+    worker = worker_processes("w", "--grace-s", "60")
+    wait_until(lambda: alive(real_redis, prefix, "w"), START_TIMEOUT_S)
+    reqs = greedy_requests(4, random.Random(2), (80, 120))
+    client = Client(redis_server.url, prefix)
+    rids = [client.submit(p, **kw) for p, kw in reqs]
+    wait_until(lambda: all(raw_chunks(real_redis, prefix, rid) for rid in rids), 30)
+    worker.send_signal(signal.SIGTERM)
+    # Once it says it is draining (or is gone), it reads nothing more.
+    wait_until(lambda: worker.poll() is not None or
+               any(b["status"] == "draining" for b in read_heartbeats(real_redis, keys)), 10)
+    late = client.submit("too late", max_tokens=5)
+    _, log = worker.communicate(timeout=60)
+    assert worker.returncode == 0, log
+    assert_match_llm_generate(tiny_llm, real_redis, prefix, rids, reqs)  # all finished
+    assert pending(real_redis, prefix) == 0  # every finished entry acknowledged
+    assert real_redis.xlen(keys.requests) == 1 and raw_chunks(real_redis, prefix, late) == []
+    assert "event=stopped" in log and "handed_back=0" in log
+    assert read_heartbeats(real_redis, keys) == []

@@ -1,0 +1,212 @@
+"""Resume, dead-lettering, ownership and outages one step at a time, on fakeredis with the
+fake engine. Another consumer's crash is staged by hand: it read the entry, wrote some
+chunks, and its entry went idle."""
+import argparse
+import logging
+import os
+import time
+
+import pytest
+from redis.exceptions import ConnectionError, ResponseError
+
+from roseinfer.core.config import EngineConfig
+from roseinfer.frontends.redis_streams.client import Client
+from roseinfer.frontends.redis_streams.commands import worker_settings
+from roseinfer.frontends.redis_streams.events import event
+from roseinfer.frontends.redis_streams.outage import GaveUp, Outage, is_transient
+from roseinfer.frontends.redis_streams.protocol import Chunk, Keys, encode_chunk
+from roseinfer.frontends.redis_streams.worker import EngineFailed, Worker
+
+from .conftest import FakeEngine, assert_well_formed, raw_chunks
+
+PREFIX = "u"
+KEYS = Keys(PREFIX)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_worker(engine, redis, consumer="c1", **kwargs):
+    w = Worker(engine, redis, prefix=PREFIX, consumer=consumer, block_ms=1, **kwargs)
+    w.setup()
+    return w
+
+
+@pytest.fixture
+def worker(fake_engine, fake_redis):
+    return make_worker(fake_engine, fake_redis)
+
+
+@pytest.fixture
+def client(fake_redis):
+    return Client(prefix=PREFIX, redis_client=fake_redis)
+
+
+def run_until_idle(worker, limit=200):
+    for _ in range(limit):
+        worker.run_once()
+        if not worker.engine.has_unfinished() and not worker._inflight:
+            worker.run_once()  # flushes the last step's writes
+            return
+    raise AssertionError("worker did not finish its requests")
+
+
+def crashed_owner(redis, rid, chunks, deliveries=1):
+    """Stage a dead consumer that read the entry of ``rid`` and published ``chunks``."""
+    (_, [(entry_id, _)]), = redis.xreadgroup("workers", "dead", {KEYS.requests: ">"}, count=1)
+    for c in chunks:
+        redis.xadd(KEYS.out(rid), encode_chunk(c))
+    redis.xclaim(KEYS.requests, "workers", "dead", 0, [entry_id], idle=60_000,
+                 retrycount=deliveries, justid=True)
+    return entry_id.decode()
+
+
+def owner_of(redis, entry_id):
+    (p,) = redis.xpending_range(KEYS.requests, "workers", entry_id, entry_id, 1)
+    return p["consumer"].decode(), p["times_delivered"], p["time_since_delivered"]
+
+
+def test_a_dead_workers_request_resumes_after_its_last_chunk(worker, client, fake_redis):
+    client.submit("ab", rid="r", max_tokens=6)
+    # "b" is 98: the toy model goes 99, 0, 1, 2, 3, 4; the dead worker sent 3 of them,
+    # the last chunk twice (at-least-once), and its client read "vab"
+    crashed_owner(fake_redis, "r", [Chunk("r", 0, [99], "v"), Chunk("r", 1, [0, 1], "ab"),
+                                    Chunk("r", 1, [0, 1], "ab")])
+    run_until_idle(worker)
+    kept = Client(prefix=PREFIX, redis_client=fake_redis).stream("r")
+    chunks = list(kept)
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert sum((c.token_ids for c in chunks), []) == [99, 0, 1, 2, 3, 4]
+    assert "".join(c.text for c in chunks) == "vabcde"
+    assert chunks[-1].usage == {"prompt_tokens": 2, "completion_tokens": 6}
+    assert fake_redis.xlen(KEYS.requests) == 0  # acknowledged and deleted
+    assert worker.metrics.resumed._value.get() == 1
+
+
+def test_a_request_that_had_finished_is_only_acknowledged(worker, client, fake_redis):
+    client.submit("ab", rid="r", max_tokens=2)
+    done = Chunk("r", 1, [0], "a", "length", {"prompt_tokens": 2, "completion_tokens": 2})
+    crashed_owner(fake_redis, "r", [Chunk("r", 0, [99], "v"), done])  # died before its ack
+    run_until_idle(worker)
+    assert len(raw_chunks(fake_redis, PREFIX, "r")) == 2
+    assert fake_redis.xlen(KEYS.requests) == 0 and worker.engine.added == []
+
+
+def test_an_entry_delivered_too_often_goes_to_dead_with_a_final_error(fake_engine, fake_redis, client):
+    w = make_worker(fake_engine, fake_redis, max_deliveries=2)
+    client.submit("ab", rid="r", max_tokens=6)
+    entry_id = crashed_owner(fake_redis, "r", [Chunk("r", 0, [99], "v")], deliveries=2)
+    run_until_idle(w)  # its claim is delivery 3
+    chunks = raw_chunks(fake_redis, PREFIX, "r")
+    assert_well_formed(chunks)
+    assert (chunks[-1].seq, chunks[-1].error["code"]) == (1, "dead_letter")
+    (_, dead), = fake_redis.xrange(KEYS.dead)
+    assert (dead[b"dead_entry_id"].decode(), dead[b"dead_deliveries"], dead[b"rid"]) == \
+        (entry_id, b"3", b"r")
+    assert fake_redis.xlen(KEYS.requests) == 0 and fake_engine.added == []
+
+
+def test_an_entry_claimed_by_another_worker_is_dropped_silently(fake_engine, fake_redis, client):
+    w = make_worker(fake_engine, fake_redis, claim_idle_ms=100)
+    client.submit("a", rid="r", max_tokens=40)
+    w.run_once()
+    w.run_once()
+    entry_id = fake_redis.xrange(KEYS.requests)[0][0]
+    time.sleep(0.15)  # the worker stalls past the claim threshold...
+    fake_redis.xautoclaim(KEYS.requests, "workers", "other", 100)  # ...and another takes over
+    sent = len(raw_chunks(fake_redis, PREFIX, "r"))
+    for _ in range(3):
+        w.run_once()
+    assert len(raw_chunks(fake_redis, PREFIX, "r")) <= sent + 1  # the step in the air, at most
+    assert not w._inflight and not fake_engine.has_unfinished()
+    assert owner_of(fake_redis, entry_id)[0] == "other"
+
+
+def test_a_live_worker_keeps_its_entries_past_the_claim_threshold(fake_engine, fake_redis, client):
+    w = make_worker(fake_engine, fake_redis, claim_idle_ms=100)
+    client.submit("a", rid="r", max_tokens=40)
+    for _ in range(12):  # 0.24 s of decoding, 2.4 claim thresholds
+        w.run_once()
+        time.sleep(0.02)
+        assert fake_redis.xautoclaim(KEYS.requests, "workers", "other", 100)[1] == []
+    entry_id = fake_redis.xrange(KEYS.requests)[0][0]
+    assert owner_of(fake_redis, entry_id)[:2] == ("c1", 1)  # refreshes are not deliveries
+
+
+def test_stop_hands_unfinished_entries_back_without_counting_a_delivery(fake_redis, client):
+    first = make_worker(FakeEngine(), fake_redis)
+    client.submit("ab", rid="r", max_tokens=30)
+    for _ in range(4):
+        first.run_once()
+    first.stop(grace_s=0)
+    first.run()
+    entry_id = fake_redis.xrange(KEYS.requests)[0][0]
+    consumer, deliveries, idle_ms = owner_of(fake_redis, entry_id)
+    assert (consumer, deliveries) == ("c1", 0) and idle_ms >= 60_000  # claimable at once
+    second = make_worker(FakeEngine(), fake_redis, consumer="c2")
+    run_until_idle(second)
+    chunks = raw_chunks(fake_redis, PREFIX, "r")
+    assert_well_formed(chunks)
+    assert sum((c.token_ids for c in chunks), []) == [(99 + i) % 100 for i in range(30)]
+    assert fake_redis.get(KEYS.worker("c1")) is None  # its heartbeat went with it
+
+
+def test_a_broken_engine_stops_the_worker_and_counts_no_delivery(fake_engine, fake_redis, client):
+    w = make_worker(fake_engine, fake_redis)
+    client.submit("ab", rid="r", max_tokens=30)
+    w.run_once()
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    fake_engine.step = broken
+    with pytest.raises(EngineFailed, match="restart this worker"):
+        w.run()
+    entry_id = fake_redis.xrange(KEYS.requests)[0][0]
+    assert owner_of(fake_redis, entry_id)[:2] == ("c1", 0)  # handed back, not its fault
+
+
+def test_outage_retries_logs_once_each_way_and_gives_up_when_told(caplog):
+    caplog.set_level(logging.INFO, logger="roseinfer.worker")
+    failures = iter([ConnectionError("refused"), ResponseError("LOADING loading"), None])
+
+    def flaky():
+        error = next(failures)
+        if error is not None:
+            raise error
+        return "ok"
+
+    outages = []
+    assert Outage(lambda: False, lambda: outages.append(1)).call(flaky) == "ok"
+    assert [r.getMessage().split()[0] for r in caplog.records] == \
+        ["event=redis_unavailable", "event=redis_back"]
+    assert outages == [1]
+    with pytest.raises(GaveUp):
+        Outage(lambda: True).call(lambda: (_ for _ in ()).throw(ConnectionError("down")))
+    with pytest.raises(ResponseError):  # a real error is not waited out
+        Outage(lambda: False).call(lambda: (_ for _ in ()).throw(ResponseError("WRONGTYPE x")))
+    assert is_transient(ResponseError("OOM command not allowed")) and \
+        not is_transient(ResponseError("NOGROUP no group"))
+
+
+def test_worker_settings_come_from_flags_then_the_config_file_then_defaults(tmp_path):
+    config = tmp_path / "roseinfer.toml"
+    config.write_text('[engine]\nmax_num_seqs = 4\n[worker]\nclaim_idle_ms = 5000\ngrace_s = 9.5\n')
+    args = argparse.Namespace(config=str(config), grace_s=3.0, claim_idle_ms=None, prefix=None)
+    s = worker_settings(args)
+    assert (s["claim_idle_ms"], s["grace_s"], s["max_deliveries"], s["prefix"]) == \
+        (5000, 3.0, 5, "roseinfer")
+    config.write_text('[worker]\nclaim_idle = 5\n')
+    with pytest.raises(SystemExit, match=r"unknown key\(s\) \['claim_idle'\].*claim_idle_ms"):
+        worker_settings(args)
+
+
+def test_the_example_deploy_config_loads():
+    args = argparse.Namespace(config=os.path.join(REPO, "deploy", "roseinfer.toml"))
+    assert EngineConfig.from_toml(args.config).max_num_seqs == 256
+    assert worker_settings(args)["claim_idle_ms"] == 30_000
+
+
+def test_events_are_logfmt_lines(caplog):
+    caplog.set_level(logging.INFO, logger="roseinfer.worker")
+    event("finished", rid="r-1", e2e_s=0.12345, error='bad "x" = y', entry=b"1-0")
+    assert caplog.records[-1].getMessage() == \
+        'event=finished rid=r-1 e2e_s=0.123 error="bad \\"x\\" = y" entry=1-0'
