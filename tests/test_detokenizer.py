@@ -1,9 +1,7 @@
 """Incremental detokenization against the tokenizer's own full decode."""
-from types import SimpleNamespace
-
 import pytest
 
-from roseinfer.core.detokenizer import BatchDecoder, IncrementalDetokenizer
+from roseinfer.core.detokenizer import IncrementalDetokenizer
 from roseinfer.models.loader import CACHE_DIR
 from roseinfer.models.tokenizers import gpt2_tokenizer
 
@@ -15,13 +13,10 @@ def tok():
 
 def stream(tok, prompt, text, stop=()):
     """Feed ``text``'s ids one at a time; returns the released pieces and the detokenizer."""
-    ids = tok.encode(prompt)
-    seq = SimpleNamespace(detok=IncrementalDetokenizer(ids, len(ids), list(stop)))
-    detok, decoder = seq.detok, BatchDecoder(tok)
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt), list(stop))
     pieces = []
     for t in tok.encode(text):
-        ids.append(t)
-        hit = decoder.step([seq], [False])[0]
+        hit = detok.add(t)
         pieces.append(detok.release(final=hit))
         if hit:
             break

@@ -10,7 +10,7 @@ import torch
 
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
-from roseinfer.core.detokenizer import BatchDecoder, IncrementalDetokenizer
+from roseinfer.core.detokenizer import IncrementalDetokenizer
 from roseinfer.core.errors import ConfigError, InvalidRequestError
 from roseinfer.core.kv_cache import KVCache
 from roseinfer.core.outputs import RequestOutput
@@ -46,7 +46,6 @@ class Engine:
             model, tokenizer, self.dtype, self.device, seed=config.seed or 0)
         self.vocab_size = self.hf_config.vocab_size
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
-        self.decoder = BatchDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.kv_cache = self._build_kv_cache()
         num_blocks = self.kv_cache.scratch_block
         store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
@@ -120,9 +119,9 @@ class Engine:
         seq.token_ids += emitted
         seq.num_emitted = len(emitted)
         if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(seq.token_ids, len(ids), params.stop)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
             if emitted:  # decode them as their first owner did, then skip what it released
-                self.decoder.step([seq], [False])
+                seq.detok.add(emitted)
                 seq.detok.released = len(seq.detok.text if emitted_text is None else emitted_text)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -198,19 +197,15 @@ class Engine:
             live.append(seq)
             p = seq.params
             if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
-                seq.finish_reason = "stop"  # the stop token itself is not detokenized
+                seq.finish_reason = "stop"
             elif len(seq.token_ids) >= seq.max_len:
                 seq.finish_reason = "length"
-        if self.decoder is not None:
-            self._detokenize(live)
+        if self.tokenizer is not None:
+            for seq in live:
+                # the stop token itself is not detokenized
+                if seq.finish_reason != "stop" and seq.detok.add(seq.token_ids[-1]):
+                    seq.finish_reason = "stop"
         return [self._emit(seq) for seq in live]
-
-    def _detokenize(self, seqs: list[Sequence]) -> None:
-        todo = [s for s in seqs if s.finish_reason != "stop"]
-        hits = self.decoder.step(todo, [s.finish_reason == "length" for s in todo])
-        for seq, hit in zip(todo, hits):
-            if hit:
-                seq.finish_reason = "stop"
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         if self.blocks.prefix_cache:
