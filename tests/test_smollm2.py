@@ -24,12 +24,10 @@ def test_answers_a_chat_question(llm):
 
 
 def test_matches_transformers_greedy(llm):
-    from transformers import AutoModelForCausalLM
-
-    from roseinfer.models.loader import _converted_gguf, _smollm2_gguf
+    from roseinfer.models.loader import hf_model
     from tests.models import hf_greedy
 
-    hf = AutoModelForCausalLM.from_pretrained(_converted_gguf(_smollm2_gguf())).eval()
+    hf, _ = hf_model("SmolLM2-135M-Instruct")
     prompt = llm.tokenizer.encode(chat(llm, "Name a color."))
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert out[0].token_ids == hf_greedy(hf, prompt, 12)

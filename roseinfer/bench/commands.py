@@ -5,13 +5,14 @@ import argparse
 import json
 import os
 
-from roseinfer.bench.hf_baseline import VARIANTS
+from roseinfer.bench.workloads import HF_VARIANTS as VARIANTS
 
 MODES = ("offline", "serve")
 
 
 def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
-    bench = subparsers.add_parser("bench", help="measure throughput and latency (docs/benchmarks.md)")
+    bench = subparsers.add_parser("bench",
+                                  help="measure throughput and latency (docs/benchmarks.md)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     workload = _workload_parent()
     off = sub.add_parser("offline", parents=[engine_parent, workload],

@@ -8,7 +8,6 @@ makes exactly max_new_tokens tokens (EOS is not a stop id and min_new_tokens is 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -16,7 +15,7 @@ from roseinfer.bench.timing import now, sync
 from roseinfer.bench.workloads import Workload
 
 log = logging.getLogger("roseinfer.bench")
-VARIANTS = ("dynamic", "static")
+from roseinfer.bench.workloads import HF_VARIANTS as VARIANTS  # noqa: E402
 
 
 class VariantUnavailable(Exception):
@@ -24,25 +23,14 @@ class VariantUnavailable(Exception):
 
 
 def load_hf_model(spec: str, seed: int = 0):
-    """(transformers model, tokenizer or None) for a --model spec, the way the loader builds it:
-    random-weight aliases from their config with torch.manual_seed(seed) first."""
-    from transformers import AutoModelForCausalLM
-
+    """(transformers model, tokenizer or None) with the same weights the engine loads."""
     from roseinfer.models import loader
 
-    if spec in loader.RANDOM:
-        cfg, tok = loader.RANDOM[spec]()
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(cfg).eval(), tok
-    path = loader.ALIASES[spec]() if spec in loader.ALIASES else spec
-    if str(path).endswith(".gguf"):
-        path = loader._converted_gguf(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = loader._load_tokenizer(path) if os.path.isdir(path) else None
-    return model, tok
+    return loader.hf_model(spec, seed)
 
 
-def left_padded(prompt_ids: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(prompt_ids: list[list[int]], pad_id: int,
+                device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompt_ids)
     ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
@@ -100,7 +88,8 @@ def run_hf(model, tokenizer, w: Workload, variant: str) -> dict:
     n_in = sum(len(p) for p in w.prompt_ids)
     n_out = sum(len(o) for o in outputs)
     return {"duration_s": duration, "total_input_tokens": n_in, "total_output_tokens": n_out,
-            "output_throughput": n_out / duration, "total_token_throughput": (n_in + n_out) / duration,
+            "output_throughput": n_out / duration,
+            "total_token_throughput": (n_in + n_out) / duration,
             "compiled": hasattr(model, "_compiled_call") and variant == "static",
             "outputs": outputs}
 

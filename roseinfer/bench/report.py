@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 from typing import Optional
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
@@ -84,7 +85,8 @@ def print_report(result: dict, console=None) -> None:
     for key, label, digits in (("output_throughput", "completion tok/s", 1),
                                ("total_token_throughput", "total tok/s", 1),
                                ("duration_s", "duration s", 3)):
-        tput.add_row(label, _fmt(ours.get(key), digits), *[_fmt(s.get(key), digits) for s in hf.values()])
+        tput.add_row(label, _fmt(ours.get(key), digits),
+                     *[_fmt(s.get(key), digits) for s in hf.values()])
     console.print(tput)
     lat = Table()
     for col in ("roseinfer ms", "mean", "p50", "p95", "p99"):
@@ -152,7 +154,7 @@ def _throughput_bars(ax, results, labels) -> None:
         ys = [float("nan") if v is None else v for v in values]
         bars = ax.bar(xs, ys, width, label=name if name == "roseinfer" else f"transformers {name}")
         ax.bar_label(bars, labels=[_fmt(v, 0) for v in values], fontsize=7)
-    ax.set_xticks(range(len(results)), labels, fontsize=8)
+    ax.set_xticks(range(len(results)), [textwrap.fill(x, 18) for x in labels], fontsize=8)
     ax.set_ylabel("completion tokens / s")
     ax.set_title("throughput (prefill included)")
     ax.legend(fontsize=8)
@@ -166,7 +168,8 @@ def _latency_bars(ax, results, labels) -> None:
         for p, alpha in (("p99", 0.35), ("p95", 0.6), ("p50", 1.0)):
             xs = [i + (j - (len(results) - 1) / 2) * width for i in range(len(keys))]
             ys = [_or_nan((s.get(k) or {}).get(p)) for k, _ in keys]
-            ax.bar(xs, ys, width, alpha=alpha, color=f"C{j}",
+            # Workload colours (Dark2) differ from the left panel's engine colours (C0, C1...).
+            ax.bar(xs, ys, width, alpha=alpha, color=plt_colors(j),
                    label=f"{label} {p}" if len(results) < 4 or p == "p50" else None)
     ax.set_xticks(range(len(keys)), [name for _, name in keys])
     ax.set_yscale("log")
@@ -177,3 +180,8 @@ def _latency_bars(ax, results, labels) -> None:
 
 def _or_nan(v) -> float:
     return float("nan") if v is None else v
+
+
+def plt_colors(j: int):
+    import matplotlib
+    return matplotlib.colormaps["Dark2"](j % 8)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 
 from rich.console import Console
 
@@ -31,6 +33,17 @@ class BenchRun:
         if a.num_requests < 1 or a.max_new_tokens < 1 or a.repeat_runs < 1 or a.warmup_runs < 0:
             raise SystemExit("--num-requests, --max-new-tokens and --repeat-runs must be >= 1, "
                              "--warmup-runs >= 0")
+        if threading.current_thread() is not threading.main_thread():
+            return self._main()
+        # SIGTERM unwinds like Ctrl-C, so the embedded Redis and client processes are stopped.
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            return self._main()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _main(self) -> int:
+        a = self.args
         llm, hf_model = self._build()
         engine = llm.engine
         w = self._workload(engine)
@@ -40,8 +53,8 @@ class BenchRun:
         self.console.log(f"{self.mode}: {w.num_requests} requests, {w.max_new_tokens} new tokens, "
                          f"{engine.device}/{str(engine.dtype).removeprefix('torch.')}, "
                          f"load avg {meta['load_avg_1m_at_start']:.2f}")
-        runs, records = self._run_ours(EngineProbe(engine), w)
-        hf = {v: self._run_hf(hf_model, engine.tokenizer, w, v, records) for v in self.variants}
+        self.hf_model, self.tokenizer = hf_model, engine.tokenizer
+        runs, hf = self._run_all(EngineProbe(engine), w)
         ours = summarize(runs)
         meta["load_avg_1m_at_end"] = os.getloadavg()[0]
         result = {"meta": meta, "workload": w.describe(),
@@ -85,26 +98,66 @@ class BenchRun:
 
     # --- runs -----------------------------------------------------------------------------
 
-    def _run_ours(self, probe: EngineProbe, w: Workload) -> tuple[list[dict], list[RequestRecord]]:
+    def _run_all(self, probe: EngineProbe, w: Workload) -> tuple[list[dict], dict]:
+        """Warm-ups first, then timed runs interleaved (ours, each transformers variant, ours,
+        ...), so that load from other processes drifting over time hits both sides alike."""
         a = self.args
         runs, records = [], []
+        hf_runs: dict[str, list] = {v: [] for v in self.variants}
+        self._hf_skipped: dict[str, str] = {}
+        self._hf_outputs: dict[str, list] = {}
         with self._harness(probe) as harness:
-            for k in range(a.warmup_runs + a.repeat_runs):
-                warm = k < a.warmup_runs
-                name = f"warmup {k + 1}/{a.warmup_runs}" if warm else \
-                    f"run {k - a.warmup_runs + 1}/{a.repeat_runs}"
-                total = w.num_requests * w.max_new_tokens
-                with Progress(total, f"roseinfer {name}", a.progress) as progress:
-                    metrics, records = harness.run(w, f"{'w' if warm else 'r'}{k}", progress)
-                self.console.log(f"roseinfer {name}: {metrics['output_throughput']:,.1f} "
-                                 f"completion tok/s, {metrics['completed']}/{w.num_requests} done, "
-                                 f"{metrics['duration_s']:.3f} s")
-                if metrics["completed"] == 0:  # broken set-up: say why now, not after R runs
-                    why = next((r.error for r in records if r.error), "no error was reported")
-                    raise SystemExit(f"roseinfer {name}: no request completed: {why}")
-                if not warm:
-                    runs.append(metrics)
-        return runs, records
+            for k in range(a.warmup_runs):
+                self._ours(harness, w, f"warm-up {k + 1}/{a.warmup_runs}", f"w{k}")
+            for v in self.variants:
+                # A compiled variant's first call compiles: never time it.
+                n = max(a.warmup_runs, 1) if v == "static" else a.warmup_runs
+                for k in range(n):
+                    self._hf(v, w, f"warm-up {k + 1}/{n}")
+            for k in range(a.repeat_runs):
+                metrics, records = self._ours(harness, w, f"run {k + 1}/{a.repeat_runs}", f"r{k}")
+                runs.append(metrics)
+                for v in self.variants:
+                    r = self._hf(v, w, f"run {k + 1}/{a.repeat_runs}")
+                    if r is not None:
+                        hf_runs[v].append(r)
+        hf = {v: self._hf_result(v, hf_runs[v], records) for v in self.variants}
+        return runs, hf
+
+    def _ours(self, harness, w: Workload, name: str, run_id: str):
+        total = w.num_requests * w.max_new_tokens
+        with Progress(total, f"roseinfer {name}", self.args.progress) as progress:
+            metrics, records = harness.run(w, run_id, progress)
+        self.console.log(f"roseinfer {name}: {metrics['output_throughput']:,.1f} completion tok/s, "
+                         f"{metrics['completed']}/{w.num_requests} done, "
+                         f"{metrics['duration_s']:.3f} s")
+        if metrics["completed"] == 0:  # broken set-up: say why now, not after every run
+            why = next((r.error for r in records if r.error), "no error was reported")
+            raise SystemExit(f"roseinfer {name}: no request completed: {why}")
+        return metrics, records
+
+    def _hf(self, variant: str, w: Workload, name: str):
+        """One transformers run; None once the variant has been skipped."""
+        if variant in self._hf_skipped:
+            return None
+        try:
+            r = hf_baseline.run_hf(self.hf_model, self.tokenizer, w, variant)
+        except hf_baseline.VariantUnavailable as e:
+            self.console.log(f"[yellow]transformers {variant} skipped[/]: {e}")
+            self._hf_skipped[variant] = str(e)
+            return None
+        self._hf_outputs[variant] = r.pop("outputs")
+        self.console.log(f"transformers {variant} {name}: {r['output_throughput']:,.1f} "
+                         f"completion tok/s, {r['duration_s']:.3f} s")
+        return r
+
+    def _hf_result(self, variant: str, runs: list[dict], ours: list[RequestRecord]) -> dict:
+        if variant in self._hf_skipped:
+            return {"skipped": self._hf_skipped[variant]}
+        outputs = self._hf_outputs[variant]
+        same = sum(r.token_ids == o for r, o in zip(ours, outputs))
+        return {"summary": {**summarize(runs), "outputs_equal_to_roseinfer": same / len(ours)},
+                "runs": runs}
 
     def _harness(self, probe: EngineProbe):
         if self.mode == "serve":
@@ -112,29 +165,6 @@ class BenchRun:
             a = self.args
             return ServeHarness(probe, a.redis_url, a.client_procs, a.request_timeout)
         return _OfflineHarness(probe)
-
-    def _run_hf(self, model, tokenizer, w: Workload, variant: str, ours: list[RequestRecord]) -> dict:
-        a = self.args
-        # A compiled variant's first call compiles: never time it.
-        warmups = max(a.warmup_runs, 1) if variant == "static" else a.warmup_runs
-        runs, outputs = [], None
-        try:
-            for k in range(warmups + a.repeat_runs):
-                warm = k < warmups
-                self.console.log(f"transformers {variant} {'warm-up' if warm else 'run'} "
-                                 f"{k + 1 if warm else k - warmups + 1} ...")
-                r = hf_baseline.run_hf(model, tokenizer, w, variant)
-                outputs = r.pop("outputs")
-                self.console.log(f"transformers {variant}: {r['output_throughput']:,.1f} "
-                                 f"completion tok/s, {r['duration_s']:.3f} s")
-                if not warm:
-                    runs.append(r)
-        except hf_baseline.VariantUnavailable as e:
-            self.console.log(f"[yellow]transformers {variant} skipped[/]: {e}")
-            return {"skipped": str(e)}
-        same = sum(r.token_ids == o for r, o in zip(ours, outputs))
-        return {"summary": {**summarize(runs), "outputs_equal_to_roseinfer": same / len(ours)},
-                "runs": runs}
 
     # --- output ---------------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ import dataclasses
 import multiprocessing
 import threading
 import uuid
-from concurrent.futures import ProcessPoolExecutor, wait
 from typing import Optional
 
 from roseinfer.bench.metrics import RequestRecord
@@ -40,7 +39,7 @@ class ServeHarness:
         self._worker = None
         self._thread = None
         self._error: Optional[BaseException] = None
-        self._pools: list[ProcessPoolExecutor] = []
+        self._pools: list = []  # one multiprocessing Pool(1) per client process
 
     def __enter__(self) -> "ServeHarness":
         import redis
@@ -59,9 +58,9 @@ class ServeHarness:
                                             name="bench-worker")
             self._thread.start()
             ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
-            self._pools = [ProcessPoolExecutor(1, mp_context=ctx) for _ in range(self.client_procs)]
-            for f in [p.submit(_ping) for p in self._pools]:
-                f.result()  # pay the client processes' start-up before any clock runs
+            self._pools = [ctx.Pool(1) for _ in range(self.client_procs)]
+            for r in [p.apply_async(_ping) for p in self._pools]:
+                r.get(120)  # pay the client processes' start-up before any clock runs
         except BaseException:
             self.__exit__()
             raise
@@ -74,11 +73,11 @@ class ServeHarness:
             self._error = e
 
     def __exit__(self, *exc) -> None:
+        for p in self._pools:
+            p.terminate()  # between runs they are idle; after an error they must not wait on
         if self._worker is not None:
             self._worker.stop(grace_s=5.0)
             self._thread.join(15)
-        for p in self._pools:
-            p.shutdown(cancel_futures=True)
         if self._server is not None:
             self._server.stop()
 
@@ -89,10 +88,10 @@ class ServeHarness:
                              "for the previous one")
         self.probe.reset()  # safe: the worker is idle between runs
         t0 = now() + START_MARGIN_S
-        futures = [pool.submit(client_run, self._spec(w, run_id, t0, k))
+        pending = [pool.apply_async(client_run, (self._spec(w, run_id, t0, k),))
                    for k, pool in enumerate(self._pools)]
-        self._wait(futures, progress)
-        records = [RequestRecord(**r) for f in futures for r in f.result()]
+        self._wait(pending, progress)
+        records = [RequestRecord(**r) for p in pending for r in p.get()]
         records.sort(key=lambda r: int(r.rid.rsplit("-", 1)[1]))
         for r in records:
             r.first_scheduled = self.probe.first_scheduled.get(r.rid)
@@ -107,16 +106,16 @@ class ServeHarness:
                 "schedule": w.schedule, "shard": shard, "num_shards": self.client_procs,
                 "timeout_s": self.timeout_s}
 
-    def _wait(self, futures, progress: Progress) -> None:
+    def _wait(self, pending, progress: Progress) -> None:
         seen = 0
-        while wait(futures, timeout=0.5).not_done:
-            if self._error is not None or not self._thread.is_alive():
-                raise RuntimeError(f"the bench worker died: {self._error!r}")
-            total = self.probe.num_outputs
-            progress.advance(now(), total - seen)
-            seen = total
-        for f in futures:
-            f.result()
+        for p in pending:
+            while not p.ready():
+                p.wait(0.5)
+                if self._error is not None or not self._thread.is_alive():
+                    raise RuntimeError(f"the bench worker died: {self._error!r}")
+                total = self.probe.num_outputs
+                progress.advance(now(), total - seen)
+                seen = total
 
 
 # --- the client processes ---------------------------------------------------------------

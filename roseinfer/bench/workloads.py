@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+# transformers baselines: DynamicCache, and StaticCache with torch.compile
+HF_VARIANTS = ("dynamic", "static")
+
 Prompt = Union[str, list[int]]
 
 # Models without a tokenizer (e.g. smollm2-random) get this token repeated; its value does
@@ -75,7 +78,8 @@ def _unit_ids(text: str, tokenizer, vocab_size: int, fixed_token: Optional[int])
     if fixed_token is not None or tokenizer is None:
         token = DEFAULT_FIXED_TOKEN % vocab_size if fixed_token is None else fixed_token
         if not 0 <= token < vocab_size:
-            raise ValueError(f"--prompt-token-id {token} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"--prompt-token-id {token} is outside the vocabulary "
+                             f"[0, {vocab_size})")
         return [token]
     unit = tokenizer.encode(text, add_special_tokens=False)
     if not unit:

@@ -75,6 +75,22 @@ def _resolve(spec, seed):
     return _from_hub(spec)
 
 
+def hf_model(spec, seed: int = 0):
+    """The transformers model (and tokenizer or None) for a spec, with the weights
+    ``load`` gives our module: the reference for tests and benchmarks."""
+    from transformers import AutoModelForCausalLM
+
+    if spec in RANDOM:
+        cfg, tok = RANDOM[spec]()
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(cfg).eval(), tok
+    path = ALIASES[spec]() if spec in ALIASES else spec
+    if str(path).endswith(".gguf"):
+        path = _converted_gguf(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, _load_tokenizer(path)
+
+
 def _random_model(cfg, tok, seed):
     from transformers import AutoModelForCausalLM
 
@@ -108,9 +124,15 @@ def _from_hub(spec):
     return model.config, model.state_dict(), _load_tokenizer(spec)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def _load_tokenizer(path):
     from transformers import AutoTokenizer
 
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
+                                       for f in TOKENIZER_FILES):
+        return None  # transformers would build an empty tokenizer instead of failing
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

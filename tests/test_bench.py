@@ -1,0 +1,249 @@
+"""The benchmark harness: metric definitions by hand, workloads, and `roseinfer bench`
+end to end on a tiny model (offline, against transformers, and through a real Redis)."""
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from roseinfer.bench.metrics import RequestRecord, distribution, run_metrics, summarize
+from roseinfer.bench.workloads import build_prompts, parse_repeats
+from roseinfer.cli import main
+
+ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64",
+                "--no-cuda-graphs", "--no-progress"]
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+WORKLOAD = ["--num-requests", "5", "--prompt", "Hello", "--prompt-repeats", "1,4",
+            "--max-new-tokens", "6", "--ignore-eos", "--warmup-runs", "1", "--repeat-runs", "2"]
+
+
+# --- metrics, against values worked out by hand ---------------------------------------
+
+def _record(rid="a", submit=0.0, chunks=((0.1, 1), (0.15, 1), (0.25, 1)), **kw):
+    return RequestRecord(rid, submit=submit, prompt_tokens=kw.pop("prompt_tokens", 4),
+                         chunks=list(chunks), finish_reason=kw.pop("finish_reason", "length"), **kw)
+
+
+def test_per_request_metrics_follow_the_vllm_definitions():
+    r = _record(submit=1.0, chunks=[(1.1, 1), (1.15, 1), (1.25, 1)], first_scheduled=1.02)
+    assert r.output_tokens == 3
+    assert r.ttft == pytest.approx(0.1)
+    assert r.latency == pytest.approx(0.25)
+    assert r.tpot == pytest.approx((0.25 - 0.1) / 2)
+    assert r.itls == pytest.approx([0.05, 0.1])
+    assert r.queue_wait == pytest.approx(0.02)
+
+
+def test_chunked_stream_counts_tokens_not_chunks():
+    # stream interval 4: chunks of 1, 4 and 3 tokens; TPOT divides by tokens - 1 = 7
+    r = _record(chunks=[(0.2, 1), (0.6, 4), (0.9, 3)])
+    assert r.output_tokens == 8
+    assert r.tpot == pytest.approx((0.9 - 0.2) / 7)
+    assert r.itls == pytest.approx([0.4, 0.3])
+
+
+def test_single_token_request_has_no_tpot_and_unobserved_queue_wait_is_none():
+    r = _record(chunks=[(0.3, 1)])
+    assert r.tpot is None and r.itls == [] and r.queue_wait is None
+
+
+def test_distribution_uses_linear_percentiles_in_ms():
+    d = distribution([1.0, 2.0, 3.0, 4.0])
+    assert d == pytest.approx({"mean": 2500.0, "p50": 2500.0, "p95": 3850.0, "p99": 3970.0})
+    assert distribution([]) == {"mean": None, "p50": None, "p95": None, "p99": None}
+
+
+def test_run_metrics_throughput_counts_completed_requests_only():
+    ok = _record("a", prompt_tokens=4)                                # 3 tokens
+    ok2 = _record("b", chunks=[(0.5, 1), (1.0, 1)], prompt_tokens=1)  # 2 tokens
+    failed = _record("c", chunks=[(0.2, 1)], finish_reason="error", error="internal: boom")
+    m = run_metrics([ok, ok2, failed], duration_s=2.0)
+    assert (m["num_requests"], m["completed"], m["failed"]) == (3, 2, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (5, 5)
+    assert m["output_throughput"] == pytest.approx(2.5)
+    assert m["total_token_throughput"] == pytest.approx(5.0)
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["ttft_ms"]["p50"] == pytest.approx(300.0)      # TTFTs 0.1 and 0.5 s
+    assert m["tpot_ms"]["mean"] == pytest.approx((75.0 + 500.0) / 2)
+    assert m["queue_wait_ms"]["p50"] is None
+
+
+def test_summarize_means_numbers_over_runs():
+    runs = [{"output_throughput": 10.0, "ttft_ms": {"p50": 1.0, "p99": None}, "requests": [1],
+             "compiled": True},
+            {"output_throughput": 20.0, "ttft_ms": {"p50": 3.0, "p99": 5.0}, "requests": [2],
+             "compiled": True}]
+    s = summarize(runs)
+    assert s["compiled"] is True
+    assert s["output_throughput"] == 15.0
+    assert (s["output_throughput_min"], s["output_throughput_max"]) == (10.0, 20.0)
+    assert s["ttft_ms"] == {"p50": 2.0, "p99": None}
+    assert "requests" not in s and s["num_runs"] == 2
+
+
+# --- workloads -------------------------------------------------------------------------
+
+def test_prompt_repeats_cycle_over_requests(gpt2_tok):
+    prompts, ids = build_prompts(5, "Hello", [1, 4], gpt2_tok, 50257)
+    assert prompts == ["Hello", "Hello Hello Hello Hello"] * 2 + ["Hello"]
+    assert [len(p) for p in ids] == [1, 4, 1, 4, 1]
+
+
+def test_pretokenized_prompts_repeat_the_unit_ids(gpt2_tok):
+    hello = gpt2_tok.encode("Hello")
+    prompts, ids = build_prompts(3, "Hello", [1, 4], gpt2_tok, 50257, pretok=True)
+    assert prompts == ids == [hello, hello * 4, hello]
+
+
+def test_without_a_tokenizer_prompts_are_a_fixed_token():
+    prompts, _ = build_prompts(2, "Hello", [2, 3], None, 49152)
+    assert prompts == [[1000, 1000], [1000, 1000, 1000]]
+    prompts, _ = build_prompts(1, "Hello", [2], None, 49152, fixed_token=7)
+    assert prompts == [[7, 7]]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        build_prompts(1, "Hello", [1], None, 100, fixed_token=100)
+
+
+def test_a_failing_variant_raises_unavailable_but_dynamic_failures_propagate():
+    from roseinfer.bench.hf_baseline import VariantUnavailable, run_hf
+    from roseinfer.bench.workloads import Workload
+
+    class Broken:
+        device = torch.device("cpu")
+
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("inductor: no C++ compiler\nlong trace")
+
+    w = Workload([[1]], [[1]], 2, True)
+    with pytest.raises(VariantUnavailable, match="RuntimeError: inductor: no C"):
+        run_hf(Broken(), None, w, "static")
+    with pytest.raises(RuntimeError):
+        run_hf(Broken(), None, w, "dynamic")
+
+
+@pytest.mark.parametrize("bad", ["", "0,1", "a"])
+def test_bad_prompt_repeats_are_refused(bad):
+    with pytest.raises(ValueError, match="prompt-repeats"):
+        parse_repeats(bad)
+
+
+# --- end to end on a tiny model --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt2_tok(tmp_path_factory):
+    from roseinfer.models.tokenizers import gpt2_tokenizer
+    return gpt2_tokenizer(str(tmp_path_factory.mktemp("tok-cache")))
+
+
+def _save_tiny_gpt2(path, tokenizer=None):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, gpt2_tok):
+    return _save_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"), gpt2_tok)
+
+
+def _bench(tmp_path, mode, model, *extra):
+    out = tmp_path / f"{mode}.json"
+    code = main(["bench", mode, "--model", model, *ENGINE_FLAGS, *WORKLOAD,
+                 "--output-json", str(out), *extra])
+    return code, json.loads(out.read_text())
+
+
+def _assert_all_requests_complete(result, max_new=6):
+    runs = result["roseinfer"]["runs"]
+    assert len(runs) == 2
+    for run in runs:
+        assert run["completed"] == run["num_requests"] == 5
+        assert [r["output_tokens"] for r in run["requests"]] == [max_new] * 5
+        assert [r["prompt_tokens"] for r in run["requests"]] == [1, 4, 1, 4, 1]
+        assert {r["finish_reason"] for r in run["requests"]} == {"length"}
+        assert run["total_output_tokens"] == 5 * max_new
+        assert 0 < run["ttft_ms"]["p50"] <= run["e2e_latency_ms"]["p50"]
+        assert run["output_throughput"] == pytest.approx(5 * max_new / run["duration_s"])
+    s = result["roseinfer"]["summary"]
+    assert s["num_runs"] == 2 and s["output_throughput"] > 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms", "queue_wait_ms"):
+        assert set(s[key]) == {"mean", "p50", "p95", "p99"}, key
+        assert s[key]["p50"] is not None and s[key]["p50"] >= 0, key
+
+
+def test_bench_offline_against_transformers(tmp_path, tiny_dir, capsys, monkeypatch):
+    from roseinfer.bench import hf_baseline
+
+    real_run_hf = hf_baseline.run_hf
+
+    def run_hf(model, tokenizer, w, variant):  # compiling takes ~25 s here: fail it instead
+        if variant == "static":
+            raise hf_baseline.VariantUnavailable("no compiler in this test")
+        return real_run_hf(model, tokenizer, w, variant)
+
+    monkeypatch.setattr(hf_baseline, "run_hf", run_hf)
+    chart = tmp_path / "chart.png"
+    plot = ["--plot", str(chart)] if HAVE_MATPLOTLIB else []  # the `bench` extra
+    code, result = _bench(tmp_path, "offline", tiny_dir, "--compare-hf",
+                          "--hf-variants", "dynamic,static", *plot)
+    assert code == 0
+    _assert_all_requests_complete(result)
+    assert result["workload"]["prompt_tokens_total"] == 11
+    assert result["meta"]["mode"] == "offline" and result["meta"]["cpu_count"] >= 1
+    hf = result["hf"]["dynamic"]
+    assert len(hf["runs"]) == 2 and hf["summary"]["total_output_tokens"] == 30
+    # float32 greedy on the same weights: transformers is the independent reference.
+    assert hf["summary"]["outputs_equal_to_roseinfer"] == 1.0
+    assert result["ratios"]["dynamic"] == pytest.approx(
+        result["roseinfer"]["summary"]["output_throughput"] / hf["summary"]["output_throughput"])
+    assert result["hf"]["static"] == {"skipped": "no compiler in this test"}
+    assert set(result["ratios"]) == {"dynamic"}
+    printed = capsys.readouterr().out
+    assert "roseinfer / transformers dynamic" in printed and "static: skipped" in printed
+    if not HAVE_MATPLOTLIB:
+        return
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    combined = tmp_path / "combined.png"
+    assert main(["bench", "plot", str(tmp_path / "offline.json"), "--output", str(combined)]) == 0
+    assert combined.stat().st_size > 0
+
+
+def test_bench_offline_with_pretokenized_prompts(tmp_path, tiny_dir):
+    code, result = _bench(tmp_path, "offline", tiny_dir, "--pretok", "--prompt-token-id", "42")
+    assert code == 0
+    _assert_all_requests_complete(result)
+    assert result["workload"]["pretokenized"] is True
+
+
+@pytest.mark.parametrize("schedule", ["absolute", "relative"])
+def test_offline_schedule_spaces_submits(tiny_dir, schedule):
+    from roseinfer import LLM
+    from roseinfer.bench.offline import run_offline
+    from roseinfer.bench.probe import EngineProbe
+    from roseinfer.bench.progress import Progress
+    from roseinfer.bench.workloads import Workload
+
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", num_kv_blocks=64)
+    ids = [[15496]] * 4
+    w = Workload(ids, ids, 4, True, submit_interval_s=0.03, schedule=schedule)
+    metrics, records = run_offline(EngineProbe(llm.engine), w, "s", Progress(16, "", False))
+    assert metrics["completed"] == 4
+    for prev, rec in zip(records, records[1:]):
+        assert rec.submit >= rec.due
+        base = prev.submit if schedule == "relative" else prev.due
+        assert rec.due == pytest.approx(base + 0.03)
+        assert rec.first_scheduled >= rec.submit
+
+
+def test_bench_serve_through_real_redis(tmp_path, tiny_dir):
+    code, result = _bench(tmp_path, "serve", tiny_dir, "--submit-interval-ms", "10",
+                          "--stream-interval", "4")
+    assert code == 0
+    _assert_all_requests_complete(result)
+    assert result["meta"]["mode"] == "serve"
+    assert result["workload"]["stream_interval"] == 4
