@@ -14,6 +14,7 @@ from roseinfer.bench.metrics import RequestRecord, summarize
 from roseinfer.bench.probe import EngineProbe
 from roseinfer.bench.progress import Progress
 from roseinfer.bench.workloads import Workload, build_prompts, parse_repeats
+from roseinfer.core.engine import settle_heap
 
 
 class BenchRun:
@@ -114,6 +115,7 @@ class BenchRun:
                 n = max(a.warmup_runs, 1) if v == "static" else a.warmup_runs
                 for k in range(n):
                     self._hf(v, w, f"warm-up {k + 1}/{n}")
+            settle_heap()  # the transformers models and compiled graphs loaded since
             for k in range(a.repeat_runs):
                 metrics, records = self._ours(harness, w, f"run {k + 1}/{a.repeat_runs}", f"r{k}")
                 runs.append(metrics)

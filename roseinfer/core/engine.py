@@ -1,6 +1,7 @@
 """Engine: add_request / step / abort over scheduler, block manager and runner."""
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._in_flight = None
+        settle_heap()
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d",
                  type(self.model).__name__, self.device, self.dtype, num_blocks,
                  config.block_size, self.max_model_len)
@@ -221,6 +223,15 @@ class Engine:
         final = seq.finish_reason is not None
         new_text = seq.detok.release(final) if seq.detok is not None else ""
         return RequestOutput(seq.request_id, new_ids, new_text, final, seq.finish_reason, seq)
+
+
+def settle_heap() -> None:
+    """Move every object alive now (torch, transformers, the model) out of the
+    cyclic GC's reach. Each step allocates small objects, so full collections
+    come often; traversing millions of long-lived objects made them stall steps
+    for milliseconds."""
+    gc.collect()
+    gc.freeze()
 
 
 def _resolve_device(name: str) -> torch.device:
