@@ -265,3 +265,12 @@ def engine_flags(model_dir):
         flag = "--" + name.replace("_", "-")
         flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
     return flags
+
+
+def run_until_idle(worker, limit=200):
+    for _ in range(limit):
+        worker.run_once()
+        if not worker.engine.has_unfinished() and not worker._inflight:
+            worker.run_once()  # flushes the last step's writes
+            return
+    raise AssertionError("worker did not finish its requests")

@@ -17,7 +17,7 @@ from roseinfer.frontends.redis_streams.outage import GaveUp, Outage, is_transien
 from roseinfer.frontends.redis_streams.protocol import Chunk, Keys, encode_chunk
 from roseinfer.frontends.redis_streams.worker import EngineFailed, Worker
 
-from .conftest import FakeEngine, assert_well_formed, raw_chunks
+from .conftest import FakeEngine, assert_well_formed, raw_chunks, run_until_idle
 
 PREFIX = "u"
 KEYS = Keys(PREFIX)
@@ -38,15 +38,6 @@ def worker(fake_engine, fake_redis):
 @pytest.fixture
 def client(fake_redis):
     return Client(prefix=PREFIX, redis_client=fake_redis)
-
-
-def run_until_idle(worker, limit=200):
-    for _ in range(limit):
-        worker.run_once()
-        if not worker.engine.has_unfinished() and not worker._inflight:
-            worker.run_once()  # flushes the last step's writes
-            return
-    raise AssertionError("worker did not finish its requests")
 
 
 def crashed_owner(redis, rid, chunks, deliveries=1):

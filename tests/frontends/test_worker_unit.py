@@ -7,6 +7,8 @@ from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.protocol import Keys, decode_chunk
 from roseinfer.frontends.redis_streams.worker import Worker
 
+from .conftest import run_until_idle
+
 PREFIX = "u"
 KEYS = Keys(PREFIX)
 
@@ -25,15 +27,6 @@ def worker(fake_engine, fake_redis):
 
 def chunks(redis, rid):
     return [decode_chunk(f) for _, f in redis.xrange(KEYS.out(rid))]
-
-
-def run_until_idle(worker, limit=200):
-    for _ in range(limit):
-        worker.run_once()
-        if not worker.engine.has_unfinished() and not worker._inflight:
-            worker.run_once()  # flushes the last step's writes
-            return
-    raise AssertionError("worker did not finish its requests")
 
 
 def pending(redis):
