@@ -11,7 +11,7 @@ setup:
 
 # pytest exits 5 when it collected nothing: that is a failure here too.
 test: setup
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+	$(PYTHON) -m tests
 
 test-fast:
 	$(PYTHON) -m pytest -q -m "not slow" tests
