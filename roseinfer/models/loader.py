@@ -12,7 +12,7 @@ import os
 import torch
 
 from roseinfer.models import model_class
-from roseinfer.models.layers import RotaryEmbedding
+from roseinfer.models.layers import RotaryEmbedding, prepack_for_cpu
 from roseinfer.models.tokenizers import gpt2_tokenizer, package_dir
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,9 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0)
         if isinstance(m, RotaryEmbedding):
             m.build_tables(device)
     model.bind_head()
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and \
+            torch.backends.mkldnn.is_available():
+        prepack_for_cpu(model)
     return model.eval().requires_grad_(False), hf_config, tok
 
 
