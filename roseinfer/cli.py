@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from roseinfer.core.config import engine_args_parser
@@ -82,5 +83,15 @@ def main(argv=None) -> int:
         return 130
 
 
+def run() -> None:
+    """Console entry point. Triton's native bindings print leak reports while
+    the interpreter tears down; the command has cleaned up by now, so skip that."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
