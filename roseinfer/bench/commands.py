@@ -7,8 +7,6 @@ import os
 
 from roseinfer.bench.workloads import HF_VARIANTS as VARIANTS
 
-MODES = ("offline", "serve")
-
 
 def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     bench = subparsers.add_parser("bench",

@@ -12,10 +12,9 @@ import logging
 import torch
 
 from roseinfer.bench.timing import now, sync
-from roseinfer.bench.workloads import Workload
+from roseinfer.bench.workloads import HF_VARIANTS as VARIANTS, Workload
 
 log = logging.getLogger("roseinfer.bench")
-from roseinfer.bench.workloads import HF_VARIANTS as VARIANTS  # noqa: E402
 
 
 class VariantUnavailable(Exception):

@@ -46,9 +46,6 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - len(self.free) / self.num_blocks
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def match_prefix(self, seq) -> int:
         """Take cached blocks for the sequence's leading full blocks; returns tokens covered.
 

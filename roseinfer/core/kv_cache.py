@@ -26,10 +26,6 @@ class SlotBatch:
     rows: Optional[torch.Tensor] = None
     shared_offset: Optional[torch.Tensor] = None
 
-    @property
-    def identity(self) -> bool:
-        return self.rows is None
-
     def __len__(self) -> int:
         return self.block_idx.shape[0]
 

@@ -54,10 +54,6 @@ class Sequence:
         return len(self.token_ids) + self.pending
 
     @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
