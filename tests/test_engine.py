@@ -90,6 +90,33 @@ def test_stop_token_ids_and_eos(gpt2_model):
     assert out.token_ids == expected
 
 
+def test_decode_windows_stream_groups_of_tokens(gpt2_model):
+    """After the prefill step, decode runs in windows of decode_steps tokens,
+    shortened so that no request passes max_tokens."""
+    eng = llm_for(gpt2_model, decode_steps=4).engine
+    eng.add_request("a", [20, 21], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    chunks, ids = [], []
+    while eng.has_unfinished():
+        for out in eng.step():
+            chunks.append(len(out.new_token_ids))
+            ids += out.new_token_ids
+    assert chunks == [1, 4, 4, 1]
+    assert ids == hf_greedy(gpt2_model, [20, 21], 10)
+
+
+def test_stop_mid_window_drops_the_rest_of_the_window(gpt2_model):
+    ref = hf_greedy(gpt2_model, [30, 31], 16)
+    stop = ref[3]  # the third token of the first window (the prefill step made ref[0])
+    eng = llm_for(gpt2_model, decode_steps=8).engine
+    eng.add_request("a", [30, 31], SamplingParams(max_tokens=16, temperature=0,
+                                                  stop_token_ids=[stop], ignore_eos=True))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert sum((o.new_token_ids for o in outs), []) == ref[:ref.index(stop) + 1]
+    assert outs[-1].finish_reason == "stop" and eng.blocks.num_free == 128
+
+
 def test_max_tokens_and_model_context(gpt2_model):
     out = llm_for(gpt2_model).generate([[1, 2]], SamplingParams(max_tokens=3, temperature=0,
                                                                ignore_eos=True))[0]
@@ -138,6 +165,8 @@ def test_bad_config_is_refused(gpt2_model):
         llm_for(gpt2_model, blok_size=4)
     with pytest.raises(ConfigError, match="block_size"):
         EngineConfig(block_size=0)
+    with pytest.raises(ConfigError, match="decode_steps"):
+        EngineConfig(decode_steps=0)
 
 
 def test_config_from_toml(tmp_path):

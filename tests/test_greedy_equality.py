@@ -42,6 +42,12 @@ def test_single_prompt_large_blocks(family, request):
     check(hf, [[5, 6, 7]], block_size=16)
 
 
+@pytest.mark.parametrize("decode_steps", [1, 3, 8])
+def test_decode_windows(decode_steps, gpt2_model):
+    """Windows of several decode steps cross block boundaries (blocks of 4)."""
+    check(gpt2_model, mixed_prompts(6, seed=2), max_tokens=21, decode_steps=decode_steps)
+
+
 def test_untied_and_tied_llama():
     from tests.models import tiny_llama
     check(tiny_llama(tie_word_embeddings=True), mixed_prompts(3, seed=1))

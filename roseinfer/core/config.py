@@ -27,13 +27,17 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True
+    # Decode steps run back to back on the device when no sequence is in
+    # prefill: the host schedules once per window, so it stops pacing the GPU.
+    # Tokens then stream out in groups of up to this many.
+    decode_steps: int = 4
     seed: Optional[int] = None
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "decode_steps")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

@@ -72,8 +72,9 @@ class DecodeGraphs:
         self.pool = self.pool or graph.pool()
         self.graphs[size, name] = graph
 
-    def replay(self, size: int, host: PackedInputs, n_seq: int):
-        """Replays the bucket's graph; returns (logits of every row, device inputs)."""
+    def prepare(self, size: int, host: PackedInputs, n_seq: int, num_samples: int):
+        """Load the step's inputs into the bucket's graph; returns (device inputs,
+        a function that replays the graph and returns the sampling rows' logits)."""
         r = self.runner
         shared = bool((host.offsets[:n_seq] == host.offsets[0]).all())
         if shared:  # padding rows (scratch block) follow the real rows' offset
@@ -81,9 +82,16 @@ class DecodeGraphs:
         inp = r.to_device(host)
         slots = SlotBatch(inp.block_idx, inp.offsets, shared_offset=inp.offsets[:1] if shared else None)
         name = r.kv_cache.select(slots)
-        r.kv_cache.steps_by_backend[name] += 1
-        self.graphs[size, name].replay()
-        return self.logits[size, name], inp
+        graph, logits = self.graphs[size, name], self.logits[size, name]
+        # Rows that do not sample (a one-token prefill chunk that is not the
+        # prompt's last) are rare: the common case is a plain slice.
+        logits = logits[inp.sample_idx[:num_samples]] if num_samples < n_seq else logits[:n_seq]
+
+        def run(_step: int) -> torch.Tensor:
+            r.kv_cache.steps_by_backend[name] += 1
+            graph.replay()
+            return logits
+        return inp, run
 
 
 def _dummy_decode(host: PackedInputs, scratch_block: int, pad_row: int) -> None:

@@ -54,11 +54,12 @@ class Engine:
                                    config.enable_prefix_cache, self.kv_cache.copy_block)
         self.max_model_len = min(config.max_model_len or _context_len(self.hf_config),
                                  num_blocks * config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.decode_steps)
         attention = plugins.create("attention", self._attention_name())
         self.runner = ModelRunner(self.model, self.kv_cache, attention, self.device,
                                   config.max_num_seqs, config.max_num_batched_tokens,
-                                  self.max_model_len, config.cuda_graphs)
+                                  self.max_model_len, config.cuda_graphs, config.decode_steps)
         self.blocks.on_free_seq = self.runner.rows.release
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
@@ -181,33 +182,37 @@ class Engine:
         if batch.seqs:
             self._in_flight = self.runner.launch(batch)
             for seq, n in zip(batch.seqs, batch.num_tokens):
-                seq.num_computed += n
+                seq.num_computed += n * batch.steps  # steps > 1 only when every n is 1
         if previous is not None:
             outputs += self._collect(previous)
         return outputs
 
     def _collect(self, launched) -> list[RequestOutput]:
         live = []
-        seqs = launched.batch.seqs
-        eos = self.eos_ids
-        for row, token in zip(launched.rows, launched.result()):
+        seqs, steps = launched.batch.seqs, launched.batch.steps
+        for row, tokens in zip(launched.rows, launched.result()):
             seq = seqs[row]
-            seq.pending -= 1
+            seq.pending -= steps
             if seq.status is Status.FINISHED:
-                continue  # finished while this step was in flight: drop its token
-            seq.token_ids.append(token)
+                continue  # finished while this step was in flight: drop its tokens
+            self._append(seq, tokens)
             live.append(seq)
-            p = seq.params
-            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
-                seq.finish_reason = "stop"
-            elif len(seq.token_ids) >= seq.max_len:
-                seq.finish_reason = "length"
-        if self.tokenizer is not None:
-            for seq in live:
-                # the stop token itself is not detokenized
-                if seq.finish_reason != "stop" and seq.detok.add(seq.token_ids[-1]):
-                    seq.finish_reason = "stop"
         return [self._emit(seq) for seq in live]
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+        """Take a step's tokens up to the first that finishes the sequence."""
+        p, eos, detok = seq.params, self.eos_ids, seq.detok
+        for token in tokens:
+            seq.token_ids.append(token)
+            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
+                seq.finish_reason = "stop"  # the stop token itself is not detokenized
+                return
+            if detok is not None and detok.add(token):
+                seq.finish_reason = "stop"
+                return
+            if len(seq.token_ids) >= seq.max_len:
+                seq.finish_reason = "length"
+                return
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         if self.blocks.prefix_cache:

@@ -16,26 +16,28 @@ from roseinfer.core.cuda_graphs import DecodeGraphs
 from roseinfer.core.kv_cache import KVCache, SlotBatch
 from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
-from roseinfer.core.step_inputs import InputStager, PackedInputs, TableRows, fill, fixed_size
+from roseinfer.core.step_inputs import (InputStager, PackedInputs, TableRows, advance, fill,
+                                        fixed_size)
 
 
 @dataclass
 class LaunchedStep:
     batch: ScheduledBatch
     rows: list[int]                  # batch rows that sample a token
-    tokens: torch.Tensor             # host tensor the sampled ids arrive in
+    tokens: torch.Tensor             # host [window step, row]: the sampled ids arrive here
     done: Optional[torch.cuda.Event]
 
-    def result(self) -> list[int]:
+    def result(self) -> list[list[int]]:
+        """Each sampling row's ids, one per window step."""
         if self.done is not None:
             self.done.synchronize()
-        return self.tokens[:len(self.rows)].tolist()
+        return self.tokens[:self.batch.steps, :len(self.rows)].T.tolist()
 
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, attention, device: torch.device,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 cuda_graphs: bool):
+                 cuda_graphs: bool, decode_steps: int = 1):
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
@@ -52,9 +54,11 @@ class ModelRunner:
                                  dtype=torch.int32, device=device)
         self.sampler = Sampler()
         self.sampled = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.window = torch.zeros(decode_steps, max_num_seqs, dtype=torch.int32, device=device)
+        self.identity = torch.arange(max_num_seqs, dtype=torch.int32, device=device)
         # Two host landing buffers: step n's copy must not overwrite step n-1's ids.
         pin = device.type == "cuda"
-        self.landing = [torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin)
+        self.landing = [torch.zeros(decode_steps, max_num_seqs, dtype=torch.int32, pin_memory=pin)
                         for _ in range(2)]
         self.launches = 0
         self.graphs = None
@@ -86,26 +90,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Launch the batch's step (or window of decode steps) without waiting for it."""
         seqs, num_tokens = batch.seqs, batch.num_tokens
         n_tok, n_seq = sum(num_tokens), len(seqs)
         graph = self.graphs.bucket(n_seq) if self.graphs and n_tok == n_seq else None
         host = self.stager.host_views(graph or n_tok, graph or n_seq)
         rows, upd_idx, upd_val, greedy = fill(host, seqs, num_tokens, self.block_size,
-                                              self.rows, self.kv_cache.scratch_block)
+                                              self.rows, self.kv_cache.scratch_block, batch.steps)
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
         if graph is not None:
-            logits, inp = self.graphs.replay(graph, host, n_seq)
-            logits = logits[inp.sample_idx[:len(rows)]] if len(rows) < n_seq else logits[:n_seq]
+            inp, run = self.graphs.prepare(graph, host, n_seq, len(rows))
         else:
-            logits = self._eager(host, num_tokens, len(rows))
-        return self._sample(batch, rows, logits, greedy)
+            inp, run = self._eager(host, num_tokens, len(rows))
+        for step in range(batch.steps):
+            if step:
+                advance(inp, self.tables, self.block_size, self.identity)
+            if rows:
+                self._sample(step, batch, rows, run(step), greedy)
+        return self._land(batch, rows)
 
-    def _sample(self, batch, rows, logits, greedy: bool) -> LaunchedStep:
-        landing = self.landing[self.launches % 2]
-        self.launches += 1
-        if not rows:
-            return LaunchedStep(batch, rows, landing, None)
+    def _sample(self, step: int, batch, rows, logits, greedy: bool) -> None:
         if greedy:
             tokens = logits.argmax(dim=-1)
         else:
@@ -113,7 +118,15 @@ class ModelRunner:
             tokens = self.sampler(logits, [s.params for s in picked],
                                   [s.generator for s in picked])
         self.sampled[:len(rows)].copy_(tokens)
-        landing[:len(rows)].copy_(self.sampled[:len(rows)], non_blocking=True)
+        self.window[step, :len(rows)].copy_(tokens)
+
+    def _land(self, batch, rows) -> LaunchedStep:
+        """Start the window's ids on their way to the host."""
+        landing = self.landing[self.launches % 2]
+        self.launches += 1
+        if not rows:
+            return LaunchedStep(batch, rows, landing, None)
+        landing[:batch.steps].copy_(self.window[:batch.steps], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -127,10 +140,16 @@ class ModelRunner:
             self.tables.view(-1)[inp.table_idx.long()] = inp.table_val
         return inp
 
-    def _eager(self, host: PackedInputs, num_tokens, num_samples: int) -> torch.Tensor:
+    def _eager(self, host: PackedInputs, num_tokens, num_samples: int):
+        """Device inputs, and a function that runs window step ``i`` on them."""
         shared = bool((host.offsets == host.offsets[0]).all())
+        max_context_len = int(host.context_lens.max())
         inp = self.to_device(host)
-        ctx = self.context(inp, max(num_tokens), int(host.context_lens.max()))
+        ctx = self.context(inp, max(num_tokens), max_context_len)
         if not shared:
             ctx.slots.shared_offset = None
-        return self.forward(ctx, inp, inp.sample_idx[:num_samples])
+
+        def run(i: int) -> torch.Tensor:
+            ctx.attn.max_context_len = max_context_len + i
+            return self.forward(ctx, inp, inp.sample_idx[:num_samples])
+        return inp, run

@@ -19,14 +19,17 @@ from roseinfer.core.request import Sequence, Status
 class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]   # tokens computed for each sequence in this step
+    steps: int = 1          # decode steps run back to back (a decode window)
 
     def __len__(self) -> int:
         return len(self.seqs)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 decode_steps: int = 1):
         self.blocks = blocks
+        self.decode_steps = decode_steps
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -42,7 +45,21 @@ class Scheduler:
         budget = self._schedule_running(batch, self.budget)
         if self.num_preemptions == preemptions:  # admit nothing while preempting
             self._admit_waiting(batch, budget)
+        if self.decode_steps > 1 and batch.seqs:
+            self._widen(batch)
         return batch
+
+    def _widen(self, batch: ScheduledBatch) -> None:
+        """Make a decode-only batch a window of several steps, as many as every
+        sequence still has room for (so none passes its length limit) and as
+        the free blocks allow. A stop token mid-window wastes the rest of it."""
+        if any(n != 1 for n in batch.num_tokens):
+            return  # a prefill chunk: new sequences join between windows
+        steps = min(self.decode_steps,
+                    min(s.max_len - len(s.token_ids) - s.pending for s in batch.seqs))
+        reserve = self.blocks.reserve
+        if steps > 1 and all(reserve(s, steps) for s in batch.seqs):
+            batch.steps = steps
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         running, reserve = self.running, self.blocks.reserve

@@ -77,13 +77,14 @@ class TableRows:
 
 
 def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
-         scratch_block: int) -> tuple[list[int], list[int], list[int], bool]:
+         scratch_block: int, steps: int = 1) -> tuple[list[int], list[int], list[int], bool]:
     """Write the step's inputs; padding rows after the real ones write to the
     scratch block. Returns (rows that sample, table entry indices, values,
     whether every sampling row is greedy).
 
-    A sampling sequence's token is marked in flight (``pending``) at the slot
-    of the sampled buffer it will land in: the next step reads it from there.
+    A sampling sequence's tokens (``steps`` of them in a decode window) are
+    marked in flight (``pending``) at the slot of the sampled buffer they land
+    in: the next step reads the last one from there.
     The loop only appends to Python lists (cheap); numpy takes them in bulk.
     """
     ids, src, pos, bidx, ctx, seq_rows, sample_rows = [], [], [], [], [], [], []
@@ -116,7 +117,7 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
         seq_rows.append(seq.row)
         if end == len(seq.token_ids) + seq.pending:
             seq.sample_slot = len(sample_rows)
-            seq.pending += 1
+            seq.pending += steps
             greedy = greedy and seq.params.temperature == 0
             sample_rows.append(i)
     t, s = len(ids), len(seqs)
@@ -141,6 +142,20 @@ def _pad(host: PackedInputs, t: int, s: int, pad_row: int, scratch_block: int) -
     host.context_lens[s:] = 1
     host.query_start[s + 1:] = t + 1 + np.arange(host.n_seq - s)
     host.seq_rows[s:] = pad_row
+
+
+def advance(inp: PackedInputs, tables: torch.Tensor, block_size: int,
+            identity: torch.Tensor) -> None:
+    """Turn a decode step's device inputs into the next window step's, on the
+    device: every row moves one position on and reads the token it just
+    sampled (in a decode batch row i samples into slot i). Padding rows stay
+    on the padding table row, whose every entry is the scratch block."""
+    inp.positions += 1
+    inp.context_lens += 1
+    torch.remainder(inp.positions, block_size, out=inp.offsets)
+    inp.block_idx.copy_(tables[inp.seq_rows, torch.div(inp.positions, block_size,
+                                                       rounding_mode="floor")])
+    inp.src_rows.copy_(identity[:inp.n_tok])
 
 
 class InputStager:
