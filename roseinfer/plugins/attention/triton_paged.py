@@ -9,8 +9,11 @@ packed without padding: sequence ``s`` starts at q-block
 search), so ``N // BLOCK_Q + S`` programs cover any batch and the few surplus
 ones exit at once.
 
-A decode batch gives only ``S * H_kv`` programs, too few for a GPU when
-contexts are long, so its context is split across programs (flash-decoding):
+Decode batches (one query row per sequence) take a kernel of their own:
+program ``(seq, kv_head, split)``, no search, no tensor cores (see
+``_paged_decode_kernel``). They give only ``S * H_kv`` programs, too few for
+a GPU when contexts are long, so the context is split across programs
+(flash-decoding):
 each split writes an unnormalised partial (running max, sum, accumulator) and
 a second kernel merges them. Shapes depend only on ``N``, ``S`` and
 ``attn.max_context_len``: capture CUDA graphs with ``max_context_len`` set to
@@ -50,20 +53,18 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 @_kernel
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr,
     sq_n, sq_h, sq_d,                 # q strides (a view of fused qkv is fine)
-    so_s, so_n, so_h,                 # out / partial-accumulator strides (d stride 1)
-    sm_s, sm_n,                       # partial max / sum strides (h stride 1)
+    so_n, so_h,                       # out strides (d stride 1)
     sc_b, sc_h, sc_o, sc_d,           # cache strides, K and V alike
-    bt_stride, num_seqs, head_dim, scale_log2, tiles_per_split,
+    bt_stride, num_seqs, head_dim, scale_log2,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
@@ -83,18 +84,15 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + row[:, None] * sq_n + head[:, None] * sq_h + d[None, :] * sq_d,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # Keys up to the block's last query, cut to this split's share. Splits are
-    # only used for decode, so every row sees the first key of a non-empty range
-    # and the running max is finite after the first tile (no -inf - -inf).
-    kv_end = context_len - q_len + tl.minimum(first_tok + BLOCK_Q, q_len)
-    kv_lo = split * tiles_per_split * BLOCK_N
-    kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
+    # Keys up to the block's last query. Every row sees the first key, so the
+    # running max is finite after the first tile (no -inf - -inf).
+    kv_hi = context_len - q_len + tl.minimum(first_tok + BLOCK_Q, q_len)
     block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
+    for start in range(0, kv_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_hi
         # int64: block index * block stride overflows int32 on large caches.
@@ -112,14 +110,71 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + row[:, None] * so_n + head[:, None] * so_h + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
+
+@_kernel
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
+    block_tables_ptr, context_lens_ptr,
+    sq_n, sq_h, sq_d, so_s, so_n, so_h, sm_s, sm_n, sc_b, sc_h, sc_o, sc_d,
+    bt_stride, head_dim, scale_log2, tiles_per_split,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr,
+):
+    """Decode rows only: program (seq, kv_head, split) owns query row ``seq``.
+
+    A handful of query rows is too few for tensor cores: scores and the
+    weighted sum are broadcast products reduced on CUDA cores, and with no
+    tile staged in shared memory many programs fit on an SM at once, which
+    is what hides the latency of the dependent loads (table, then K/V).
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    g = tl.arange(0, BLOCK_G)
+    head = kv_head * G + g
+    g_ok = g < G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    row = tl.zeros([BLOCK_G], tl.int64) + seq
+    q = tl.load(q_ptr + row[:, None] * sq_n + head[:, None] * sq_h + d[None, :] * sq_d,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+
+    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_hi = tl.minimum(context_len, kv_lo + tiles_per_split * BLOCK_N)
+    block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < kv_hi
+        block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        kv_off = (block[:, None] * sc_b + kv_head * sc_h
+                  + (k_pos % BLOCK_SIZE)[:, None] * sc_o + d[None, :] * sc_d)
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale_log2        # [G, N]
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m_i = m_new
+    # The normalised output, or this split's unnormalised partial (acc, max, sum).
     out_off = split.to(tl.int64) * so_s + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
-    out_mask = row_ok[:, None] & d_ok[None, :]
+    out_mask = g_ok[:, None] & d_ok[None, :]
     if PARTIAL:
         tl.store(out_ptr + out_off, acc, mask=out_mask)
         ml_off = split.to(tl.int64) * sm_s + row * sm_n + head
-        tl.store(m_ptr + ml_off, m_i, mask=row_ok)
-        tl.store(l_ptr + ml_off, l_i, mask=row_ok)
+        tl.store(m_ptr + ml_off, m_i, mask=g_ok)
+        tl.store(l_ptr + ml_off, l_i, mask=g_ok)
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -168,35 +223,44 @@ class TritonPagedAttention:
 
     def forward(self, q, k_cache, v_cache, attn, scale):
         n, num_heads, head_dim = q.shape
-        _, num_kv_heads, block_size, _ = k_cache.shape
+        num_kv_heads = k_cache.shape[1]
         assert k_cache.stride() == v_cache.stride()
-        group = num_heads // num_kv_heads
-        block_m = max(16 if attn.is_decode else 64, triton.next_power_of_2(group))
-        block_q = block_m // group
-        splits = num_splits(attn, num_kv_heads, _num_sms(q.device))
         tune = TUNING["decode" if attn.is_decode else "prefill"]
-        tiles_per_split = triton.cdiv(triton.cdiv(attn.max_context_len, tune["block_n"]), splits)
-
+        const = {"G": num_heads // num_kv_heads, "BLOCK_SIZE": k_cache.shape[2],
+                 "BLOCK_N": tune["block_n"], "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+                 "num_warps": tune["num_warps"], "num_stages": tune["num_stages"]}
+        scale_log2 = scale * math.log2(math.e)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        if attn.is_decode:
+            self._decode(q, k_cache, v_cache, out, attn, scale_log2, const)
+            return out
+        # Prefill chunks give programs enough: never split.
+        block_m = max(64, triton.next_power_of_2(const["G"]))
+        block_q = block_m // const["G"]
+        _paged_attention_kernel[(n // block_q + attn.num_seqs, num_kv_heads)](
+            q, k_cache, v_cache, out, attn.block_tables, attn.context_lens, attn.query_start,
+            *q.stride(), *out.stride()[:2], *k_cache.stride(), attn.block_tables.stride(0),
+            attn.num_seqs, head_dim, scale_log2, BLOCK_M=block_m, BLOCK_Q=block_q,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **const)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, out, attn, scale_log2, const):
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[1]
+        splits = num_splits(attn, num_kv_heads, _num_sms(q.device))
+        tiles_per_split = triton.cdiv(triton.cdiv(attn.max_context_len, const["BLOCK_N"]), splits)
         if splits == 1:
             dest, m, l = out.unsqueeze(0), out, out  # m, l unused without splits
         else:
             dest = torch.empty(splits, n, num_heads, head_dim, dtype=torch.float32, device=q.device)
             m = torch.empty(splits, n, num_heads, dtype=torch.float32, device=q.device)
             l = torch.empty_like(m)
-        grid = (n // block_q + attn.num_seqs, num_kv_heads, splits)
-        _paged_attention_kernel[grid](
-            q, k_cache, v_cache, dest, m, l,
-            attn.block_tables, attn.context_lens, attn.query_start,
+        _paged_decode_kernel[(n, num_kv_heads, splits)](
+            q, k_cache, v_cache, dest, m, l, attn.block_tables, attn.context_lens,
             *q.stride(), *dest.stride()[:3], *m.stride()[:2], *k_cache.stride(),
-            attn.block_tables.stride(0), attn.num_seqs, head_dim,
-            scale * math.log2(math.e), tiles_per_split,
-            G=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-            BLOCK_N=tune["block_n"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            PARTIAL=splits > 1,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=tune["num_warps"], num_stages=tune["num_stages"],
-        )
+            attn.block_tables.stride(0), head_dim, scale_log2, tiles_per_split,
+            BLOCK_G=triton.next_power_of_2(const["G"]), PARTIAL=splits > 1, **const)
         if splits > 1:
             _merge_splits_kernel[(n, num_heads)](
                 out, dest, m, l, *out.stride()[:2], *dest.stride()[:3], *m.stride()[:2],
@@ -204,7 +268,6 @@ class TritonPagedAttention:
                 BLOCK_S=triton.next_power_of_2(splits),
                 BLOCK_D=triton.next_power_of_2(head_dim),
             )
-        return out
 
 
 @hookimpl
