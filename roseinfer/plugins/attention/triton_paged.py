@@ -33,7 +33,8 @@ from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_
 # measured on an H100 (docs/benchmarks.md). A dict so benchmarks can sweep it.
 TUNING = {"decode": {"block_n": 64, "num_warps": 4, "num_stages": 2},
           "prefill": {"block_n": 32, "num_warps": 4, "num_stages": 2}}
-MIN_SPLIT_LEN = 256   # fewer keys per split cost more in merging than they win
+PROGRAMS_PER_SM = 8    # decode: split contexts until the grid has this many per SM
+MIN_SPLIT_LEN = 64     # context bound per split below which splitting only adds merging
 MAX_SPLITS = 16
 
 
@@ -120,7 +121,7 @@ def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, context_lens_ptr,
     sq_n, sq_h, sq_d, so_s, so_n, so_h, sm_s, sm_n, sc_b, sc_h, sc_o, sc_d,
-    bt_stride, head_dim, scale_log2, tiles_per_split,
+    bt_stride, head_dim, scale_log2, n_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr,
 ):
@@ -144,8 +145,11 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + row[:, None] * sq_n + head[:, None] * sq_h + d[None, :] * sq_d,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
 
-    kv_lo = split * tiles_per_split * BLOCK_N
-    kv_hi = tl.minimum(context_len, kv_lo + tiles_per_split * BLOCK_N)
+    # Each split takes an equal share of this sequence's own context (whole
+    # tiles), so a graph captured for the context bound splits short contexts too.
+    share = tl.cdiv(tl.cdiv(context_len, BLOCK_N), n_splits) * BLOCK_N
+    kv_lo = split * share
+    kv_hi = tl.minimum(context_len, kv_lo + share)
     block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -210,10 +214,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def num_splits(attn, num_kv_heads: int, num_sms: int) -> int:
-    """Split decode contexts until the grid fills the GPU about twice over."""
+    """Split decode contexts until the grid has PROGRAMS_PER_SM programs per SM:
+    a decode program is small, and many of them per SM hide its load latency."""
     if not attn.is_decode:
         return 1  # prefill chunks give programs enough; the kernel relies on this
-    wanted = triton.cdiv(2 * num_sms, attn.num_seqs * num_kv_heads)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, attn.num_seqs * num_kv_heads)
     return max(1, min(wanted, attn.max_context_len // MIN_SPLIT_LEN, MAX_SPLITS))
 
 
@@ -249,7 +254,6 @@ class TritonPagedAttention:
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         splits = num_splits(attn, num_kv_heads, _num_sms(q.device))
-        tiles_per_split = triton.cdiv(triton.cdiv(attn.max_context_len, const["BLOCK_N"]), splits)
         if splits == 1:
             dest, m, l = out.unsqueeze(0), out, out  # m, l unused without splits
         else:
@@ -259,7 +263,7 @@ class TritonPagedAttention:
         _paged_decode_kernel[(n, num_kv_heads, splits)](
             q, k_cache, v_cache, dest, m, l, attn.block_tables, attn.context_lens,
             *q.stride(), *dest.stride()[:3], *m.stride()[:2], *k_cache.stride(),
-            attn.block_tables.stride(0), head_dim, scale_log2, tiles_per_split,
+            attn.block_tables.stride(0), head_dim, scale_log2, splits,
             BLOCK_G=triton.next_power_of_2(const["G"]), PARTIAL=splits > 1, **const)
         if splits > 1:
             _merge_splits_kernel[(n, num_heads)](
