@@ -62,11 +62,11 @@ class DecodeGraphs:
         r = self.runner
         r.kv_cache.force(name)
         try:
-            r.forward(ctx, inp)  # warm-up: compiles kernels outside the capture
+            r.capture_step(ctx, inp)  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[size, name] = r.forward(ctx, inp)
+                self.logits[size, name] = r.capture_step(ctx, inp)
         finally:
             r.kv_cache.force(None)
         self.pool = self.pool or graph.pool()
@@ -83,14 +83,14 @@ class DecodeGraphs:
         slots = SlotBatch(inp.block_idx, inp.offsets, shared_offset=inp.offsets[:1] if shared else None)
         name = r.kv_cache.select(slots)
         graph, logits = self.graphs[size, name], self.logits[size, name]
-        # Rows that do not sample (a one-token prefill chunk that is not the
-        # prompt's last) are rare: the common case is a plain slice.
-        logits = logits[inp.sample_idx[:num_samples]] if num_samples < n_seq else logits[:n_seq]
+        sample_idx = inp.sample_idx[:num_samples]
 
         def run(_step: int) -> torch.Tensor:
             r.kv_cache.steps_by_backend[name] += 1
             graph.replay()
-            return logits
+            # Rows that do not sample (a one-token prefill chunk that is not
+            # the prompt's last) are rare: the common case is a plain slice.
+            return logits[sample_idx] if num_samples < n_seq else logits[:n_seq]
         return inp, run
 
 
@@ -104,3 +104,4 @@ def _dummy_decode(host: PackedInputs, scratch_block: int, pad_row: int) -> None:
     host.query_start[:] = range(host.n_seq + 1)
     host.sample_idx[:] = range(host.n_seq)
     host.seq_rows[:] = pad_row
+    host.window_step[:] = 0

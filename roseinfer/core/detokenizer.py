@@ -23,6 +23,7 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""      # all decoded text (stop string cut off once found)
         self.released = 0   # chars of text already handed out
+        self.stopped = False  # a stop string ended the text
 
     def add(self, ids) -> bool:
         """Decode new ids (one or a list); True if a stop string ended the text."""
@@ -34,7 +35,19 @@ class IncrementalDetokenizer:
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]
+            self.stopped = True
         return bool(hits)
+
+    def take(self, ids: list[int]) -> int:
+        """Decode ids up to the one that completes a stop string (``stopped``
+        tells whether one did); returns how many were taken."""
+        if not self.stop:
+            self.add(ids)  # one call for the lot: nothing can stop it early
+            return len(ids)
+        for i, token in enumerate(ids):
+            if self.add(token):
+                return i + 1
+        return len(ids)
 
     def release(self, final: bool) -> str:
         """Text safe to hand out now; everything once the request is final."""

@@ -201,18 +201,24 @@ class Engine:
 
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
         """Take a step's tokens up to the first that finishes the sequence."""
-        p, eos, detok = seq.params, self.eos_ids, seq.detok
-        for token in tokens:
-            seq.token_ids.append(token)
+        p, eos = seq.params, self.eos_ids
+        take, reason = len(tokens), None
+        room = seq.max_len - len(seq.token_ids)
+        for i, token in enumerate(tokens):
             if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
-                seq.finish_reason = "stop"  # the stop token itself is not detokenized
-                return
-            if detok is not None and detok.add(token):
-                seq.finish_reason = "stop"
-                return
-            if len(seq.token_ids) >= seq.max_len:
-                seq.finish_reason = "length"
-                return
+                take, reason = i + 1, "stop"
+                break
+            if i + 1 >= room:
+                take, reason = i + 1, "length"
+                break
+        tokens = tokens[:take]
+        if seq.detok is not None:
+            text_ids = tokens[:-1] if reason == "stop" else tokens  # not the stop token itself
+            taken = seq.detok.take(text_ids)
+            if seq.detok.stopped:
+                tokens, reason = tokens[:taken], "stop"
+        seq.token_ids += tokens
+        seq.finish_reason = reason
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         if self.blocks.prefix_cache:

@@ -43,7 +43,8 @@ class ModelRunner:
         self.attention = attention
         self.device = device
         self.block_size = kv_cache.block_size
-        self.max_blocks = -(-max_model_len // self.block_size)
+        # One spare column (always the scratch block): see advance().
+        self.max_blocks = -(-max_model_len // self.block_size) + 1
         self.max_model_len = max_model_len
         tokens = max(max_num_batched_tokens, max_num_seqs)
         # Updates: at most every entry of every table, when all sequences are new.
@@ -103,22 +104,37 @@ class ModelRunner:
             inp, run = self.graphs.prepare(graph, host, n_seq, len(rows))
         else:
             inp, run = self._eager(host, num_tokens, len(rows))
+        # A graph samples greedily and advances its inputs itself (capture()),
+        # which is all a greedy batch whose every row samples needs.
+        graph_samples = graph is not None and greedy and len(rows) == n_seq
         for step in range(batch.steps):
-            if step:
+            if step and graph is None:
                 advance(inp, self.tables, self.block_size, self.identity)
-            if rows:
-                self._sample(step, batch, rows, run(step), greedy)
+            logits = run(step)
+            if rows and not graph_samples:
+                self._record(step, self._sample(batch, rows, logits, greedy))
         return self._land(batch, rows)
 
-    def _sample(self, step: int, batch, rows, logits, greedy: bool) -> None:
+    def _sample(self, batch, rows, logits, greedy: bool) -> torch.Tensor:
         if greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            picked = [batch.seqs[r] for r in rows]
-            tokens = self.sampler(logits, [s.params for s in picked],
-                                  [s.generator for s in picked])
-        self.sampled[:len(rows)].copy_(tokens)
-        self.window[step, :len(rows)].copy_(tokens)
+            return logits.argmax(dim=-1)
+        picked = [batch.seqs[r] for r in rows]
+        return self.sampler(logits, [s.params for s in picked], [s.generator for s in picked])
+
+    def _record(self, step, tokens: torch.Tensor) -> None:
+        """Tokens into the sampled buffer (the next step's inputs) and the
+        window (for the host); ``step`` is an int or a device tensor."""
+        n = tokens.shape[0]
+        self.sampled[:n] = tokens
+        self.window[step, :n] = tokens
+
+    def capture_step(self, ctx: StepContext, inp: PackedInputs) -> torch.Tensor:
+        """What a decode CUDA graph holds: the forward, greedy sampling of
+        every row, and the inputs advanced for the next window step."""
+        logits = self.forward(ctx, inp)
+        self._record(inp.window_step, logits.argmax(dim=-1))
+        advance(inp, self.tables, self.block_size, self.identity)
+        return logits
 
     def _land(self, batch, rows) -> LaunchedStep:
         """Start the window's ids on their way to the host."""

@@ -18,13 +18,15 @@ import torch
 # device-side sampled buffer by the previous step, which the host has not seen.
 # sample_idx[k]: the token whose logits the k-th sampling sequence samples from.
 # seq_rows[s]: the device block-table row of sequence s.
+# window_step[0]: the window step a CUDA graph records its tokens at (it counts
+# up on the device; each launch's copy resets it to 0).
 FIELDS = ("input_ids", "src_rows", "positions", "block_idx", "offsets", "context_lens",
-          "query_start", "sample_idx", "seq_rows")
+          "query_start", "sample_idx", "seq_rows", "window_step")
 
 
 def _sizes(n_tok: int, n_seq: int, n_upd: int) -> tuple[int, ...]:
     """Lengths of FIELDS, then of the block-table updates (indices, values)."""
-    return (n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq, n_upd, n_upd)
+    return (n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq, 1, n_upd, n_upd)
 
 
 def fixed_size(n_tok: int, n_seq: int) -> int:
@@ -128,6 +130,7 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
     qs[0] = 0
     np.cumsum(num_tokens, out=qs[1:s + 1])
     f["sample_idx"][:len(sample_rows)] = qs[1:][sample_rows] - 1
+    f["window_step"][0] = 0
     _pad(host, t, s, rows.pad_row, scratch_block)
     np.remainder(f["positions"], block_size, out=f["offsets"])
     return sample_rows, upd_idx, upd_val, greedy
@@ -149,7 +152,10 @@ def advance(inp: PackedInputs, tables: torch.Tensor, block_size: int,
     """Turn a decode step's device inputs into the next window step's, on the
     device: every row moves one position on and reads the token it just
     sampled (in a decode batch row i samples into slot i). Padding rows stay
-    on the padding table row, whose every entry is the scratch block."""
+    on the padding table row, whose every entry is the scratch block. Tables
+    have a spare last column, so a row past its last block reads the scratch
+    block instead of running off the table."""
+    inp.window_step += 1
     inp.positions += 1
     inp.context_lens += 1
     torch.remainder(inp.positions, block_size, out=inp.offsets)

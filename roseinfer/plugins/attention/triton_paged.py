@@ -31,7 +31,7 @@ from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_
 
 # Launch settings per batch kind; keys per tile (block_n) and warps were
 # measured on an H100 (docs/benchmarks.md). A dict so benchmarks can sweep it.
-TUNING = {"decode": {"block_n": 64, "num_warps": 4, "num_stages": 2},
+TUNING = {"decode": {"block_n": 16, "num_warps": 1, "num_stages": 2},
           "prefill": {"block_n": 32, "num_warps": 4, "num_stages": 2}}
 PROGRAMS_PER_SM = 8    # decode: split contexts until the grid has this many per SM
 MIN_SPLIT_LEN = 64     # context bound per split below which splitting only adds merging
