@@ -104,6 +104,15 @@ def test_decode_windows_stream_groups_of_tokens(gpt2_model):
     assert ids == hf_greedy(gpt2_model, [20, 21], 10)
 
 
+def test_tokens_are_recorded_at_a_device_side_window_step(gpt2_model):
+    """CUDA graphs record at a window step held in a tensor; the host at an int."""
+    runner = llm_for(gpt2_model, decode_steps=4).engine.runner
+    runner._record(torch.tensor([2], dtype=torch.int32), torch.tensor([7, 8, 9]))
+    runner._record(1, torch.tensor([4, 5]))
+    assert runner.window[2, :3].tolist() == [7, 8, 9] and runner.window[1, :2].tolist() == [4, 5]
+    assert runner.sampled[:3].tolist() == [4, 5, 9]
+
+
 def test_stop_mid_window_drops_the_rest_of_the_window(gpt2_model):
     ref = hf_greedy(gpt2_model, [30, 31], 16)
     stop = ref[3]  # the third token of the first window (the prefill step made ref[0])

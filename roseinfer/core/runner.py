@@ -125,6 +125,7 @@ class ModelRunner:
         """Tokens into the sampled buffer (the next step's inputs) and the
         window (for the host); ``step`` is an int or a device tensor."""
         n = tokens.shape[0]
+        tokens = tokens.to(torch.int32)  # indexing by a tensor does not cast
         self.sampled[:n] = tokens
         self.window[step, :n] = tokens
 
