@@ -30,7 +30,7 @@ class EngineConfig:
     # Decode steps run back to back on the device when no sequence is in
     # prefill: the host schedules once per window, so it stops pacing the GPU.
     # Tokens then stream out in groups of up to this many.
-    decode_steps: int = 4
+    decode_steps: int = 8
     seed: Optional[int] = None
 
     def __post_init__(self):

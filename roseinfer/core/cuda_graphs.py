@@ -46,17 +46,21 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        r = self.runner
         for size in reversed(self.sizes):  # largest first: later graphs reuse its pool
-            host = r.stager.host_views(size, size)
-            _dummy_decode(host, r.kv_cache.scratch_block, r.rows.pad_row)
-            inp = r.to_device(host)
-            ctx = r.context(inp, 1, r.max_model_len)
-            for name in sorted(self._variants(ctx)):
-                self._capture_one(size, name, ctx, inp)
+            for name in sorted(self._variants(self._dummy(size)[0])):
+                # fresh inputs each time: the warm-up run advances them
+                self._capture_one(size, name, *self._dummy(size))
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs),
                  time.perf_counter() - start)
+
+    def _dummy(self, size: int):
+        """(context, device inputs) of a decode batch of padding rows."""
+        r = self.runner
+        host = r.stager.host_views(size, size)
+        _dummy_decode(host, r.kv_cache.scratch_block, r.rows.pad_row)
+        inp = r.to_device(host)
+        return r.context(inp, 1, r.max_model_len), inp
 
     def _capture_one(self, size, name, ctx, inp) -> None:
         r = self.runner
