@@ -16,7 +16,8 @@ def llm_for(hf, **config):
 
 def test_preemption_under_a_tiny_pool_keeps_greedy_outputs(gpt2_model):
     prompts = mixed_prompts(6, seed=5)
-    llm = llm_for(gpt2_model, num_kv_blocks=12)  # 48 slots for ~6 x 30 tokens
+    # 48 slots for ~6 x 30 tokens; decode windows on, so they reserve blocks ahead too
+    llm = llm_for(gpt2_model, num_kv_blocks=12, decode_steps_min_seqs=1)
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.stats().num_preemptions > 0, "the pool should have forced preemption"
     assert [o.token_ids for o in outs] == [hf_greedy(gpt2_model, p, 16) for p in prompts]
@@ -93,7 +94,7 @@ def test_stop_token_ids_and_eos(gpt2_model):
 def test_decode_windows_stream_groups_of_tokens(gpt2_model):
     """After the prefill step, decode runs in windows of decode_steps tokens,
     shortened so that no request passes max_tokens."""
-    eng = llm_for(gpt2_model, decode_steps=4).engine
+    eng = llm_for(gpt2_model, decode_steps=4, decode_steps_min_seqs=1).engine
     eng.add_request("a", [20, 21], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     chunks, ids = [], []
     while eng.has_unfinished():
@@ -102,6 +103,15 @@ def test_decode_windows_stream_groups_of_tokens(gpt2_model):
             ids += out.new_token_ids
     assert chunks == [1, 4, 4, 1]
     assert ids == hf_greedy(gpt2_model, [20, 21], 10)
+
+
+def test_small_batches_step_one_token_at_a_time(gpt2_model):
+    eng = llm_for(gpt2_model, decode_steps=4, decode_steps_min_seqs=2).engine
+    eng.add_request("a", [20, 21], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    chunks = []
+    while eng.has_unfinished():
+        chunks += [len(out.new_token_ids) for out in eng.step()]
+    assert chunks == [1] * 5
 
 
 def test_tokens_are_recorded_at_a_device_side_window_step(gpt2_model):
@@ -116,7 +126,7 @@ def test_tokens_are_recorded_at_a_device_side_window_step(gpt2_model):
 def test_stop_mid_window_drops_the_rest_of_the_window(gpt2_model):
     ref = hf_greedy(gpt2_model, [30, 31], 16)
     stop = ref[3]  # the third token of the first window (the prefill step made ref[0])
-    eng = llm_for(gpt2_model, decode_steps=8).engine
+    eng = llm_for(gpt2_model, decode_steps=8, decode_steps_min_seqs=1).engine
     eng.add_request("a", [30, 31], SamplingParams(max_tokens=16, temperature=0,
                                                   stop_token_ids=[stop], ignore_eos=True))
     outs = []

@@ -28,16 +28,21 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True
     # Decode steps run back to back on the device when no sequence is in
-    # prefill: the host schedules once per window, so it stops pacing the GPU.
-    # Tokens then stream out in groups of up to this many.
+    # prefill and at least decode_steps_min_seqs are decoding: the host then
+    # schedules once per window and stops pacing the GPU. Tokens stream out
+    # in groups of up to decode_steps; a request that arrives mid-window
+    # waits for it to end, which small batches (where the host keeps up step
+    # by step anyway) are spared.
     decode_steps: int = 8
+    decode_steps_min_seqs: int = 32
     seed: Optional[int] = None
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "decode_steps")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "decode_steps",
+                    "decode_steps_min_seqs")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

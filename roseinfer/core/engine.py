@@ -55,7 +55,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or _context_len(self.hf_config),
                                  num_blocks * config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.decode_steps)
+                                   config.decode_steps, config.decode_steps_min_seqs)
         attention = plugins.create("attention", self._attention_name())
         self.runner = ModelRunner(self.model, self.kv_cache, attention, self.device,
                                   config.max_num_seqs, config.max_num_batched_tokens,

@@ -27,9 +27,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, decode_steps_min_seqs: int = 1):
         self.blocks = blocks
         self.decode_steps = decode_steps
+        self.window_min_seqs = decode_steps_min_seqs
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -45,7 +46,7 @@ class Scheduler:
         budget = self._schedule_running(batch, self.budget)
         if self.num_preemptions == preemptions:  # admit nothing while preempting
             self._admit_waiting(batch, budget)
-        if self.decode_steps > 1 and batch.seqs:
+        if self.decode_steps > 1 and len(batch.seqs) >= self.window_min_seqs:
             self._widen(batch)
         return batch
 
