@@ -53,6 +53,23 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @_kernel
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
+                  sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V of keys [start, start + BLOCK_N) of one KV head, through the block
+    table; keys at or past ``kv_hi`` are masked (zeros). Returns (positions, ok, k, v)."""
+    k_pos = start + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < kv_hi
+    # int64: block index * block stride overflows int32 on large caches.
+    block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    kv_off = (block[:, None] * sc_b + kv_head * sc_h
+              + (k_pos % BLOCK_SIZE)[:, None] * sc_o + d[None, :] * sc_d)
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    return k_pos, k_ok, k, v
+
+
+@_kernel
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr,
@@ -94,15 +111,9 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, kv_hi, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < kv_hi
-        # int64: block index * block stride overflows int32 on large caches.
-        block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = (block[:, None] * sc_b + kv_head * sc_h
-                  + (k_pos % BLOCK_SIZE)[:, None] * sc_o + d[None, :] * sc_d)
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k_pos, k_ok, k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
+            sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -155,14 +166,10 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < kv_hi
-        block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = (block[:, None] * sc_b + kv_head * sc_h
-                  + (k_pos % BLOCK_SIZE)[:, None] * sc_o + d[None, :] * sc_d)
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        _, k_ok, k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
+            sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N)
+        k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale_log2        # [G, N]
         s = tl.where(k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
