@@ -4,6 +4,11 @@ Captured once at start-up. A decode batch of S rows replays the graph of the
 smallest bucket >= S; padding rows write to the scratch block and their
 logits are dropped. Attention is captured with the context bound
 (max_model_len), so one graph serves every context length.
+
+With decode windows, each bucket also gets a window graph: ``decode_steps``
+steps captured back to back (each step samples greedily and advances the
+inputs on the device), so a full greedy window is one replay. Replays of
+one-step graphs each cost host time and a gap on the GPU between graphs.
 """
 from __future__ import annotations
 
@@ -25,12 +30,15 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_num_seqs: int):
+    def __init__(self, runner, max_num_seqs: int, window: int):
         self.runner = runner
         self.sizes = bucket_sizes(max_num_seqs)
+        self.window_len = window
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.windows: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, str], torch.Tensor] = {}
         self.pool = None
+        self.prepared: tuple[int, str] | None = None
 
     def bucket(self, n_seq: int):
         i = bisect.bisect_left(self.sizes, n_seq)
@@ -51,8 +59,8 @@ class DecodeGraphs:
                 # fresh inputs each time: the warm-up run advances them
                 self._capture_one(size, name, *self._dummy(size))
         torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs),
-                 time.perf_counter() - start)
+        log.info("captured %d decode CUDA graphs in %.1fs",
+                 len(self.graphs) + len(self.windows), time.perf_counter() - start)
 
     def _dummy(self, size: int):
         """(context, device inputs) of a decode batch of padding rows."""
@@ -68,13 +76,20 @@ class DecodeGraphs:
         try:
             r.capture_step(ctx, inp)  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[size, name] = r.capture_step(ctx, inp)
+            if self.window_len > 1:
+                self.windows[size, name] = self._graph(ctx, inp, self.window_len)[0]
+            self.graphs[size, name], self.logits[size, name] = self._graph(ctx, inp, 1)
         finally:
             r.kv_cache.force(None)
+
+    def _graph(self, ctx, inp, steps: int):
+        """A graph of ``steps`` decode steps; returns it and the last step's logits."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            for _ in range(steps):
+                logits = self.runner.capture_step(ctx, inp)
         self.pool = self.pool or graph.pool()
-        self.graphs[size, name] = graph
+        return graph, logits
 
     def prepare(self, size: int, host: PackedInputs, n_seq: int, num_samples: int):
         """Load the step's inputs into the bucket's graph; returns (device inputs,
@@ -86,6 +101,7 @@ class DecodeGraphs:
         inp = r.to_device(host)
         slots = SlotBatch(inp.block_idx, inp.offsets, shared_offset=inp.offsets[:1] if shared else None)
         name = r.kv_cache.select(slots)
+        self.prepared = size, name
         graph, logits = self.graphs[size, name], self.logits[size, name]
         sample_idx = inp.sample_idx[:num_samples]
 
@@ -96,6 +112,18 @@ class DecodeGraphs:
             # the prompt's last) are rare: the common case is a plain slice.
             return logits[sample_idx] if num_samples < n_seq else logits[:n_seq]
         return inp, run
+
+    def run_window(self, steps: int) -> None:
+        """Run ``steps`` greedy steps of the prepared bucket (each graph samples
+        and advances by itself): one replay of its window graph when the
+        window is full, else one replay per step."""
+        key = self.prepared
+        self.runner.kv_cache.steps_by_backend[key[1]] += steps
+        if steps == self.window_len and key in self.windows:
+            self.windows[key].replay()
+            return
+        for _ in range(steps):
+            self.graphs[key].replay()
 
 
 def _dummy_decode(host: PackedInputs, scratch_block: int, pad_row: int) -> None:

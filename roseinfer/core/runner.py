@@ -13,6 +13,7 @@ import torch
 
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
 from roseinfer.core.cuda_graphs import DecodeGraphs
+from roseinfer.core.step_kernels import greedy_advance, take_ids
 from roseinfer.core.kv_cache import KVCache, SlotBatch
 from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
@@ -64,7 +65,7 @@ class ModelRunner:
         self.launches = 0
         self.graphs = None
         if cuda_graphs and device.type == "cuda":
-            self.graphs = DecodeGraphs(self, max_num_seqs)
+            self.graphs = DecodeGraphs(self, max_num_seqs, decode_steps)
             self.graphs.capture()
 
     def context(self, inp: PackedInputs, max_query_len: int, max_context_len: int) -> StepContext:
@@ -77,8 +78,7 @@ class ModelRunner:
     def forward(self, ctx: StepContext, inp: PackedInputs, logits_rows=None) -> torch.Tensor:
         """Model forward under ``ctx``; logits of ``logits_rows`` (all rows if None)."""
         ctx.attn.block_tables = self.tables[inp.seq_rows]
-        src = inp.src_rows
-        ids = torch.where(src >= 0, self.sampled[src.clamp(min=0)], inp.input_ids)
+        ids = take_ids(inp.input_ids, inp.src_rows, self.sampled)
         self.kv_cache.begin_step(ctx.slots)
         set_context(ctx)
         try:
@@ -106,12 +106,14 @@ class ModelRunner:
             inp, run = self._eager(host, num_tokens, len(rows))
         # A graph samples greedily and advances its inputs itself (capture()),
         # which is all a greedy batch whose every row samples needs.
-        graph_samples = graph is not None and greedy and len(rows) == n_seq
+        if graph is not None and greedy and len(rows) == n_seq:
+            self.graphs.run_window(batch.steps)
+            return self._land(batch, rows)
         for step in range(batch.steps):
             if step and graph is None:
                 advance(inp, self.tables, self.block_size, self.identity)
             logits = run(step)
-            if rows and not graph_samples:
+            if rows:
                 self._record(step, self._sample(batch, rows, logits, greedy))
         return self._land(batch, rows)
 
@@ -133,8 +135,11 @@ class ModelRunner:
         """What a decode CUDA graph holds: the forward, greedy sampling of
         every row, and the inputs advanced for the next window step."""
         logits = self.forward(ctx, inp)
-        self._record(inp.window_step, logits.argmax(dim=-1))
-        advance(inp, self.tables, self.block_size, self.identity)
+        if logits.is_cuda:
+            greedy_advance(logits, inp, self.tables, self.block_size, self.sampled, self.window)
+        else:
+            self._record(inp.window_step, logits.argmax(dim=-1))
+            advance(inp, self.tables, self.block_size, self.identity)
         return logits
 
     def _land(self, batch, rows) -> LaunchedStep:
