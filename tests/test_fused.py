@@ -57,14 +57,25 @@ def assert_close(actual, expected, dtype):
         assert (actual != expected).float().mean().item() <= 0.01
 
 
-@dtypes
-@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no_residual"])
-@pytest.mark.parametrize("hidden", HIDDEN)
-def test_add_layer_norm(gen, hidden, with_residual, dtype):
+def norm_cases(test):
+    """Every dtype and hidden size, with and without a residual to add."""
+    test = pytest.mark.parametrize("hidden", HIDDEN)(test)
+    test = pytest.mark.parametrize("with_residual", [True, False],
+                                   ids=["residual", "no_residual"])(test)
+    return dtypes(test)
+
+
+def norm_inputs(gen, hidden, with_residual, dtype):
+    """(x, residual or None, what the norm sees: x + residual or x)."""
     x = randn(gen, ROWS, hidden, dtype=dtype)
     residual = randn(gen, ROWS, hidden, dtype=dtype) if with_residual else None
+    return x, residual, x + residual if with_residual else x
+
+
+@norm_cases
+def test_add_layer_norm(gen, hidden, with_residual, dtype):
+    x, residual, summed = norm_inputs(gen, hidden, with_residual, dtype)
     weight, bias = 1 + 0.2 * randn(gen, hidden, dtype=dtype), randn(gen, hidden, dtype=dtype)
-    summed = x + residual if with_residual else x
     expected = F.layer_norm(summed.float(), (hidden,), weight.float(), bias.float(), EPS).to(dtype)
 
     for use_triton in (True, False):
@@ -73,16 +84,12 @@ def test_add_layer_norm(gen, hidden, with_residual, dtype):
         assert_close(normed, expected, dtype)
 
 
-@dtypes
-@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no_residual"])
-@pytest.mark.parametrize("hidden", HIDDEN)
+@norm_cases
 def test_add_rms_norm(gen, hidden, with_residual, dtype):
-    x = randn(gen, ROWS, hidden, dtype=dtype)
-    residual = randn(gen, ROWS, hidden, dtype=dtype) if with_residual else None
+    x, residual, summed = norm_inputs(gen, hidden, with_residual, dtype)
     hf_norm = LlamaRMSNorm(hidden, eps=EPS).to(DEVICE, dtype)
     with torch.no_grad():
         hf_norm.weight.copy_(1 + 0.2 * randn(gen, hidden, dtype=dtype))
-        summed = x + residual if with_residual else x
         expected = hf_norm(summed)
 
     for use_triton in (True, False):

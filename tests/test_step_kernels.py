@@ -1,7 +1,7 @@
 """The step kernels against the torch ops they replace (argmax, advance(), where)."""
 import torch
 
-from roseinfer.core.step_kernels import greedy_advance, take_ids
+from roseinfer.core.step_kernels import ARGMAX, greedy_advance, take_ids
 from roseinfer.core.step_inputs import advance, fixed_size, views
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,11 +25,12 @@ def decode_inputs(rows: int, gen: torch.Generator):
 
 def test_matches_argmax_and_advance():
     gen = torch.Generator().manual_seed(0)
-    rows, vocab = 6, 5000  # several 2048-wide chunks, the last one partial
+    lane = ARGMAX["block_v"]  # the kernel's chunk: lane i reads i, i + lane, ...
+    rows, vocab = 6, lane + lane // 2  # two chunks, the last one partial
     logits = torch.randn(rows, vocab + 24, generator=gen).half()[:, :vocab]  # padded head
     # Ties: the first index of the maximum wins, in one lane of two chunks
-    # (2048 apart) and across lanes.
-    logits[0, [10, 10 + 2048, 4000]] = logits[1, [2100, 2101]] = 50.0
+    # and across lanes.
+    logits[0, [10, 10 + lane, lane // 2]] = logits[1, [2100, 2101]] = 50.0
     logits[2, vocab - 1] = 60.0
     logits = logits.to(DEVICE)
     buf, tables = decode_inputs(rows, gen)

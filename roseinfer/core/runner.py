@@ -13,10 +13,10 @@ import torch
 
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
 from roseinfer.core.cuda_graphs import DecodeGraphs
-from roseinfer.core.step_kernels import greedy_advance, take_ids
 from roseinfer.core.kv_cache import KVCache, SlotBatch
 from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
+from roseinfer.core.step_kernels import greedy_advance, take_ids
 from roseinfer.core.step_inputs import (InputStager, PackedInputs, TableRows, advance, fill,
                                         fixed_size)
 
@@ -135,11 +135,7 @@ class ModelRunner:
         """What a decode CUDA graph holds: the forward, greedy sampling of
         every row, and the inputs advanced for the next window step."""
         logits = self.forward(ctx, inp)
-        if logits.is_cuda:
-            greedy_advance(logits, inp, self.tables, self.block_size, self.sampled, self.window)
-        else:
-            self._record(inp.window_step, logits.argmax(dim=-1))
-            advance(inp, self.tables, self.block_size, self.identity)
+        greedy_advance(logits, inp, self.tables, self.block_size, self.sampled, self.window)
         return logits
 
     def _land(self, batch, rows) -> LaunchedStep:

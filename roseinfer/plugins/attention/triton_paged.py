@@ -70,6 +70,17 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, 
 
 
 @_kernel
+def _softmax_tile(s, m_i, l_i):
+    """Online softmax over one more tile of base-2 scores ``s`` [rows, keys]:
+    returns (weights p, rescale factor alpha for the accumulator, new running
+    max, new running sum); the caller does ``acc * alpha + p @ V``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@_kernel
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr,
@@ -116,12 +127,8 @@ def _paged_attention_kernel(
             sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + row[:, None] * so_n + head[:, None] * so_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -172,12 +179,8 @@ def _paged_decode_kernel(
         k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale_log2        # [G, N]
         s = tl.where(k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
-        m_i = m_new
     # The normalised output, or this split's unnormalised partial (acc, max, sum).
     out_off = split.to(tl.int64) * so_s + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]
