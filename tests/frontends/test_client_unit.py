@@ -66,7 +66,8 @@ def test_cancel_writes_the_rid(client, fake_redis):
 
 def test_async_client_against_a_worker(fake_engine):
     server = fakeredis.FakeServer()
-    worker = Worker(fake_engine, fakeredis.FakeRedis(server=server), prefix="c", block_ms=1)
+    worker = Worker(fake_engine, fakeredis.FakeRedis(server=server), prefix="c", block_ms=1,
+                    send_thread=False)
     worker.setup()
 
     async def main():

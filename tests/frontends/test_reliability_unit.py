@@ -25,7 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def make_worker(engine, redis, consumer="c1", **kwargs):
-    w = Worker(engine, redis, prefix=PREFIX, consumer=consumer, block_ms=1, **kwargs)
+    w = Worker(engine, redis, prefix=PREFIX, consumer=consumer, block_ms=1, send_thread=False,
+               **kwargs)
     w.setup()
     return w
 

@@ -20,7 +20,7 @@ def client(fake_redis):
 
 @pytest.fixture
 def worker(fake_engine, fake_redis):
-    w = Worker(fake_engine, fake_redis, prefix=PREFIX, consumer="c1", block_ms=1)
+    w = Worker(fake_engine, fake_redis, prefix=PREFIX, consumer="c1", block_ms=1, send_thread=False)
     w.setup()
     return w
 
@@ -135,7 +135,7 @@ def test_cancel_in_flight_and_before_admission(worker, client, fake_redis, fake_
 
 def test_cancels_sent_before_the_worker_started_are_not_replayed(fake_engine, fake_redis, client):
     client.cancel("old")
-    w = Worker(fake_engine, fake_redis, prefix=PREFIX, block_ms=1)
+    w = Worker(fake_engine, fake_redis, prefix=PREFIX, block_ms=1, send_thread=False)
     w.setup()
     client.submit("a", rid="old", max_tokens=3)
     run_until_idle(w)
@@ -169,5 +169,5 @@ def test_one_round_trip_per_step(worker, client, fake_redis, monkeypatch):
     monkeypatch.setattr(fake_redis, "pipeline", pipeline)
     monkeypatch.setattr(fake_redis, "execute_command", lambda *a, **k: commands.append(a))
     worker.run_once()
-    # 3 chunks (XADD + EXPIRE each), then the cancel and request reads
-    assert executes == [3 * 2 + 2] and commands == []
+    # 3 chunks in one script call, then the cancel and request reads
+    assert executes == [1 + 2] and commands == []

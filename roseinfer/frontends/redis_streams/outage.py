@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
@@ -38,32 +39,49 @@ def is_transient(error: BaseException) -> bool:
 class Outage:
     """``Outage(give_up).call(fn)`` runs fn until it does not fail transiently, sleeping
     0.05 s, 0.1 s, ... up to max_backoff_s between tries. Logs once when Redis goes away
-    and once when it is back; raises GaveUp once give_up() says so."""
+    and once when it is back, however many threads wait it out; raises GaveUp once
+    give_up() says so."""
 
     def __init__(self, give_up: Callable[[], bool], on_outage: Callable[[], None] = lambda: None,
                  max_backoff_s: float = 2.0):
         self.give_up = give_up
         self.on_outage = on_outage
         self.max_backoff_s = max_backoff_s
+        self._lock = threading.Lock()
+        self._down_since: Optional[float] = None
 
     def call(self, fn: Callable[[], T]) -> T:
-        started, attempt = None, 0
+        attempt = 0
         while True:
             try:
                 result = fn()
             except Exception as e:
                 if not is_transient(e):
                     raise
-                if started is None:
-                    started = time.monotonic()
-                    event("redis_unavailable", logging.WARNING, error=f"{type(e).__name__}: {e}",
-                          action="retrying with backoff; in-flight requests wait")
-                    self.on_outage()
+                down_s = self._went_down(e)
                 if self.give_up():
-                    raise GaveUp(f"Redis unreachable for {time.monotonic() - started:.1f}s") from e
+                    raise GaveUp(f"Redis unreachable for {down_s:.1f}s") from e
                 time.sleep(min(self.max_backoff_s, 0.05 * 2 ** attempt) * random.uniform(0.5, 1.0))
                 attempt += 1
                 continue
-            if started is not None:
-                event("redis_back", down_s=time.monotonic() - started, attempts=attempt + 1)
+            if self._down_since is not None:
+                self._came_back(attempt)
             return result
+
+    def _went_down(self, error: Exception) -> float:
+        """Seconds since Redis went away (logged by the first thread to notice)."""
+        with self._lock:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                event("redis_unavailable", logging.WARNING,
+                      error=f"{type(error).__name__}: {error}",
+                      action="retrying with backoff; in-flight requests wait")
+                self.on_outage()
+            return time.monotonic() - self._down_since
+
+    def _came_back(self, attempt: int) -> None:
+        with self._lock:
+            if self._down_since is not None:
+                event("redis_back", down_s=time.monotonic() - self._down_since,
+                      attempts=attempt + 1)
+                self._down_since = None

@@ -65,8 +65,8 @@ class Ownership:
         pipe.xclaim(self.stream, self.group, self.consumer, 0, [entry_id],
                     idle=HANDED_BACK_IDLE_MS, retrycount=retries, justid=True)
 
-    def ack(self, pipe, entry_id: str) -> None:
+    def ack(self, pipe, entry_ids: list[str]) -> None:
         # Deleted too, since nothing reads an acknowledged request again: the stream then
         # holds exactly the entries waiting or being served.
-        pipe.xack(self.stream, self.group, entry_id)
-        pipe.xdel(self.stream, entry_id)
+        pipe.xack(self.stream, self.group, *entry_ids)
+        pipe.xdel(self.stream, *entry_ids)

@@ -205,13 +205,18 @@ def _is_int(x: Any) -> bool:
 # --- replies ----------------------------------------------------------------------------
 
 def encode_chunk(chunk: Chunk) -> dict:
+    return {"v": VERSION, "body": chunk_body(chunk)}
+
+
+def chunk_body(chunk: Chunk) -> bytes:
+    """The msgpack ``body`` field of a reply entry."""
     body = {"rid": chunk.rid, "seq": chunk.seq, "token_ids": chunk.token_ids,
             "text": chunk.text, "finish_reason": chunk.finish_reason}
     if chunk.usage is not None:
         body["usage"] = chunk.usage
     if chunk.error is not None:
         body["error"] = chunk.error
-    return {"v": VERSION, "body": msgpack.packb(body)}
+    return msgpack.packb(body)
 
 
 def decode_chunk(fields: dict) -> Chunk:

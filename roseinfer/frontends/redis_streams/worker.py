@@ -34,7 +34,7 @@ from roseinfer.frontends.redis_streams.outage import GaveUp, Outage
 from roseinfer.frontends.redis_streams.outbox import Outbox
 from roseinfer.frontends.redis_streams.ownership import Ownership
 from roseinfer.frontends.redis_streams.protocol import (
-    DEFAULT_GROUP, DEFAULT_PREFIX, Chunk, Keys, decode_request, encode_chunk, entry_time,
+    DEFAULT_GROUP, DEFAULT_PREFIX, Chunk, Keys, chunk_body, decode_request, entry_time,
     error_chunk, reply_rid)
 from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, read_takeovers
 
@@ -72,7 +72,7 @@ class Worker:
                  max_deliveries: int = 5, heartbeat_s: float = 5.0,
                  metrics: Optional[Metrics] = None, reply_ttl_s: int = 3600,
                  reply_maxlen: int = 100_000, progress_every_s: float = 10.0,
-                 chat_template: bool = True, model_name: str = ""):
+                 chat_template: bool = True, model_name: str = "", send_thread: bool = True):
         if claim_idle_ms < 100:
             raise ValueError(f"claim_idle_ms must be at least 100, got {claim_idle_ms}")
         if max_deliveries < 1:
@@ -85,9 +85,6 @@ class Worker:
         self.block_ms = block_ms            # also bounds how long stop() takes when idle
         self.grace_s = grace_s
         self.max_deliveries = max_deliveries
-        self.reply_ttl_s = reply_ttl_s
-        # Far above any request's chunk count: the cap only guards Redis against a runaway.
-        self.reply_maxlen = reply_maxlen
         self.progress_every_s = progress_every_s
         # Chat models answer sensibly only inside their template; raw text is for base models.
         self.chat_template = chat_template and bool(getattr(engine.tokenizer, "chat_template", None))
@@ -96,7 +93,10 @@ class Worker:
         self.heartbeat = Heartbeat(self.keys, self.consumer, heartbeat_s, model=model_name,
                                    max_num_seqs=engine.config.max_num_seqs)
         self.outage = Outage(self._past_deadline, self.metrics.redis_outages.inc)
-        self.outbox = Outbox(redis, self.outage)
+        # Far above any request's chunk count, reply_maxlen only guards Redis against a runaway.
+        # send_thread: chunks go out while the next step runs (off only for step-by-step tests).
+        self.outbox = Outbox(redis, self.outage, reply_ttl_s, reply_maxlen, self.ownership.ack,
+                             send_thread)
         # Refreshing four times per claim period keeps a live worker's entries far from it.
         self._tick_s = claim_idle_ms / 4000
         self._next_refresh = self._next_claim = 0.0
@@ -135,6 +135,8 @@ class Worker:
             event("stopped", logging.WARNING, consumer=self.consumer, reason=str(e),
                   unfinished=len(self._inflight), note="unfinished entries stay pending")
             return
+        finally:
+            self.outbox.stop()
         if self._engine_failure is not None:
             raise EngineFailed("the engine failed a step and then a one-token probe; "
                                "restart this worker") from self._engine_failure
@@ -193,7 +195,8 @@ class Worker:
                 pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">"},
                                 count=plan.slots, block=plan.block)
 
-        cancel_read, *reads = self.outbox.send(add_reads)
+        self.outbox.post()
+        cancel_read, *reads = self.outbox.read(add_reads)
         self._keep_or_drop(plan.owned, reads[:len(plan.owned)])
         request_read = reads[len(plan.owned):]
         entries = []
@@ -296,7 +299,7 @@ class Worker:
             self.redis.pipeline(transaction=False), self.keys, self.group, claimed))
         for t in takeovers:
             if t.finished:  # its worker died between the final chunk and the ack
-                self.outbox.write(self.ownership.ack, t.entry_id)
+                self.outbox.write(self.ownership.ack, [t.entry_id])
                 event("acked", rid=t.rid, entry=t.entry_id, reason="already finished")
             elif t.deliveries > self.max_deliveries:
                 self._dead_letter(t)
@@ -426,14 +429,8 @@ class Worker:
             self._cancelled.popitem(last=False)
 
     def _publish(self, chunk: Chunk, ack_entry_id: Optional[str] = None) -> None:
-        self.outbox.write(self._send_chunk, self.keys.out(chunk.rid), encode_chunk(chunk))
-        if ack_entry_id is not None:
-            # Acked only together with the final chunk, so a crash never loses a request.
-            self.outbox.write(self.ownership.ack, ack_entry_id)
-
-    def _send_chunk(self, pipe, key: str, fields: dict) -> None:
-        pipe.xadd(key, fields, maxlen=self.reply_maxlen, approximate=True)
-        pipe.expire(key, self.reply_ttl_s)
+        # Acked only together with the final chunk, so a crash never loses a request.
+        self.outbox.publish(self.keys.out(chunk.rid), chunk_body(chunk), ack_entry_id)
 
     def _on_output(self, out) -> int:
         """Publish what the output makes due; returns how many tokens it brought."""
