@@ -1,11 +1,17 @@
 """Python clients of protocol v1: submit, stream, generate and cancel, blocking or asyncio.
 
-Both clients share everything but the I/O: entry encoding (protocol.py), the reply reader
-that orders and de-duplicates chunks, and the assembly of the final result.
+Both clients share everything but the I/O: entry encoding (protocol.py), the reply
+streams read together by one XREAD (ordered and de-duplicated per request), and the
+assembly of the final result. A client holds a bounded number of connections however
+many requests it streams (docs/protocol.md, "Connections").
 """
 from __future__ import annotations
 
+import asyncio
+import queue
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterable, Iterator, Optional
 
@@ -37,47 +43,128 @@ class RequestFailed(Exception):
 
 
 class _ReplyReader:
-    """Reads one reply stream: chunks in seq order, duplicates (at-least-once) dropped."""
+    """One request's reply stream: chunks in seq order, duplicates (at-least-once) dropped,
+    and the deadline that ``timeout`` sets for the next chunk. ``inbox`` is where its
+    client's read loop puts lists of chunks, or the exception that ends the stream."""
 
-    # Each blocking read stays well under redis-py's default 5 s socket timeout; a longer
-    # wait is several reads.
-    SLICE_MS = 1000
-
-    def __init__(self, keys: Keys, rid: str, timeout: Optional[float]):
+    def __init__(self, keys: Keys, rid: str, timeout: Optional[float], inbox):
         self.rid = rid
         self.key = keys.out(rid)
         self.prefix = keys.prefix
         self.timeout = timeout
+        self.inbox = inbox
         self.last_id = "0-0"
         self.order = ChunkOrder()
-        self._deadline = self._next_deadline()
-
-    @property
-    def done(self) -> bool:
-        return self.order.done
+        self.deadline = self._next_deadline()
 
     def _next_deadline(self) -> float:
         return float("inf") if self.timeout is None else time.monotonic() + self.timeout
 
-    def block_ms(self) -> int:
-        left_ms = (self._deadline - time.monotonic()) * 1000
-        return int(max(1, min(self.SLICE_MS, left_ms)))
-
-    def feed(self, response) -> list[Chunk]:
-        """Chunks from one XREAD response; raises TimeoutError once ``timeout`` passed without any."""
-        if not response:
-            if time.monotonic() >= self._deadline:
-                raise TimeoutError(f"no reply for request {self.rid} within {self.timeout}s: "
-                                   f"is a worker running with prefix {self.prefix!r}?")
-            return []
-        self._deadline = self._next_deadline()
+    def take(self, entries) -> list[Chunk]:
+        """The chunks of one XREAD's entries of this stream."""
+        self.deadline = self._next_deadline()
         chunks = []
-        for entry_id, fields in response[0][1]:
+        for entry_id, fields in entries:
             self.last_id = entry_id
             chunk = decode_chunk(fields)
             if self.order.accept(chunk):
                 chunks.append(chunk)
         return chunks
+
+    def timed_out(self) -> TimeoutError:
+        return TimeoutError(f"no reply for request {self.rid} within {self.timeout}s: "
+                            f"is a worker running with prefix {self.prefix!r}?")
+
+
+class _Streams:
+    """The reply streams of a client's in-flight requests, all read by one XREAD, so that a
+    client holds one reading connection however many requests it streams. No I/O here:
+    Client reads from a thread, AsyncClient from a task.
+
+    A new stream must not wait for the blocked XREAD to time out before it is read: the
+    read loop also watches the client's own bell stream, which ring() makes it return."""
+
+    # Each blocking read stays well under redis-py's default 5 s socket timeout.
+    SLICE_MS = 1000
+    # Timeouts are checked this often: a scan of every stream, so not after every read.
+    CHECK_S = 0.1
+    BELL_TTL_S = 3600
+
+    def __init__(self, keys: Keys):
+        self.keys = keys
+        self.bell = keys.bell(uuid.uuid4().hex)
+        self._bell_id = "0-0"
+        self.readers: dict[str, _ReplyReader] = {}
+        self.waiting = False  # a read that does not yet cover every stream may be blocked
+        self._next_check = 0.0
+        self._lock = threading.Lock()  # Client adds streams from many threads
+
+    def add(self, rid: str, timeout: Optional[float], inbox) -> _ReplyReader:
+        reader = _ReplyReader(self.keys, rid, timeout, inbox)
+        with self._lock:
+            if reader.key in self.readers:
+                raise ValueError(f"request {rid} is already being streamed by this client")
+            self.readers[reader.key] = reader
+        return reader
+
+    def remove(self, reader: _ReplyReader) -> None:
+        with self._lock:
+            if self.readers.get(reader.key) is reader:
+                del self.readers[reader.key]
+
+    def ring(self, pipe) -> None:
+        pipe.xadd(self.bell, {"ring": "1"}, maxlen=1)
+        pipe.expire(self.bell, self.BELL_TTL_S)
+
+    def next_read(self) -> Optional[tuple[dict, int]]:
+        """(XREAD streams, block ms), or None when there is nothing to read."""
+        with self._lock:
+            if not self.readers:
+                return None
+            self.waiting = True
+            streams = {self.bell: self._bell_id}
+            streams.update((r.key, r.last_id) for r in self.readers.values())
+        left_ms = (self._next_check - time.monotonic()) * 1000
+        return streams, int(max(1, min(self.SLICE_MS, left_ms)))
+
+    def deliver(self, response) -> list[tuple[_ReplyReader, object]]:
+        """(reader, chunks or TimeoutError) for each stream that the XREAD response moved
+        or whose timeout passed."""
+        self.waiting = False
+        out = []
+        with self._lock:
+            for key, entries in _stream_entries(response):
+                if key == self.bell:
+                    self._bell_id = entries[-1][0]
+                elif (reader := self.readers.get(key)) is not None:
+                    chunks = reader.take(entries)
+                    if chunks:
+                        out.append((reader, chunks))
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._next_check = now + self.CHECK_S
+                out += [(r, r.timed_out()) for r in self.readers.values() if now >= r.deadline]
+        return out
+
+    def fail(self, error: BaseException) -> list[tuple[_ReplyReader, object]]:
+        with self._lock:
+            return [(r, error) for r in self.readers.values()]
+
+
+def _stream_entries(response):
+    """(key, entries) pairs of an XREAD reply, RESP2 or RESP3."""
+    if not response:
+        return []
+    pairs = response.items() if isinstance(response, dict) else response
+    return [(k.decode() if isinstance(k, bytes) else k, v[0] if isinstance(response, dict) else v)
+            for k, v in pairs]
+
+
+def _chunks_until_final(item) -> list[Chunk]:
+    """One inbox item as a stream yields it: the chunks, or the exception raised."""
+    if isinstance(item, BaseException):
+        raise item
+    return item
 
 
 def _result(rid: str, chunks: Iterable[Chunk]) -> Result:
@@ -91,12 +178,19 @@ def _result(rid: str, chunks: Iterable[Chunk]) -> Result:
 
 
 class Client:
-    """Blocking client: ``Client(url).generate("Hello", max_tokens=8).text``."""
+    """Blocking client: ``Client(url).generate("Hello", max_tokens=8).text``. Thread-safe:
+    one reading thread serves the streams of every thread, and commands share a pool of at
+    most ``max_connections`` (threads wait for a free one), the reading one included."""
 
     def __init__(self, url: str = DEFAULT_URL, prefix: str = DEFAULT_PREFIX, *,
-                 redis_client: Optional[redis.Redis] = None):
-        self.redis = redis_client or redis.Redis.from_url(url)
+                 redis_client: Optional[redis.Redis] = None, max_connections: int = 8):
+        self.redis = redis_client or redis.Redis(connection_pool=redis.BlockingConnectionPool
+                                                 .from_url(url, max_connections=max_connections,
+                                                           timeout=None))
         self.keys = Keys(prefix)
+        self._streams = _Streams(self.keys)
+        self._reading: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
 
     def submit(self, prompt: Prompt, *, rid: Optional[str] = None, **params) -> str:
         """Queue a request; returns its rid (the entry ID unless ``rid`` is given)."""
@@ -105,10 +199,42 @@ class Client:
 
     def stream(self, rid: str, timeout: Optional[float] = None) -> Iterator[Chunk]:
         """Yield the chunks of ``rid`` up to its final one; ``timeout`` bounds each wait."""
-        reader = _ReplyReader(self.keys, rid, timeout)
-        while not reader.done:
-            response = self.redis.xread({reader.key: reader.last_id}, block=reader.block_ms())
-            yield from reader.feed(response)
+        reader = self._streams.add(rid, timeout, queue.SimpleQueue())
+        try:
+            self._wake()
+            while True:
+                chunks = _chunks_until_final(reader.inbox.get())
+                yield from chunks
+                if chunks[-1].finished:
+                    return
+        finally:
+            self._streams.remove(reader)
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._reading is None:
+                self._reading = threading.Thread(target=self._read_loop, daemon=True,
+                                                 name="roseinfer-client-reader")
+                self._reading.start()
+                return
+        if self._streams.waiting:
+            pipe = self.redis.pipeline(transaction=False)
+            self._streams.ring(pipe)
+            pipe.execute()
+
+    def _read_loop(self) -> None:
+        while True:
+            with self._lock:  # the decision to stop and _wake()'s to start are one at a time
+                read = self._streams.next_read()
+                if read is None:
+                    self._reading = None
+                    return
+            try:
+                delivered = self._streams.deliver(self.redis.xread(read[0], block=read[1]))
+            except Exception as e:  # every stream waiting now fails with it
+                delivered = self._streams.fail(e)
+            for reader, item in delivered:
+                reader.inbox.put(item)
 
     def generate(self, prompt: Prompt, *, timeout: Optional[float] = None, **params) -> Result:
         rid = self.submit(prompt, **params)
@@ -128,23 +254,56 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client with the same methods as Client, as coroutines."""
+    """asyncio client with the same methods as Client, as coroutines. One task reads the
+    streams of every request in flight; commands share a pool of at most
+    ``max_connections`` (the reading one included)."""
 
     def __init__(self, url: str = DEFAULT_URL, prefix: str = DEFAULT_PREFIX, *,
-                 redis_client: Optional[redis.asyncio.Redis] = None):
-        self.redis = redis_client or redis.asyncio.Redis.from_url(url)
+                 redis_client: Optional[redis.asyncio.Redis] = None, max_connections: int = 8):
+        self.redis = redis_client or redis.asyncio.Redis(
+            connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=None))
         self.keys = Keys(prefix)
+        self._streams = _Streams(self.keys)
+        self._reading: Optional[asyncio.Task] = None
 
     async def submit(self, prompt: Prompt, *, rid: Optional[str] = None, **params) -> str:
         entry_id = await self.redis.xadd(self.keys.requests, encode_request(prompt, rid, **params))
         return rid or entry_id.decode()
 
     async def stream(self, rid: str, timeout: Optional[float] = None) -> AsyncIterator[Chunk]:
-        reader = _ReplyReader(self.keys, rid, timeout)
-        while not reader.done:
-            response = await self.redis.xread({reader.key: reader.last_id}, block=reader.block_ms())
-            for chunk in reader.feed(response):
-                yield chunk
+        reader = self._streams.add(rid, timeout, asyncio.Queue())
+        try:
+            await self._wake()
+            while True:
+                chunks = _chunks_until_final(await reader.inbox.get())
+                for chunk in chunks:
+                    yield chunk
+                if chunks[-1].finished:
+                    return
+        finally:
+            self._streams.remove(reader)
+
+    async def _wake(self) -> None:
+        if self._reading is None:
+            self._reading = asyncio.create_task(self._read_loop())
+        elif self._streams.waiting:
+            pipe = self.redis.pipeline(transaction=False)
+            self._streams.ring(pipe)
+            await pipe.execute()
+
+    async def _read_loop(self) -> None:
+        try:
+            while (read := self._streams.next_read()) is not None:
+                try:
+                    response = await self.redis.xread(read[0], block=read[1])
+                    delivered = self._streams.deliver(response)
+                except Exception as e:  # every stream waiting now fails with it
+                    delivered = self._streams.fail(e)
+                for reader, item in delivered:
+                    reader.inbox.put_nowait(item)
+        finally:
+            self._reading = None
 
     async def generate(self, prompt: Prompt, *, timeout: Optional[float] = None, **params) -> Result:
         rid = await self.submit(prompt, **params)
@@ -154,6 +313,8 @@ class AsyncClient:
         await self.redis.xadd(self.keys.cancel, {"rid": rid}, maxlen=CANCEL_MAXLEN, approximate=True)
 
     async def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
         await self.redis.aclose()
 
     async def __aenter__(self) -> "AsyncClient":

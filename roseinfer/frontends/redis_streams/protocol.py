@@ -49,6 +49,10 @@ class Keys:
     def workers_pattern(self) -> str:
         return f"{self.prefix}:workers:*"
 
+    def bell(self, client_id: str) -> str:
+        """A client's own stream: a write there wakes its blocked read of reply streams."""
+        return f"{self.prefix}:bell:{client_id}"
+
     def out(self, rid: str) -> str:
         # Literal braces: the rid is the Redis Cluster hash tag of its reply stream.
         return f"{self.prefix}:out:{{{rid}}}"
