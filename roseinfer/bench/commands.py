@@ -24,6 +24,9 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
                    help="use this Redis (default: start an embedded redis-server)")
     g.add_argument("--client-procs", type=int, default=1,
                    help="client processes sharing the requests (default: 1)")
+    g.add_argument("--compare-offline", action="store_true",
+                   help="also run the same requests on the engine alone (bench offline) first, "
+                        "and report the ratio")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds to wait for each chunk (default: %(default)s)")
     srv.set_defaults(func=lambda args: run_bench(args, "serve"))
@@ -46,7 +49,19 @@ def _workload_parent() -> argparse.ArgumentParser:
                    "(automatic when the model has no tokenizer)")
     g.add_argument("--prompt-token-id", type=int, default=None,
                    help="with --pretok: the unit is this one token instead of --prompt's ids")
+    g.add_argument("--dataset", choices=("repeat", "random"), default="repeat",
+                   help="repeat: --prompt repeated; random: --input-len random token ids "
+                        "(vLLM's random dataset) (default: %(default)s)")
+    g.add_argument("--input-len", type=int, default=32,
+                   help="with --dataset random: prompt tokens (default: %(default)s)")
+    g.add_argument("--range-ratio", type=float, default=0.0,
+                   help="with --dataset random: lengths uniform in input-len * (1 +- R) "
+                        "(default: %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true", help="always make --max-new-tokens tokens")
     g.add_argument("--submit-interval-ms", type=float, default=0.0,
                    help="gap between submits; 0 = all at once (default: 0)")

@@ -2,7 +2,8 @@
 
 Variants: "dynamic" (the default DynamicCache) and "static" (StaticCache, with the decode
 forward compiled by torch.compile; on CUDA transformers uses mode "reduce-overhead", i.e.
-CUDA graphs). All requests go as one left-padded batch, greedy; with ignore-EOS every row
+CUDA graphs). All requests go as one left-padded batch, greedy unless the workload samples
+(then with the same temperature, top-p and top-k); with ignore-EOS every row
 makes exactly max_new_tokens tokens (EOS is not a stop id and min_new_tokens is set).
 """
 from __future__ import annotations
@@ -42,6 +43,9 @@ def left_padded(prompt_ids: list[list[int]], pad_id: int,
 def generate_kwargs(model, w: Workload, variant: str, pad_id: int) -> dict:
     kw = {"max_new_tokens": w.max_new_tokens, "do_sample": False, "pad_token_id": pad_id,
           "temperature": None, "top_p": None, "top_k": None}
+    if w.sampling:  # the same distribution; the tokens differ from ours, as two seeds would
+        kw.update(do_sample=True, temperature=w.sampling["temperature"],
+                  top_p=w.sampling["top_p"], top_k=w.sampling["top_k"] or None)
     if w.ignore_eos:
         kw.update(min_new_tokens=w.max_new_tokens, eos_token_id=None)
     if variant == "static":

@@ -16,7 +16,8 @@ from roseinfer.core.sampling import SamplingParams
 
 
 def sampling_params(w: Workload) -> SamplingParams:
-    return SamplingParams(max_tokens=w.max_new_tokens, temperature=0.0, ignore_eos=w.ignore_eos)
+    return SamplingParams(max_tokens=w.max_new_tokens, ignore_eos=w.ignore_eos,
+                          **{"temperature": 0.0, **w.sampling})
 
 
 class _Submitter:

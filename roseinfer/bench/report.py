@@ -99,6 +99,10 @@ def print_report(result: dict, console=None) -> None:
         lat.add_row(f"engine step ({steps['num_steps']:.0f})", _fmt(steps.get("step_ms_mean"), 2),
                     _fmt(steps.get("step_ms_p50"), 2), "", _fmt(steps.get("step_ms_p99"), 2))
     console.print(lat)
+    if "offline_ratio" in result:
+        off = result["offline"]["summary"]["output_throughput"]
+        console.print(f"through Redis / engine alone ({off:,.1f} completion tok/s): "
+                      f"[bold]{result['offline_ratio']:.2f}x[/]")
     for name, ratio in result.get("ratios", {}).items():
         console.print(f"roseinfer / transformers {name}: [bold]{ratio:.2f}x[/] completion tok/s")
     for name, v in result.get("hf", {}).items():

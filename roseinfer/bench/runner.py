@@ -13,7 +13,8 @@ from roseinfer.bench import hf_baseline, report
 from roseinfer.bench.metrics import RequestRecord, summarize
 from roseinfer.bench.probe import EngineProbe
 from roseinfer.bench.progress import Progress
-from roseinfer.bench.workloads import Workload, build_prompts, parse_repeats
+from roseinfer.bench.workloads import (
+    Workload, build_prompts, parse_repeats, random_prompts, sampling_of)
 from roseinfer.core.engine import settle_heap
 
 
@@ -55,7 +56,9 @@ class BenchRun:
                          f"{engine.device}/{str(engine.dtype).removeprefix('torch.')}, "
                          f"load avg {meta['load_avg_1m_at_start']:.2f}")
         self.hf_model, self.tokenizer = hf_model, engine.tokenizer
-        runs, hf = self._run_all(EngineProbe(engine), w)
+        probe = EngineProbe(engine)
+        offline = self._offline_baseline(probe, w) if getattr(a, "compare_offline", False) else None
+        runs, hf = self._run_all(probe, w)
         ours = summarize(runs)
         meta["load_avg_1m_at_end"] = os.getloadavg()[0]
         result = {"meta": meta, "workload": w.describe(),
@@ -63,6 +66,10 @@ class BenchRun:
                   "roseinfer": {"summary": ours, "runs": runs}, "hf": hf,
                   "ratios": {v: ours["output_throughput"] / r["summary"]["output_throughput"]
                              for v, r in hf.items() if "summary" in r}}
+        if offline is not None:
+            result["offline"] = {"summary": summarize(offline), "runs": offline}
+            result["offline_ratio"] = (ours["output_throughput"]
+                                       / result["offline"]["summary"]["output_throughput"])
         self._emit(result)
         ok = all(r["completed"] == r["num_requests"] for r in runs)
         return 0 if ok else 1
@@ -87,15 +94,20 @@ class BenchRun:
         a = self.args
         if engine.tokenizer is None and not a.pretok:
             self.console.log("the model has no tokenizer: sending pre-tokenized prompts")
-        prompts, ids = build_prompts(a.num_requests, a.prompt, parse_repeats(a.prompt_repeats),
-                                     engine.tokenizer, engine.vocab_size, a.pretok, a.prompt_sep,
-                                     a.prompt_token_id)
+        if a.dataset == "random":
+            prompts = ids = random_prompts(a.num_requests, a.input_len, a.range_ratio,
+                                           engine.vocab_size, engine.config.seed or 0)
+        else:
+            prompts, ids = build_prompts(a.num_requests, a.prompt, parse_repeats(a.prompt_repeats),
+                                         engine.tokenizer, engine.vocab_size, a.pretok,
+                                         a.prompt_sep, a.prompt_token_id)
         longest = max(len(p) for p in ids) + a.max_new_tokens
         if longest > engine.max_model_len:
             raise SystemExit(f"prompt + --max-new-tokens = {longest} tokens exceeds the engine's "
                              f"max_model_len {engine.max_model_len}")
         return Workload(prompts, ids, a.max_new_tokens, a.ignore_eos,
-                        a.submit_interval_ms / 1e3, a.schedule, getattr(a, "stream_interval", 1))
+                        a.submit_interval_ms / 1e3, a.schedule, getattr(a, "stream_interval", 1),
+                        sampling_of(a.temperature, a.top_p, a.top_k))
 
     # --- runs -----------------------------------------------------------------------------
 
@@ -125,6 +137,18 @@ class BenchRun:
                         hf_runs[v].append(r)
         hf = {v: self._hf_result(v, hf_runs[v], records) for v in self.variants}
         return runs, hf
+
+    def _offline_baseline(self, probe: EngineProbe, w: Workload) -> list[dict]:
+        """`bench offline` on the same engine and requests, before the worker starts (it
+        would step the engine too): what the frontend's throughput is a fraction of."""
+        a, runs = self.args, []
+        with _OfflineHarness(probe) as harness:
+            for k in range(a.warmup_runs):
+                self._ours(harness, w, f"offline warm-up {k + 1}/{a.warmup_runs}", f"ow{k}")
+            for k in range(a.repeat_runs):
+                runs.append(self._ours(harness, w, f"offline run {k + 1}/{a.repeat_runs}",
+                                       f"o{k}")[0])
+        return runs
 
     def _ours(self, harness, w: Workload, name: str, run_id: str):
         total = w.num_requests * w.max_new_tokens

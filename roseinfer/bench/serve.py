@@ -99,7 +99,7 @@ class ServeHarness:
         return finish_run(records, end - t0, self.probe), records
 
     def _spec(self, w: Workload, run_id: str, t0: float, shard: int) -> dict:
-        params = {"max_tokens": w.max_new_tokens, "temperature": 0.0,
+        params = {"max_tokens": w.max_new_tokens, "temperature": 0.0, **w.sampling,
                   "ignore_eos": w.ignore_eos, "stream_interval": w.stream_interval}
         return {"url": self.redis_url, "prefix": self.prefix, "run_id": run_id, "t0": t0,
                 "prompts": w.prompts, "params": params, "interval_s": w.submit_interval_s,

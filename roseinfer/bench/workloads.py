@@ -1,7 +1,8 @@
 """A workload: which prompts to send, with which parameters, on which submit schedule."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 # transformers baselines: DynamicCache, and StaticCache with torch.compile
@@ -23,6 +24,11 @@ class Workload:
     submit_interval_s: float = 0.0
     schedule: str = "absolute"     # "absolute": t0 + i*interval; "relative": previous + interval
     stream_interval: int = 1
+    sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k; empty: greedy
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.get("temperature", 0.0)
 
     @property
     def num_requests(self) -> int:
@@ -85,3 +91,23 @@ def _unit_ids(text: str, tokenizer, vocab_size: int, fixed_token: Optional[int])
     if not unit:
         raise ValueError(f"prompt {text!r} tokenizes to nothing")
     return unit
+
+
+def random_prompts(n: int, input_len: int, range_ratio: float, vocab_size: int,
+                   seed: int = 0) -> list[list[int]]:
+    """vLLM's random dataset: ids uniform over the vocabulary, lengths uniform in
+    [input_len * (1 - range_ratio), input_len * (1 + range_ratio)], at least 1. Random
+    ids share no prefix, so the prefix cache saves no prefill."""
+    if input_len < 1 or not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--input-len must be >= 1 and --range-ratio in [0, 1); "
+                         f"got {input_len} and {range_ratio}")
+    rng = random.Random(seed)
+    lo, hi = max(1, round(input_len * (1 - range_ratio))), round(input_len * (1 + range_ratio))
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def sampling_of(temperature: float, top_p: float, top_k: int) -> dict:
+    """The workload's sampling parameters; greedy (temperature 0) needs none."""
+    if temperature == 0.0:
+        return {}
+    return {"temperature": temperature, "top_p": top_p, "top_k": top_k}

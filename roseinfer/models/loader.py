@@ -37,21 +37,38 @@ def _random_smollm2():
     return cfg, None
 
 
-# Random-weight models have the real shapes: speed is the same as trained weights.
-RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2}
+def _random_llama3(layers: int, hidden: int, intermediate: int, heads: int, tied: bool):
+    def config():
+        from transformers import LlamaConfig
+        return LlamaConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate,
+                           num_hidden_layers=layers, num_attention_heads=heads,
+                           num_key_value_heads=8, head_dim=hidden // heads,
+                           max_position_embeddings=131072, rope_theta=500000.0,
+                           rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=128000,
+                           eos_token_id=128001), None
+    return config
+
+
+# Random-weight models have the real shapes: speed is the same as trained weights. They
+# are made on the target device in the target dtype (an 8B shape in seconds, not minutes).
+RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
+          "llama3-1b-random": _random_llama3(16, 2048, 8192, 32, tied=True),
+          "llama3-8b-random": _random_llama3(32, 4096, 14336, 32, tied=False)}
 ALIASES = {"SmolLM2-135M-Instruct": _smollm2_gguf, "smollm2": _smollm2_gguf}
 
 
 def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0):
     """Returns (module, hf_config, tokenizer)."""
-    hf_config, state_dict, tok = _resolve(spec, seed)
+    if isinstance(spec, str) and spec in RANDOM:
+        hf_config, tok = RANDOM[spec]()
+        model = _empty_module(hf_config, dtype, device)
+        _random_init(model, seed)
+    else:
+        hf_config, state_dict, tok = _resolve(spec)
+        model = _empty_module(hf_config, dtype, device)
+        model.load_state_dict(type(model).convert_hf_state_dict(state_dict, hf_config), strict=True)
     if tokenizer is not None:
         tok = _load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    cls = model_class(hf_config)
-    with torch.device("meta"):  # no time spent on a random init we overwrite
-        model = cls(hf_config)
-    model = model.to_empty(device=device).to(dtype)
-    model.load_state_dict(cls.convert_hf_state_dict(state_dict, hf_config), strict=True)
     for m in model.modules():
         if isinstance(m, RotaryEmbedding):
             m.build_tables(device)
@@ -62,14 +79,29 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0)
     return model.eval().requires_grad_(False), hf_config, tok
 
 
-def _resolve(spec, seed):
+def _empty_module(hf_config, dtype, device):
+    with torch.device("meta"):  # no time spent on an init we overwrite
+        model = model_class(hf_config)(hf_config)
+    return model.to_empty(device=device).to(dtype)
+
+
+def _random_init(model, seed: int) -> None:
+    """GPT-2's init on the module's own device: weights N(0, 0.02), norms 1, biases 0."""
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:  # 1-D: a norm's scale, or a bias
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+
+
+def _resolve(spec):
     """-> (hf_config, hf-style state dict, tokenizer or None)."""
     from transformers import PreTrainedModel
 
     if isinstance(spec, PreTrainedModel):
         return spec.config, spec.state_dict(), None
-    if spec in RANDOM:
-        return _random_model(*RANDOM[spec](), seed)
     path = ALIASES[spec]() if spec in ALIASES else spec
     if str(path).endswith(".gguf"):
         path = _converted_gguf(path)
@@ -92,13 +124,6 @@ def hf_model(spec, seed: int = 0):
         path = _converted_gguf(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return model, _load_tokenizer(path)
-
-
-def _random_model(cfg, tok, seed):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return cfg, AutoModelForCausalLM.from_config(cfg).state_dict(), tok
 
 
 def _from_dir(path):
