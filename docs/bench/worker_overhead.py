@@ -4,6 +4,9 @@ A null engine hands back one output per running request per step, as the real en
 does (``--tokens-per-step 8`` mimics a decode window), so the worker's time is all
 frontend: chunks, encoding, the Redis pipeline, reading entries and cancels. Requests
 are queued up front and nobody reads the replies, so the clients cost nothing either.
+``--step-ms`` makes each step wait that long without the GIL, as a GPU step does: the
+fraction of the engine's own pace that the worker keeps is then its throughput against
+max_num_seqs * tokens_per_step / step_ms.
 
     python docs/bench/worker_overhead.py --requests 2048 --max-num-seqs 256 --max-tokens 256
     python docs/bench/worker_overhead.py --profile    # cProfile of the worker loop, top 25
@@ -49,9 +52,10 @@ class NullEngine:
     tokenizer = None
     vocab_size = 50_000
 
-    def __init__(self, max_num_seqs: int, tokens_per_step: int):
+    def __init__(self, max_num_seqs: int, tokens_per_step: int, step_s: float = 0.0):
         self.config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs)
         self.per_step = tokens_per_step
+        self.step_s = step_s
         self.seqs: dict[str, list] = {}
         self.steps = 0
 
@@ -60,6 +64,8 @@ class NullEngine:
 
     def step(self):
         self.steps += 1
+        if self.step_s:
+            time.sleep(self.step_s)
         outs = []
         for rid, s in list(self.seqs.items()):
             prompt, done, max_tokens, aborted = s
@@ -92,10 +98,11 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--tokens-per-step", type=int, default=1)
+    p.add_argument("--step-ms", type=float, default=0.0)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     with EmbeddedRedis(port=free_port()) as server:
-        engine = NullEngine(args.max_num_seqs, args.tokens_per_step)
+        engine = NullEngine(args.max_num_seqs, args.tokens_per_step, args.step_ms / 1e3)
         r = redis.Redis.from_url(server.url)
         client = Client(redis_client=r, prefix="wo")
         pipe = r.pipeline(transaction=False)
@@ -113,6 +120,9 @@ def main() -> None:
         print(f"{tokens / elapsed:,.0f} tok/s; {engine.steps} steps, "
               f"{1e3 * elapsed / engine.steps:.3f} ms per step, "
               f"{1e6 * elapsed / (engine.steps * args.max_num_seqs):.2f} us per output")
+        if args.step_ms:
+            pace = args.max_num_seqs * args.tokens_per_step / (args.step_ms / 1e3)
+            print(f"{tokens / elapsed / pace:.2f}x the engine's own pace ({pace:,.0f} tok/s)")
         if prof:
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 

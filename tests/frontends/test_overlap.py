@@ -23,7 +23,7 @@ def test_chunks_keep_their_order_while_redis_lags_behind_the_steps(start_worker,
                                                                    prefix, redis_server):
     worker = start_worker(FakeEngine(max_num_seqs=8))
     send = worker.worker.outbox._send
-    worker.worker.outbox._sender._send = lambda writes: time.sleep(0.01) or send(writes)
+    worker.worker.outbox._sender._send = lambda rnd: time.sleep(0.01) or send(rnd)
     client = Client(redis_server.url, prefix)
     rids = [client.submit(f"p{i}", max_tokens=30, stream_interval=1 + i % 3) for i in range(8)]
     doomed = client.submit("x", max_tokens=50)
@@ -46,11 +46,11 @@ def test_a_crash_between_a_step_and_its_send_loses_nothing(start_worker, real_re
                             claim_idle_ms=300)
     sends, send = [], crashing.worker.outbox._send
 
-    def send_until_the_crash(writes):
-        sends.append(len(writes))
+    def send_until_the_crash(round_trip):
+        sends.append(round_trip)
         if len(sends) == 12:  # this step's chunks never reach Redis, nor does anything after
             raise Crash()
-        return send(writes)
+        return send(round_trip)
 
     crashing.worker.outbox._sender._send = send_until_the_crash
     client = Client(redis_server.url, prefix)
@@ -72,7 +72,7 @@ def client_connections(admin, name):
 
 def test_async_client_streams_2000_requests_over_at_most_8_connections(
         tiny_llm, start_worker, real_redis, redis_server, prefix):
-    start_worker(tiny_llm.engine)
+    worker = start_worker(tiny_llm.engine)
     prompts = [[(7 * i) % 50257, (11 * i) % 50257] for i in range(2000)]
     peak, done = [0], threading.Event()
 
@@ -96,6 +96,7 @@ def test_async_client_streams_2000_requests_over_at_most_8_connections(
     finally:
         done.set()
         watcher.join()
+    worker.stop()  # before LLM.generate: one engine, one caller at a time
     assert 1 <= peak[0] <= 8
     for r in results:
         assert_well_formed(raw_chunks(real_redis, prefix, r.rid))

@@ -1,21 +1,28 @@
-"""The worker's writes, sent in batches that survive Redis outages.
+"""The worker's Redis round trips, sent from a thread of their own, in order, surviving
+outages.
 
-Writes queue up during a loop iteration and go out together at its end, in order. By
-default a sender thread sends them, so the next engine step runs while Redis takes this
-one's chunks; the step loop reads (cancels, new entries) on its own. Anything that must
-see every earlier write land first (claims, shutdown) waits for the sender. Through an
-outage the same writes go again until Redis takes them: resending is safe, since clients
-drop chunks whose seq they have seen and acks, claims and expiries are idempotent.
+Each loop iteration fills one Round: plain writes, reply chunks, work that turns the
+step's engine outputs into chunks, and reads (cancels, new entries, ownership refreshes).
+The sender thread runs the round's work and sends it all as one pipeline while the loop
+goes on to the next engine step; the loop picks the reads' replies up when they are back.
+So the step loop never waits on Redis, nor spends its time on chunks, while the engine
+is busy. Anything that must see every earlier round land first (claims, shutdown) waits
+for the sender. Without the thread (step-by-step tests) a round is sent when posted.
 
-A round trip's reply chunks travel as one script call, not as an XADD and an EXPIRE per
-chunk: at a few hundred running requests, redis-py's per-command packing and parsing was
-most of the worker's time per step (docs/benchmarks.md, "The worker's own cost").
+A round's chunks travel as script calls, not as an XADD and an EXPIRE per chunk: at a
+few hundred running requests, redis-py's per-command packing and parsing was most of the
+worker's time per step (docs/benchmarks.md, "Through Redis").
+
+Through an outage the same round goes again until Redis takes it: resending is safe,
+since clients drop chunks whose seq they have seen and acks, claims and expiries are
+idempotent.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from typing import Callable, Optional
 
 from redis import Redis
@@ -40,7 +47,7 @@ return failed
 
 
 class ReplyBatch:
-    """The chunks of one round trip, in order, and the entries acknowledged with them."""
+    """Consecutive chunks of a round, and the entries acknowledged with them."""
 
     def __init__(self, ttl_s: int, maxlen: int, ack: Callable):
         self.ttl_s, self.maxlen, self.ack = ttl_s, maxlen, ack
@@ -62,66 +69,147 @@ class ReplyBatch:
             self.ack(pipe, self.acked)
 
 
+class Round:
+    """One loop iteration's writes in order, then its reads. ``later(fn)`` queues work that
+    the sender thread runs when it sends the round: fn(round) may write and publish."""
+
+    def __init__(self, reply_ttl_s: int, reply_maxlen: int, ack: Optional[Callable]):
+        self._reply_args = (reply_ttl_s, reply_maxlen, ack)
+        self.items: list = []        # (fn, args, kwargs) writes, or ("later", fn)
+        self.reads: Optional[Callable] = None
+        self.on_replies: Optional[Callable] = None
+        self._batch: Optional[ReplyBatch] = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.items and self.reads is None
+
+    def write(self, fn, *args, **kwargs) -> None:
+        """Queue fn(pipe, *args, **kwargs)."""
+        self.items.append((fn, args, kwargs))
+        self._batch = None
+
+    def publish(self, key: str, body: bytes, ack_entry_id: Optional[str] = None) -> None:
+        """Queue a reply chunk (and the ack of its request entry, for a final chunk)."""
+        if self._batch is None:
+            self._batch = ReplyBatch(*self._reply_args)
+            self.items.append((self._batch.write, (), {}))
+        self._batch.add(key, body, ack_entry_id)
+
+    def later(self, fn: Callable[["Round"], None]) -> None:
+        self.items.append(("later", fn))
+        self._batch = None
+
+    def read(self, add_reads: Callable, on_replies: Callable[[list, float], None]) -> None:
+        """After the writes: add_reads(pipe); on_replies(replies, when they came back)
+        runs in the loop (Outbox.deliver), never on the sender thread."""
+        self.reads, self.on_replies = add_reads, on_replies
+
+    def resolve(self) -> None:
+        """Run the later() work, once, in its place among the writes."""
+        items, self.items, self._batch = self.items, [], None
+        for item in items:
+            if item[0] == "later":
+                item[1](self)
+                self._batch = None
+            else:
+                self.items.append(item)
+
+
 class Outbox:
     def __init__(self, redis: Redis, outage: Outage, reply_ttl_s: int = 3600,
                  reply_maxlen: int = 100_000, ack: Optional[Callable] = None,
                  send_thread: bool = True):
         self.redis = redis
         self.outage = outage
-        self.reply_ttl_s, self.reply_maxlen, self.ack = reply_ttl_s, reply_maxlen, ack
-        self._writes: list[tuple] = []
-        self._batch: Optional[ReplyBatch] = None
+        self._reply_args = (reply_ttl_s, reply_maxlen, ack)
+        self.round = Round(*self._reply_args)
         self._sender = _Sender(self._send) if send_thread else None
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self.reads_out = 0  # rounds whose reads have not been delivered yet
 
+    # the current round ---------------------------------------------------------------
     def write(self, fn, *args, **kwargs) -> None:
-        """Queue fn(pipe, *args, **kwargs) for the next round trip."""
-        self._writes.append((fn, args, kwargs))
+        self.round.write(fn, *args, **kwargs)
 
     def publish(self, key: str, body: bytes, ack_entry_id: Optional[str] = None) -> None:
-        """Queue a reply chunk (and the ack of its request entry, for a final chunk). The
-        round trip's chunks go out together, where the first of them was queued."""
-        if self._batch is None:
-            self._batch = ReplyBatch(self.reply_ttl_s, self.reply_maxlen, self.ack)
-            self.write(self._batch.write)
-        self._batch.add(key, body, ack_entry_id)
+        self.round.publish(key, body, ack_entry_id)
 
-    def post(self) -> None:
-        """Hand the queued writes to the sender thread (without one, read() takes them)."""
-        if self._sender is not None and self._writes:
-            self._sender.put(self._take())
+    def later(self, fn: Callable[[Round], None]) -> None:
+        self.round.later(fn)
+
+    # sending -------------------------------------------------------------------------
+    def post(self, add_reads: Optional[Callable] = None,
+             on_replies: Optional[Callable[[list, float], None]] = None) -> None:
+        """Send the current round, with these reads, on the sender thread (without one:
+        now). Their replies reach on_replies through deliver()."""
+        rnd = self._take()
+        if add_reads is not None:
+            rnd.read(add_reads, on_replies)
+            self.reads_out += 1
+        if rnd.empty:
+            return
+        if self._sender is None:
+            self._send(rnd)
+        else:
+            self._sender.put(rnd)
+
+    def deliver(self, wait: bool = False) -> None:
+        """Run on_replies for every round whose reads came back (with wait: at least one,
+        if any is out)."""
+        if self._sender is not None:
+            self._sender.check()
+        while self.reads_out:
+            try:
+                on_replies, replies, at = self._replies.get(block=wait, timeout=0.1)
+            except queue.Empty:
+                if not wait:
+                    return
+                if self._sender is not None:
+                    self._sender.check()
+                continue
+            self.reads_out -= 1
+            on_replies(replies, at)
+            wait = False
 
     def send(self, add_reads: Optional[Callable] = None) -> list:
-        """Send every write queued so far, in order, then add_reads(pipe)'s reads; returns
-        the reads' replies. Waits until the sender thread has sent what it was given."""
+        """Send every round so far and this one, in order, then add_reads(pipe)'s reads,
+        now; returns their replies. Waits until the sender thread is done first."""
         if self._sender is not None:
             self._sender.drain()
-        return self._send(self._take(), add_reads)
-
-    def read(self, add_reads: Callable) -> list:
-        """add_reads(pipe)'s reads, now, after the queued writes if there is no sender
-        thread (one round trip for both). Returns the reads' replies."""
-        return self._send([] if self._sender is not None else self._take(), add_reads)
+        rnd = self._take()
+        rnd.reads = add_reads
+        return self._execute(rnd)
 
     def stop(self) -> None:
-        """Stop the sender thread (after what it was given); writes still queued stay unsent."""
+        """Stop the sender thread (after what it was given); the current round stays unsent."""
         if self._sender is not None:
             self._sender.stop()
 
-    def _take(self) -> list[tuple]:
-        writes, self._writes, self._batch = self._writes, [], None
-        return writes
+    def _take(self) -> Round:
+        rnd, self.round = self.round, Round(*self._reply_args)
+        return rnd
 
-    def _send(self, writes: list[tuple], add_reads: Optional[Callable] = None) -> list:
+    def _send(self, rnd: Round) -> None:
+        replies = self._execute(rnd)
+        if rnd.on_replies is not None:
+            self._replies.put((rnd.on_replies, replies, time.monotonic()))
+
+    def _execute(self, rnd: Round) -> list:
+        rnd.resolve()
+
         def once():
             pipe = self.redis.pipeline(transaction=False)
             scripts = []
-            for fn, args, kwargs in writes:
+            for fn, args, kwargs in rnd.items:
                 if isinstance(getattr(fn, "__self__", None), ReplyBatch):
                     scripts.append(len(pipe))
                 fn(pipe, *args, **kwargs)
             num_writes = len(pipe)
-            if add_reads is not None:
-                add_reads(pipe)
+            if rnd.reads is not None:
+                rnd.reads(pipe)
+            if not len(pipe):
+                return []
             results = pipe.execute(raise_on_error=False)
             for i, r in enumerate(results):
                 if isinstance(r, Exception) and is_transient(r):
@@ -139,27 +227,31 @@ class Outbox:
 
 
 class _Sender:
-    """Sends batches of writes in order from a thread of its own, at most ``depth`` batches
-    behind: a Redis slower than the engine slows the loop instead of piling writes up.
-    What stops it (an error, or Redis gone past the shutdown deadline) is raised in the
-    loop at its next put() or drain(), and nothing after it is sent."""
+    """Sends rounds in order from a thread of its own, at most ``depth`` rounds behind: a
+    Redis slower than the engine slows the loop instead of piling rounds up. What stops
+    it (an error, or Redis gone past the shutdown deadline) is raised in the loop at its
+    next put(), check() or drain(), and nothing after it is sent."""
 
-    def __init__(self, send: Callable[[list], list], depth: int = 2):
+    def __init__(self, send: Callable[[Round], None], depth: int = 2):
         self._send = send
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
 
-    def put(self, writes: list) -> None:
-        self._raise()
+    def put(self, rnd: Round) -> None:
+        self.check()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="roseinfer-sender", daemon=True)
             self._thread.start()
-        self._queue.put(writes)
+        self._queue.put(rnd)
 
     def drain(self) -> None:
         self._queue.join()
-        self._raise()
+        self.check()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -167,20 +259,15 @@ class _Sender:
             self._thread.join()
             self._thread = None
 
-    def _raise(self) -> None:
-        if self._error is not None:
-            raise self._error
-
     def _run(self) -> None:
         while True:
-            writes = self._queue.get()
+            rnd = self._queue.get()
             try:
-                if writes is None:
+                if rnd is None:
                     return
                 if self._error is None:
-                    self._send(writes)
+                    self._send(rnd)
             except BaseException as e:  # the loop raises it: this thread only reports
                 self._error = e
             finally:
                 self._queue.task_done()
-

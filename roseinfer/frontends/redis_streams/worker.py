@@ -3,8 +3,10 @@
 One loop iteration is one engine step and one Redis round trip: a single pipeline carries
 the step's writes (chunks, acks, the heartbeat), reads new cancels, refreshes its claim
 on its in-flight entries when due, and reads as many new requests as there are free
-slots, blocking only while the engine is idle. A few times per claim period, a worker
-with free slots also claims abandoned entries (one more round trip).
+slots, blocking only while the engine is idle. The round trip, and turning the step's
+outputs into chunks, happen on the outbox's sender thread while the loop runs the next
+step; the loop admits what the reads brought once they are back (outbox.py). A few
+times per claim period, a worker with free slots also claims abandoned entries.
 
 The guarantees (docs/operations.md): a request entry is acknowledged only together with
 its final chunk; a live worker keeps its entries, a dead one's are claimed and resumed
@@ -155,9 +157,12 @@ class Worker:
     def _stopped(self) -> bool:
         if self._engine_failure is not None:
             return True
-        return self.stopping and (not self._inflight or self._past_deadline())
+        return self.stopping and (not (self._inflight or self.outbox.reads_out)
+                                  or self._past_deadline())
 
     def _leave(self) -> None:
+        self.outbox.send()
+        self.outbox.deliver()  # entries read just before the stop are handed back too
         unfinished = len(self._inflight) + len(self._suspects)
         self._hand_back_all()
         self.outbox.write(self.heartbeat.remove)
@@ -171,41 +176,47 @@ class Worker:
         self._start_suspect()
         if self._claim_due():
             self._claim()
-        cancels, entries = self._exchange()
-        for rid in cancels:
-            self._cancel(rid)
-        for entry_id, fields in entries:
-            self._admit(entry_id, fields)
+        self._exchange()
         self._log_progress()
 
     # --- Redis round trips --------------------------------------------------------------
 
-    def _exchange(self):
-        """This step's round trip: (cancelled rids, new entries)."""
-        plan = self._plan()
+    def _exchange(self) -> None:
+        """Post this iteration's round trip (with reads unless earlier ones are still out)
+        and act on the reads that are back: on all of them, waiting, when the engine is idle."""
         if self.heartbeat.due():
             status = "draining" if self.stopping else "serving"
             self.outbox.write(self.heartbeat.write, status, **self._live_status())
+        if self.outbox.reads_out:
+            self.outbox.post()
+        else:
+            plan = self._plan()
+            self.outbox.post(lambda pipe: self._add_reads(pipe, plan),
+                             lambda replies, at: self._on_reads(plan, replies, at))
+        self.outbox.deliver(wait=not self.engine.has_unfinished())
 
-        def add_reads(pipe):
-            pipe.xread({self.keys.cancel: self._cancel_cursor}, count=1000)
-            now = time.monotonic()
-            self.ownership.refresh(pipe, [(o.entry_id, now - o.refreshed_at) for o in plan.owned])
-            if plan.slots:
-                pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">"},
-                                count=plan.slots, block=plan.block)
+    def _add_reads(self, pipe, plan: "_Plan") -> None:
+        pipe.xread({self.keys.cancel: self._cancel_cursor}, count=1000)
+        now = time.monotonic()  # when the round is sent: ages as Redis will see them
+        self.ownership.refresh(pipe, [(o.entry_id, now - o.refreshed_at) for o in plan.owned])
+        if plan.slots:
+            pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">"},
+                            count=plan.slots, block=plan.block)
 
-        self.outbox.post()
-        cancel_read, *reads = self.outbox.read(add_reads)
-        self._keep_or_drop(plan.owned, reads[:len(plan.owned)])
-        request_read = reads[len(plan.owned):]
-        entries = []
-        if request_read and self._readable(request_read[0]) and request_read[0]:
-            entries = [(i.decode(), f) for i, f in request_read[0][0][1]]
+    def _on_reads(self, plan: "_Plan", replies: list, confirmed_at: float) -> None:
+        """Cancels first, then new entries; ownership lost or kept."""
+        cancel_read, *reads = replies
+        self._keep_or_drop(plan.owned, reads[:len(plan.owned)], confirmed_at)
         cancels = cancel_read[0][1] if cancel_read else []
         if cancels:
             self._cancel_cursor = cancels[-1][0]
-        return [f[b"rid"].decode(errors="replace") for _, f in cancels if b"rid" in f], entries
+        for _, f in cancels:
+            if b"rid" in f:
+                self._cancel(f[b"rid"].decode(errors="replace"))
+        request_read = reads[len(plan.owned):]
+        if request_read and self._readable(request_read[0]) and request_read[0]:
+            for entry_id, fields in request_read[0][0][1]:
+                self._admit(entry_id.decode(), fields)
 
     def _plan(self) -> _Plan:
         now = time.monotonic()
@@ -275,8 +286,8 @@ class Worker:
 
     # --- ownership ----------------------------------------------------------------------
 
-    def _keep_or_drop(self, owned: list, replies: list) -> None:
-        confirmed_at = time.monotonic()  # after Redis ran the refresh: never too early
+    def _keep_or_drop(self, owned: list, replies: list, confirmed_at: float) -> None:
+        """confirmed_at: after Redis ran the refresh, so never too early."""
         for o, kept in zip(owned, Ownership.kept(replies)):
             if kept:
                 o.refreshed_at = confirmed_at
@@ -287,8 +298,12 @@ class Worker:
         """Another worker claimed the entry (this one stalled past the claim threshold), or
         it was acknowledged: stop serving it, silently, since its client is served."""
         if isinstance(o, Takeover):
+            if o not in self._suspects:
+                return  # started meanwhile: its InFlight is refreshed from now on
             self._suspects.remove(o)
         else:
+            if self._inflight.get(o.rid) is not o:
+                return  # finished meanwhile
             del self._inflight[o.rid]
             self.engine.abort(o.rid)  # its "abort" output is ignored: the rid is not ours
         event("ownership_lost", logging.WARNING, rid=o.rid, entry=o.entry_id,
@@ -347,10 +362,15 @@ class Worker:
         except Exception as e:  # the batch fails, not the worker
             self._on_step_failure(e)
             return
-        tokens = sum(self._on_output(out) for out in outputs)
-        self.metrics.generation_tokens.inc(tokens)
-        self._totals["tokens"] += tokens
-        self._progress["tokens"] += tokens
+        ours = []
+        for out in outputs:
+            f = self._inflight.get(out.request_id)
+            if f is None:
+                continue  # a request handed back or owned elsewhere now: not ours to publish
+            if out.finished:
+                del self._inflight[f.rid]
+            ours.append((f, out))
+        self.outbox.later(lambda rnd: self._publish_outputs(rnd, ours))
         stats = self.engine.stats()
         self.metrics.engine_stats(stats)
         event("step", logging.DEBUG, outputs=len(outputs), running=stats.num_running,
@@ -428,43 +448,46 @@ class Worker:
         if len(self._cancelled) > MAX_REMEMBERED_CANCELS:
             self._cancelled.popitem(last=False)
 
-    def _publish(self, chunk: Chunk, ack_entry_id: Optional[str] = None) -> None:
+    def _publish(self, chunk: Chunk, ack_entry_id: Optional[str] = None, rnd=None) -> None:
         # Acked only together with the final chunk, so a crash never loses a request.
-        self.outbox.publish(self.keys.out(chunk.rid), chunk_body(chunk), ack_entry_id)
+        (self.outbox.round if rnd is None else rnd).publish(self.keys.out(chunk.rid), chunk_body(chunk),
+                                           ack_entry_id)
 
-    def _on_output(self, out) -> int:
-        """Publish what the output makes due; returns how many tokens it brought."""
-        f = self._inflight.get(out.request_id)
-        if f is None:
-            return 0  # a request handed back or owned elsewhere now: its output is not ours
-        n = f.observe(out, self.metrics)
-        chunk = f.take(out)
-        if chunk is not None and chunk.finished:
-            self._finish(f, chunk)
-        elif chunk is not None:
-            self._publish(chunk)
-        return n
+    def _publish_outputs(self, rnd, ours: list) -> None:
+        """A step's outputs as the chunks they make due. Runs on the sender thread: it
+        touches only the chunking state of each InFlight, which nothing else does."""
+        tokens = 0
+        for f, out in ours:
+            tokens += f.observe(out, self.metrics)
+            chunk = f.take(out)
+            if chunk is not None and chunk.finished:
+                self._finish(f, chunk, rnd)
+            elif chunk is not None:
+                self._publish(chunk, rnd=rnd)
+        self.metrics.generation_tokens.inc(tokens)
+        self._totals["tokens"] += tokens
 
-    def _finish(self, f: InFlight, chunk: Chunk) -> None:
-        self._publish(chunk, f.entry_id)
-        del self._inflight[f.rid]
+    def _finish(self, f: InFlight, chunk: Chunk, rnd) -> None:
+        self._publish(chunk, f.entry_id, rnd)
         e2e_s = max(0.0, time.time() - f.arrival)
         self.metrics.finished(chunk.finish_reason)
         self.metrics.e2e.observe(e2e_s)
         self._totals["finished"] += 1
-        self._progress["finished"] += 1
         event("finished", rid=f.rid, reason=chunk.finish_reason,
               prompt_tokens=chunk.usage["prompt_tokens"],
               completion_tokens=chunk.usage["completion_tokens"], chunks=chunk.seq + 1,
               e2e_s=e2e_s)
 
     def _log_progress(self) -> None:
+        """Every progress_every_s: the totals' growth since the last time (the sender
+        thread adds to the totals, so they are only read here)."""
         p, now = self._progress, time.monotonic()
         if now - p["at"] < self.progress_every_s:
             return
-        if p["tokens"] or self._inflight:
+        tokens, finished = self._totals["tokens"], self._totals["finished"]
+        if tokens > p["tokens"] or self._inflight:
             s = self.engine.stats()
             event("progress", running=s.num_running, waiting=s.num_waiting,
-                  kv_cache=s.kv_cache_usage, tok_per_s=p["tokens"] / (now - p["at"]),
-                  finished=p["finished"])
-        self._progress = {"at": now, "tokens": 0, "finished": 0}
+                  kv_cache=s.kv_cache_usage, tok_per_s=(tokens - p["tokens"]) / (now - p["at"]),
+                  finished=finished - p["finished"])
+        self._progress = {"at": now, "tokens": tokens, "finished": finished}
