@@ -4,9 +4,9 @@ A null engine hands back one output per running request per step, as the real en
 does (``--tokens-per-step 8`` mimics a decode window), so the worker's time is all
 frontend: chunks, encoding, the Redis pipeline, reading entries and cancels. Requests
 are queued up front and nobody reads the replies, so the clients cost nothing either.
-``--step-ms`` makes each step wait that long without the GIL, as a GPU step does: the
-fraction of the engine's own pace that the worker keeps is then its throughput against
-max_num_seqs * tokens_per_step / step_ms.
+``--step-ms`` makes each step wait that long without the GIL, as a GPU step does; the
+same requests are then also run on the null engine alone (as `bench serve
+--compare-offline` does with the real one), and the ratio is what the worker keeps.
 
     python docs/bench/worker_overhead.py --requests 2048 --max-num-seqs 256 --max-tokens 256
     python docs/bench/worker_overhead.py --profile    # cProfile of the worker loop, top 25
@@ -121,10 +121,25 @@ def main() -> None:
               f"{1e3 * elapsed / engine.steps:.3f} ms per step, "
               f"{1e6 * elapsed / (engine.steps * args.max_num_seqs):.2f} us per output")
         if args.step_ms:
-            pace = args.max_num_seqs * args.tokens_per_step / (args.step_ms / 1e3)
-            print(f"{tokens / elapsed / pace:.2f}x the engine's own pace ({pace:,.0f} tok/s)")
+            alone = _engine_alone(args)
+            print(f"{tokens / elapsed / alone:.2f}x the engine alone ({alone:,.0f} tok/s)")
         if prof:
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def _engine_alone(args) -> float:
+    """tok/s of the null engine stepping the same requests with no frontend, 256 at a time."""
+    from roseinfer.core.sampling import SamplingParams
+
+    engine = NullEngine(args.max_num_seqs, args.tokens_per_step, args.step_ms / 1e3)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    queued = [f"r-{i}" for i in range(args.requests)]
+    t0 = time.perf_counter()
+    while queued or engine.has_unfinished():
+        while queued and engine.num_unfinished() < args.max_num_seqs:
+            engine.add_request(queued.pop(), list(range(32)), params)
+        engine.step()
+    return args.requests * args.max_tokens / (time.perf_counter() - t0)
 
 
 def _entry(client: Client, i: int, max_tokens: int) -> dict:

@@ -1,13 +1,19 @@
 """The worker's Redis round trips, sent from a thread of their own, in order, surviving
 outages.
 
-Each loop iteration fills one Round: plain writes, reply chunks, work that turns the
-step's engine outputs into chunks, and reads (cancels, new entries, ownership refreshes).
-The sender thread runs the round's work and sends it all as one pipeline while the loop
-goes on to the next engine step; the loop picks the reads' replies up when they are back.
-So the step loop never waits on Redis, nor spends its time on chunks, while the engine
-is busy. Anything that must see every earlier round land first (claims, shutdown) waits
-for the sender. Without the thread (step-by-step tests) a round is sent when posted.
+Each loop iteration fills one Round: plain writes, reply chunks, and work that turns the
+step's engine outputs into chunks. The sender thread runs the round's work and sends it
+as one pipeline while the loop goes on to the next engine step. Reads (cancels, new
+entries, ownership refreshes) go on a reader thread of their own, so that an idle engine
+waits for new entries one round trip, not behind the chunks still being sent; the loop
+picks their replies up when they are back. So the step loop never waits on Redis, nor
+spends its time on chunks, while the engine is busy. Anything that must see every earlier
+round land first (claims, shutdown) waits for both threads. Without them (step-by-step
+tests) a round and its reads are sent together when posted, in one round trip.
+
+Reads may pass writes: nothing read depends on a write still queued (an entry that is
+acknowledged or handed back in a queued round is no longer refreshed, and new entries
+and cancels do not depend on this worker's writes).
 
 A round's chunks travel as script calls, not as an XADD and an EXPIRE per chunk: at a
 few hundred running requests, redis-py's per-command packing and parsing was most of the
@@ -77,6 +83,7 @@ class Round:
         self._reply_args = (reply_ttl_s, reply_maxlen, ack)
         self.items: list = []        # (fn, args, kwargs) writes, or ("later", fn)
         self.reads: Optional[Callable] = None
+        self.parse: Optional[Callable] = None
         self.on_replies: Optional[Callable] = None
         self._batch: Optional[ReplyBatch] = None
 
@@ -100,10 +107,11 @@ class Round:
         self.items.append(("later", fn))
         self._batch = None
 
-    def read(self, add_reads: Callable, on_replies: Callable[[list, float], None]) -> None:
-        """After the writes: add_reads(pipe); on_replies(replies, when they came back)
-        runs in the loop (Outbox.deliver), never on the sender thread."""
-        self.reads, self.on_replies = add_reads, on_replies
+    def read(self, add_reads: Callable, on_replies: Callable, parse: Optional[Callable]) -> None:
+        """After the writes: add_reads(pipe). parse(replies) runs on the sender thread (the
+        work that needs no loop state: decoding), on_replies(parsed, when they came back)
+        in the loop (Outbox.deliver)."""
+        self.reads, self.on_replies, self.parse = add_reads, on_replies, parse
 
     def resolve(self) -> None:
         """Run the later() work, once, in its place among the writes."""
@@ -125,6 +133,7 @@ class Outbox:
         self._reply_args = (reply_ttl_s, reply_maxlen, ack)
         self.round = Round(*self._reply_args)
         self._sender = _Sender(self._send) if send_thread else None
+        self._reader = _Sender(self._send, depth=1) if send_thread else None
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self.reads_out = 0  # rounds whose reads have not been delivered yet
 
@@ -139,34 +148,35 @@ class Outbox:
         self.round.later(fn)
 
     # sending -------------------------------------------------------------------------
-    def post(self, add_reads: Optional[Callable] = None,
-             on_replies: Optional[Callable[[list, float], None]] = None) -> None:
+    def post(self, add_reads: Optional[Callable] = None, on_replies: Optional[Callable] = None,
+             parse: Optional[Callable] = None) -> None:
         """Send the current round, with these reads, on the sender thread (without one:
-        now). Their replies reach on_replies through deliver()."""
+        now). Their replies reach on_replies through deliver(), parsed by parse if given."""
         rnd = self._take()
+        reads = rnd if self._sender is None else Round(*self._reply_args)
         if add_reads is not None:
-            rnd.read(add_reads, on_replies)
+            reads.read(add_reads, on_replies, parse)
             self.reads_out += 1
-        if rnd.empty:
-            return
         if self._sender is None:
-            self._send(rnd)
-        else:
+            if not rnd.empty:
+                self._send(rnd)
+            return
+        if not rnd.empty:
             self._sender.put(rnd)
+        if not reads.empty:
+            self._reader.put(reads)
 
     def deliver(self, wait: bool = False) -> None:
         """Run on_replies for every round whose reads came back (with wait: at least one,
         if any is out)."""
-        if self._sender is not None:
-            self._sender.check()
+        self._check()
         while self.reads_out:
             try:
                 on_replies, replies, at = self._replies.get(block=wait, timeout=0.1)
             except queue.Empty:
                 if not wait:
                     return
-                if self._sender is not None:
-                    self._sender.check()
+                self._check()
                 continue
             self.reads_out -= 1
             on_replies(replies, at)
@@ -177,14 +187,21 @@ class Outbox:
         now; returns their replies. Waits until the sender thread is done first."""
         if self._sender is not None:
             self._sender.drain()
+            self._reader.drain()
         rnd = self._take()
         rnd.reads = add_reads
         return self._execute(rnd)
 
     def stop(self) -> None:
-        """Stop the sender thread (after what it was given); the current round stays unsent."""
+        """Stop the threads (after what they were given); the current round stays unsent."""
         if self._sender is not None:
             self._sender.stop()
+            self._reader.stop()
+
+    def _check(self) -> None:
+        if self._sender is not None:
+            self._sender.check()
+            self._reader.check()
 
     def _take(self) -> Round:
         rnd, self.round = self.round, Round(*self._reply_args)
@@ -193,7 +210,8 @@ class Outbox:
     def _send(self, rnd: Round) -> None:
         replies = self._execute(rnd)
         if rnd.on_replies is not None:
-            self._replies.put((rnd.on_replies, replies, time.monotonic()))
+            at = time.monotonic()
+            self._replies.put((rnd.on_replies, rnd.parse(replies) if rnd.parse else replies, at))
 
     def _execute(self, rnd: Round) -> list:
         rnd.resolve()

@@ -45,6 +45,13 @@ from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, re
 MAX_REMEMBERED_CANCELS = 10_000
 
 
+def _decoded(entry_id: str, fields: dict) -> tuple:
+    try:
+        return entry_id, fields, decode_request(entry_id, fields)
+    except Exception as e:  # _admit reports it, as if it had decoded the entry itself
+        return entry_id, fields, e
+
+
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -192,7 +199,8 @@ class Worker:
         else:
             plan = self._plan()
             self.outbox.post(lambda pipe: self._add_reads(pipe, plan),
-                             lambda replies, at: self._on_reads(plan, replies, at))
+                             lambda reads, at: self._on_reads(plan, reads, at),
+                             lambda replies: self._parse_reads(plan, replies))
         self.outbox.deliver(wait=not self.engine.has_unfinished())
 
     def _add_reads(self, pipe, plan: "_Plan") -> None:
@@ -203,20 +211,28 @@ class Worker:
             pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">"},
                             count=plan.slots, block=plan.block)
 
-    def _on_reads(self, plan: "_Plan", replies: list, confirmed_at: float) -> None:
-        """Cancels first, then new entries; ownership lost or kept."""
+    def _parse_reads(self, plan: "_Plan", replies: list) -> tuple:
+        """(cancel read, refresh replies, request read, decoded requests), off the loop."""
         cancel_read, *reads = replies
-        self._keep_or_drop(plan.owned, reads[:len(plan.owned)], confirmed_at)
+        request_read = reads[len(plan.owned):]
+        decoded = []
+        if request_read and request_read[0] and not isinstance(request_read[0], Exception):
+            decoded = [_decoded(i.decode(), f) for i, f in request_read[0][0][1]]
+        return cancel_read, reads[:len(plan.owned)], request_read, decoded
+
+    def _on_reads(self, plan: "_Plan", reads: tuple, confirmed_at: float) -> None:
+        """Cancels first, then new entries; ownership lost or kept."""
+        cancel_read, refreshed, request_read, decoded = reads
+        self._keep_or_drop(plan.owned, refreshed, confirmed_at)
         cancels = cancel_read[0][1] if cancel_read else []
         if cancels:
             self._cancel_cursor = cancels[-1][0]
         for _, f in cancels:
             if b"rid" in f:
                 self._cancel(f[b"rid"].decode(errors="replace"))
-        request_read = reads[len(plan.owned):]
-        if request_read and self._readable(request_read[0]) and request_read[0]:
-            for entry_id, fields in request_read[0][0][1]:
-                self._admit(entry_id.decode(), fields)
+        if request_read and self._readable(request_read[0]):
+            for entry_id, fields, request in decoded:
+                self._admit(entry_id, fields, request=request)
 
     def _plan(self) -> _Plan:
         now = time.monotonic()
@@ -396,12 +412,16 @@ class Worker:
 
     # --- requests -----------------------------------------------------------------------
 
-    def _admit(self, entry_id: str, fields: dict, resume: Optional[Takeover] = None) -> None:
+    def _admit(self, entry_id: str, fields: dict, resume: Optional[Takeover] = None,
+               request=None) -> None:
+        """request: the entry already decoded (a Request, or the error decoding it raised)."""
         rid = reply_rid(entry_id, fields)
         seq, emitted = (resume.next_seq, resume.emitted_ids) if resume else (0, [])
         emitted_text = "".join(c.text for c in resume.chunks) if resume else ""
         try:
-            req = decode_request(entry_id, fields)
+            req = request or decode_request(entry_id, fields)
+            if isinstance(req, Exception):
+                raise req
             if req.rid in self._inflight:
                 rid, seq, emitted = entry_id, 0, []  # P:out:{rid} belongs to the running one
                 raise InvalidRequestError("rid", f"{req.rid!r} is already in flight; use a new rid")
