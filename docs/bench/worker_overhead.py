@@ -4,7 +4,8 @@ A null engine hands back one output per running request per step, as the real en
 does (``--tokens-per-step 8`` mimics a decode window), so the worker's time is all
 frontend: chunks, encoding, the Redis pipeline, reading entries and cancels. Requests
 are queued up front and nobody reads the replies, so the clients cost nothing either.
-``--step-ms`` makes each step wait that long without the GIL, as a GPU step does; the
+``--step-ms`` makes each step wait that long without the GIL, as a GPU step does, after
+``--host-ms`` of Python work holding it, as the engine's launch does; the
 same requests are then also run on the null engine alone (as `bench serve
 --compare-offline` does with the real one), and the ratio is what the worker keeps.
 
@@ -52,10 +53,11 @@ class NullEngine:
     tokenizer = None
     vocab_size = 50_000
 
-    def __init__(self, max_num_seqs: int, tokens_per_step: int, step_s: float = 0.0):
+    def __init__(self, max_num_seqs: int, tokens_per_step: int, step_s: float = 0.0,
+                 host_s: float = 0.0):
         self.config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs)
         self.per_step = tokens_per_step
-        self.step_s = step_s
+        self.step_s, self.host_s = step_s, host_s
         self.seqs: dict[str, list] = {}
         self.steps = 0
 
@@ -64,6 +66,9 @@ class NullEngine:
 
     def step(self):
         self.steps += 1
+        busy_until = time.perf_counter() + self.host_s
+        while time.perf_counter() < busy_until:
+            pass
         if self.step_s:
             time.sleep(self.step_s)
         outs = []
@@ -99,10 +104,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--tokens-per-step", type=int, default=1)
     p.add_argument("--step-ms", type=float, default=0.0)
+    p.add_argument("--host-ms", type=float, default=0.0)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     with EmbeddedRedis(port=free_port()) as server:
-        engine = NullEngine(args.max_num_seqs, args.tokens_per_step, args.step_ms / 1e3)
+        engine = NullEngine(args.max_num_seqs, args.tokens_per_step, args.step_ms / 1e3,
+                        args.host_ms / 1e3)
         r = redis.Redis.from_url(server.url)
         client = Client(redis_client=r, prefix="wo")
         pipe = r.pipeline(transaction=False)
@@ -131,7 +138,8 @@ def _engine_alone(args) -> float:
     """tok/s of the null engine stepping the same requests with no frontend, 256 at a time."""
     from roseinfer.core.sampling import SamplingParams
 
-    engine = NullEngine(args.max_num_seqs, args.tokens_per_step, args.step_ms / 1e3)
+    engine = NullEngine(args.max_num_seqs, args.tokens_per_step, args.step_ms / 1e3,
+                        args.host_ms / 1e3)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     queued = [f"r-{i}" for i in range(args.requests)]
     t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, re
 # Cancels of requests this worker has not read yet: remembered so that a request cancelled
 # while still queued is aborted as soon as it arrives. Bounded: old ones fall out first.
 MAX_REMEMBERED_CANCELS = 10_000
+# GIL hand-over while the worker runs: see run(). (docs/benchmarks.md, "Through Redis")
+STEP_LOOP_SWITCH_INTERVAL_S = 0.0005
 
 
 def _decoded(entry_id: str, fields: dict) -> tuple:
@@ -135,6 +138,11 @@ class Worker:
         """Serve until stop() was called and the in-flight requests finished (or grace ran
         out); what did not finish is handed back to the other workers. Raises EngineFailed
         when the engine broke (after handing its requests back)."""
+        # The step loop shares the GIL with the outbox's threads. When a GPU step ends,
+        # the loop must get it back at once to launch the next one: with Python's default
+        # 5 ms switch interval it could wait that long behind the chunk work.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch_interval, STEP_LOOP_SWITCH_INTERVAL_S))
         try:
             self.setup()
             while not self._stopped():
@@ -146,6 +154,7 @@ class Worker:
             return
         finally:
             self.outbox.stop()
+            sys.setswitchinterval(switch_interval)
         if self._engine_failure is not None:
             raise EngineFailed("the engine failed a step and then a one-token probe; "
                                "restart this worker") from self._engine_failure
