@@ -3,6 +3,10 @@
 // and print the text as it streams in. Ctrl-C cancels the request.
 //
 //   npm install && node client.mjs "What is the capital of France?" --max-tokens 64
+//
+// One request per run, so it reads its one reply stream with its own XREAD. A service
+// streaming many requests at once reads all their reply streams with one XREAD over
+// every key instead, as the Python clients do (docs/protocol.md, "Connections").
 import { parseArgs } from "node:util";
 import { createClient, RESP_TYPES } from "redis";
 import { decode, encode } from "@msgpack/msgpack";
