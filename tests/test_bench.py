@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from roseinfer.bench.metrics import RequestRecord, distribution, run_metrics, summarize
-from roseinfer.bench.workloads import build_prompts, parse_repeats
+from roseinfer.bench.workloads import (
+    Workload, build_prompts, parse_repeats, random_prompts, sampling_of)
 from roseinfer.cli import main
 
 ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64",
@@ -247,3 +248,53 @@ def test_bench_serve_through_real_redis(tmp_path, tiny_dir):
     _assert_all_requests_complete(result)
     assert result["meta"]["mode"] == "serve"
     assert result["workload"]["stream_interval"] == 4
+
+
+def test_random_dataset_follows_vllms_lengths_and_shares_no_prefix():
+    prompts = random_prompts(200, input_len=10, range_ratio=0.3, vocab_size=50, seed=1)
+    assert {len(p) for p in prompts} == set(range(7, 14))
+    assert all(0 <= t < 50 for p in prompts for t in p)
+    assert len({tuple(p[:3]) for p in prompts}) > 150
+    assert random_prompts(3, 4, 0.0, 50, seed=1) == random_prompts(3, 4, 0.0, 50, seed=1)
+    with pytest.raises(ValueError, match="--range-ratio"):
+        random_prompts(3, 4, 1.0, 50)
+
+
+def test_sampling_flags_reach_the_engine_and_greedy_sends_none():
+    from roseinfer.bench.offline import sampling_params
+
+    assert sampling_of(0.0, 0.9, 5) == {}
+    w = Workload([[1]], [[1]], 4, True, sampling=sampling_of(0.7, 0.9, 20))
+    p = sampling_params(w)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.7, 0.9, 20, 4)
+    assert sampling_params(Workload([[1]], [[1]], 4, True)).temperature == 0.0
+
+
+def test_bench_serve_drives_a_fleet_it_did_not_start(tmp_path, tiny_dir):
+    import threading
+
+    import redis
+
+    from roseinfer import LLM
+    from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
+    from roseinfer.frontends.redis_streams.worker import Worker
+
+    with EmbeddedRedis(port=free_port()) as server:
+        llm = LLM(tiny_dir, device="cpu", dtype="float32", num_kv_blocks=64, cuda_graphs=False)
+        worker = Worker(llm.engine, redis.Redis.from_url(server.url), prefix="fleet",
+                        block_ms=50, chat_template=False)
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        try:
+            code, result = _bench(tmp_path, "serve", tiny_dir, "--no-worker", "--redis-url",
+                                  server.url, "--prefix", "fleet")
+        finally:
+            worker.stop(0)
+            thread.join(10)
+    assert code == 0
+    for run in result["roseinfer"]["runs"]:
+        assert run["completed"] == run["num_requests"] == 5
+        assert [r["output_tokens"] for r in run["requests"]] == [6] * 5
+        assert run["ttft_ms"]["p50"] > 0 and "engine_steps" not in run
+        assert run["queue_wait_ms"]["p50"] is None  # the fleet's engine is not visible here
+    assert worker._totals["finished"] == 3 * 5  # warm-up and two runs, all served there

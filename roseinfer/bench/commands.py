@@ -24,6 +24,11 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
                    help="use this Redis (default: start an embedded redis-server)")
     g.add_argument("--client-procs", type=int, default=1,
                    help="client processes sharing the requests (default: 1)")
+    g.add_argument("--no-worker", action="store_true",
+                   help="start no worker: load the workers already serving --prefix on "
+                        "--redis-url (a fleet); --model only names the model for prompts")
+    g.add_argument("--prefix", default=None,
+                   help="with --no-worker: the fleet's key prefix")
     g.add_argument("--compare-offline", action="store_true",
                    help="also run the same requests on the engine alone (bench offline) first, "
                         "and report the ratio")

@@ -75,7 +75,8 @@ def run_offline(probe: EngineProbe, w: Workload, run_id: str,
 
 def finish_run(records: list[RequestRecord], duration_s: float, probe: EngineProbe) -> dict:
     metrics = run_metrics(records, duration_s)
-    metrics["engine_steps"] = probe.step_stats()
+    if probe is not None:  # None: a fleet elsewhere served the run
+        metrics["engine_steps"] = probe.step_stats()
     metrics["requests"] = [r.to_row() for r in records]
     return metrics
 

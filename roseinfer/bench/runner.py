@@ -46,9 +46,12 @@ class BenchRun:
 
     def _main(self) -> int:
         a = self.args
+        if getattr(a, "no_worker", False):
+            return self._main_fleet()
         llm, hf_model = self._build()
         engine = llm.engine
-        w = self._workload(engine)
+        w = self._workload(engine.tokenizer, engine.vocab_size, engine.config.seed,
+                           engine.max_model_len)
         meta = {"mode": self.mode, "model": a.model, "label": a.label,
                 "command": report.command_line(getattr(a, "argv", None)),
                 **report.machine_info(engine.device)}
@@ -90,21 +93,46 @@ class BenchRun:
         hf_model.to(device=llm.engine.device, dtype=llm.engine.dtype)
         return llm, hf_model
 
-    def _workload(self, engine) -> Workload:
+    def _main_fleet(self) -> int:
+        """--no-worker: load on workers already running on --redis-url / --prefix."""
+        from roseinfer.bench.serve import ServeHarness
+        from roseinfer.models.loader import model_info
+
         a = self.args
-        if engine.tokenizer is None and not a.pretok:
+        if not (a.redis_url and a.prefix):
+            raise SystemExit("--no-worker drives workers that already serve: give their "
+                             "--redis-url and --prefix")
+        hf_config, tokenizer = model_info(a.model)
+        w = self._workload(tokenizer, hf_config.vocab_size, a.seed, None)
+        meta = {"mode": "serve (fleet)", "model": a.model, "label": a.label,
+                "command": report.command_line(getattr(a, "argv", None)),
+                **report.machine_info("cpu")}
+        runs = []
+        with ServeHarness(None, a.redis_url, a.client_procs, a.request_timeout,
+                          prefix=a.prefix) as harness:
+            for k in range(a.warmup_runs):
+                self._ours(harness, w, f"warm-up {k + 1}/{a.warmup_runs}", f"w{k}")
+            for k in range(a.repeat_runs):
+                runs.append(self._ours(harness, w, f"run {k + 1}/{a.repeat_runs}", f"r{k}")[0])
+        self._emit({"meta": meta, "workload": w.describe(),
+                    "roseinfer": {"summary": summarize(runs), "runs": runs}})
+        return 0 if all(r["completed"] == r["num_requests"] for r in runs) else 1
+
+    def _workload(self, tokenizer, vocab_size: int, seed, max_model_len) -> Workload:
+        a = self.args
+        if tokenizer is None and not a.pretok:
             self.console.log("the model has no tokenizer: sending pre-tokenized prompts")
         if a.dataset == "random":
             prompts = ids = random_prompts(a.num_requests, a.input_len, a.range_ratio,
-                                           engine.vocab_size, engine.config.seed or 0)
+                                           vocab_size, seed or 0)
         else:
             prompts, ids = build_prompts(a.num_requests, a.prompt, parse_repeats(a.prompt_repeats),
-                                         engine.tokenizer, engine.vocab_size, a.pretok,
-                                         a.prompt_sep, a.prompt_token_id)
+                                         tokenizer, vocab_size, a.pretok, a.prompt_sep,
+                                         a.prompt_token_id)
         longest = max(len(p) for p in ids) + a.max_new_tokens
-        if longest > engine.max_model_len:
+        if max_model_len is not None and longest > max_model_len:
             raise SystemExit(f"prompt + --max-new-tokens = {longest} tokens exceeds the engine's "
-                             f"max_model_len {engine.max_model_len}")
+                             f"max_model_len {max_model_len}")
         return Workload(prompts, ids, a.max_new_tokens, a.ignore_eos,
                         a.submit_interval_ms / 1e3, a.schedule, getattr(a, "stream_interval", 1),
                         sampling_of(a.temperature, a.top_p, a.top_k))

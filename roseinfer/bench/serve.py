@@ -26,15 +26,19 @@ START_MARGIN_S = 0.2  # the client processes are warm; this covers handing them 
 
 
 class ServeHarness:
-    """``with ServeHarness(probe, ...) as h: metrics = h.run(workload, "r0", progress)``"""
+    """``with ServeHarness(probe, ...) as h: metrics = h.run(workload, "r0", progress)``
 
-    def __init__(self, probe: EngineProbe, redis_url: Optional[str] = None,
-                 client_procs: int = 1, request_timeout_s: float = 600.0):
+    Without a probe it starts no worker: the load goes to the workers already serving
+    ``prefix`` on ``redis_url`` (a fleet), and engine-side figures are not reported."""
+
+    def __init__(self, probe: Optional[EngineProbe], redis_url: Optional[str] = None,
+                 client_procs: int = 1, request_timeout_s: float = 600.0,
+                 prefix: Optional[str] = None):
         self.probe = probe
         self.redis_url = redis_url
         self.client_procs = client_procs
         self.timeout_s = request_timeout_s
-        self.prefix = f"bench-{uuid.uuid4().hex[:8]}"
+        self.prefix = prefix or f"bench-{uuid.uuid4().hex[:8]}"
         self._server = None
         self._worker = None
         self._thread = None
@@ -51,12 +55,13 @@ class ServeHarness:
             if self.redis_url is None:
                 self._server = EmbeddedRedis(port=free_port()).start()
                 self.redis_url = self._server.url
-            # Raw prompts, as `bench offline` sends them: no chat template.
-            self._worker = Worker(self.probe, redis.Redis.from_url(self.redis_url),
-                                  prefix=self.prefix, block_ms=50, chat_template=False)
-            self._thread = threading.Thread(target=self._run_worker, daemon=True,
-                                            name="bench-worker")
-            self._thread.start()
+            if self.probe is not None:
+                # Raw prompts, as `bench offline` sends them: no chat template.
+                self._worker = Worker(self.probe, redis.Redis.from_url(self.redis_url),
+                                      prefix=self.prefix, block_ms=50, chat_template=False)
+                self._thread = threading.Thread(target=self._run_worker, daemon=True,
+                                                name="bench-worker")
+                self._thread.start()
             ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
             self._pools = [ctx.Pool(1) for _ in range(self.client_procs)]
             for r in [p.apply_async(_ping) for p in self._pools]:
@@ -86,7 +91,8 @@ class ServeHarness:
         if w.schedule == "relative" and self.client_procs > 1:
             raise ValueError("--schedule relative needs --client-procs 1: each submit waits "
                              "for the previous one")
-        self.probe.reset()  # safe: the worker is idle between runs
+        if self.probe is not None:
+            self.probe.reset()  # safe: the worker is idle between runs
         t0 = now() + START_MARGIN_S
         pending = [pool.apply_async(client_run, (self._spec(w, run_id, t0, k),))
                    for k, pool in enumerate(self._pools)]
@@ -94,7 +100,7 @@ class ServeHarness:
         records = [RequestRecord(**r) for p in pending for r in p.get()]
         records.sort(key=lambda r: int(r.rid.rsplit("-", 1)[1]))
         for r in records:
-            r.first_scheduled = self.probe.first_scheduled.get(r.rid)
+            r.first_scheduled = self.probe and self.probe.first_scheduled.get(r.rid)
         end = max((r.chunks[-1][0] for r in records if r.chunks), default=now())
         return finish_run(records, end - t0, self.probe), records
 
@@ -111,6 +117,8 @@ class ServeHarness:
         for p in pending:
             while not p.ready():
                 p.wait(0.5)
+                if self.probe is None:
+                    continue  # the fleet's progress is not visible from here
                 if self._error is not None or not self._thread.is_alive():
                     raise RuntimeError(f"the bench worker died: {self._error!r}")
                 total = self.probe.num_outputs

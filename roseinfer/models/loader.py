@@ -110,6 +110,19 @@ def _resolve(spec):
     return _from_hub(spec)
 
 
+def model_info(spec):
+    """(transformers config, tokenizer or None) of a spec, without its weights: what a
+    load generator needs to make prompts for workers that serve the model elsewhere."""
+    from transformers import AutoConfig
+
+    if spec in RANDOM:
+        return RANDOM[spec]()
+    path = ALIASES[spec]() if spec in ALIASES else spec
+    if str(path).endswith(".gguf"):
+        path = _converted_gguf(path)
+    return AutoConfig.from_pretrained(path), _load_tokenizer(path)
+
+
 def hf_model(spec, seed: int = 0):
     """The transformers model (and tokenizer or None) for a spec, with the weights
     ``load`` gives our module: the reference for tests and benchmarks."""
