@@ -187,13 +187,25 @@ class Worker:
         event("stopped", consumer=self.consumer, handed_back=unfinished)
 
     def run_once(self) -> None:
+        started = time.monotonic()
         if self.engine.has_unfinished():
             self._step()
+        stepped = time.monotonic()
         self._start_suspect()
         if self._claim_due():
             self._claim()
         self._exchange()
         self._log_progress()
+        self._warn_if_slow(started, stepped)
+
+    def _warn_if_slow(self, started: float, stepped: float) -> None:
+        """A loop iteration past half the claim threshold puts this worker's entries
+        within reach of other workers' claims: say so, and where the time went."""
+        took = time.monotonic() - started
+        if took * 1000 > self.ownership.claim_idle_ms / 2:
+            event("slow_iteration", logging.WARNING, took_s=took, step_s=stepped - started,
+                  rest_s=took - (stepped - started), in_flight=len(self._inflight),
+                  hint="a long prefill or admission; raise --claim-idle-ms if this recurs")
 
     # --- Redis round trips --------------------------------------------------------------
 
@@ -338,6 +350,8 @@ class Worker:
         takeovers = self.outage.call(lambda: read_takeovers(
             self.redis.pipeline(transaction=False), self.keys, self.group, claimed))
         for t in takeovers:
+            if self._still_mine(t):
+                continue
             if t.finished:  # its worker died between the final chunk and the ack
                 self.outbox.write(self.ownership.ack, [t.entry_id])
                 event("acked", rid=t.rid, entry=t.entry_id, reason="already finished")
@@ -347,6 +361,19 @@ class Worker:
                 self._suspects.append(t)
             else:
                 self._admit(t.entry_id, t.fields, t)
+
+    def _still_mine(self, t: Takeover) -> bool:
+        """An entry this worker serves, claimed back by itself: the loop stalled past the
+        claim threshold (a long admission or prefill) and no other worker took it first.
+        The claim reset its idle time; it stays served where it is, as it was."""
+        mine = self._inflight.get(t.rid)
+        if mine is not None and mine.entry_id == t.entry_id:
+            mine.refreshed_at = t.refreshed_at
+        elif not any(s.entry_id == t.entry_id for s in self._suspects):
+            return False
+        event("kept_own_entry", logging.WARNING, rid=t.rid, entry=t.entry_id,
+              reason="claimed back from itself after a stall past --claim-idle-ms")
+        return True
 
     def _start_suspect(self) -> None:
         """Run the next suspect once the engine is empty (nothing else is read meanwhile)."""
