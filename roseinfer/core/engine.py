@@ -21,6 +21,7 @@ from roseinfer.core.runner import ModelRunner
 from roseinfer.core.sampling import SamplingParams
 from roseinfer.core.scheduler import Scheduler
 from roseinfer.models import loader
+from roseinfer.models.tokenizers import as_chat
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, list[int]]
@@ -92,10 +93,7 @@ class Engine:
     # ---- requests -------------------------------------------------------
     def chat_prompt(self, text: str) -> str:
         """``text`` as one user turn in the tokenizer's chat template (if it has one)."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            return text
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return as_chat(self.tokenizer, text)
 
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
                     emitted_ids: Optional[list[int]] = None, emitted_text: Optional[str] = None):

@@ -30,3 +30,11 @@ def gpt2_tokenizer(cache_dir: str):
         shutil.copy(os.path.join(data, "encoder.json"), os.path.join(out, "vocab.json"))
         shutil.copy(os.path.join(data, "vocab.bpe"), os.path.join(out, "merges.txt"))
     return GPT2TokenizerFast.from_pretrained(out)
+
+
+def as_chat(tokenizer, text: str) -> str:
+    """``text`` as one user turn in the tokenizer's chat template (if it has one)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return text
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)

@@ -4,7 +4,7 @@ import pytest
 
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams.protocol import (
-    Chunk, Keys, decode_chunk, decode_request, encode_chunk, encode_request, reply_rid)
+    Chunk, Keys, Limits, decode_chunk, decode_request, encode_chunk, encode_request, reply_rid)
 
 
 def as_redis(fields: dict) -> dict:
@@ -120,3 +120,29 @@ def test_chunk_bodies():
     final = Chunk("r", 2, [], "", "error", {"prompt_tokens": 0, "completion_tokens": 0},
                   {"code": "bad_request", "message": "m"})
     assert decode_chunk(as_redis(encode_chunk(final))) == final
+
+
+LIMITS = Limits(max_entry_bytes=1000, max_prompt_tokens=50, max_prompt_chars=400, max_stop=3,
+                max_stop_chars=20, max_stop_token_ids=5)
+
+
+@pytest.mark.parametrize("fields,field,code,says", [
+    (encode_request("x" * 2000), "body", "too_long", "--max-entry-bytes"),
+    ({"prompt": "x" * 1200}, "body", "too_long", "over the worker's limit of 1000"),
+    (encode_request("x" * 401), "prompt", "too_long", "at most 400 characters"),
+    (encode_request([1] * 50), "prompt_token_ids", "too_long", "50-token context"),
+    (encode_request([1, "a"]), "prompt_token_ids", "bad_request", "integer token ids"),
+    (encode_request("hi", stop=["a", "b", "c", "d"]), "stop", "bad_request", "at most 3"),
+    (encode_request("hi", stop=["x" * 21]), "stop", "bad_request", "20 characters"),
+    (encode_request("hi", stop_token_ids=[1] * 6), "stop_token_ids", "bad_request", "at most 5"),
+])
+def test_limits_refuse_before_the_work_they_would_cost(fields, field, code, says):
+    with pytest.raises(InvalidRequestError, match=says) as e:
+        decode_request("1-0", as_redis(fields), LIMITS)
+    assert (e.value.field, e.value.code) == (field, code)
+
+
+def test_entries_within_the_limits_pass():
+    req = decode_request("1-0", as_redis(encode_request("x" * 400, stop=["ab", "c"])), LIMITS)
+    assert len(req.prompt) == 400 and req.params.stop == ["ab", "c"]
+    assert decode_request("1-0", as_redis(encode_request([3] * 49)), LIMITS).prompt == [3] * 49

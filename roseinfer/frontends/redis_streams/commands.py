@@ -41,6 +41,8 @@ WORKER_SETTINGS = {
     "metrics_port": (None, int, "serve Prometheus metrics at http://ADDR:PORT/metrics (default: off)"),
     "metrics_addr": ("0.0.0.0", str, "address of the metrics endpoint"),
     "raw": (False, bool, "pass text prompts as they are, not wrapped in the chat template"),
+    "max_entry_bytes": (4 << 20, int, "refuse request entries larger than this (too_long), "
+                                      "before decoding them"),
 }
 
 
@@ -145,7 +147,8 @@ def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                         grace_s=settings["grace_s"], claim_idle_ms=settings["claim_idle_ms"],
                         max_deliveries=settings["max_deliveries"],
                         heartbeat_s=settings["heartbeat_s"], metrics=worker_metrics,
-                        chat_template=not settings["raw"], model_name=args.model)
+                        chat_template=not settings["raw"], model_name=args.model,
+                        max_entry_bytes=settings["max_entry_bytes"])
         if announce:
             print(f"roseinfer is serving {args.model} at {redis_url}; from another terminal:\n"
                   f"  roseinfer submit {EXAMPLE_PROMPT!r}{_client_flags(settings, redis_url)}",

@@ -58,6 +58,19 @@ class Keys:
         return f"{self.prefix}:out:{{{rid}}}"
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a worker refuses before any work that grows with the entry (docs/protocol.md,
+    "Limits"). The prompt limits come from the model: a prompt that cannot fit its
+    context even at the most characters a token can hold is refused untokenized."""
+    max_entry_bytes: int = 4 << 20          # body, or every shell-form field together
+    max_prompt_tokens: Optional[int] = None  # the model's context
+    max_prompt_chars: Optional[int] = None   # the context times the longest token's text
+    max_stop: int = 16                       # stop strings, and their characters together:
+    max_stop_chars: int = 4096
+    max_stop_token_ids: int = 1024
+
+
 @dataclass
 class Request:
     rid: str
@@ -109,12 +122,18 @@ def reply_rid(entry_id: str, fields: dict) -> str:
     return rid if rid is not None and RID_PATTERN.fullmatch(rid) else entry_id
 
 
-def decode_request(entry_id: str, fields: dict) -> Request:
+def decode_request(entry_id: str, fields: dict, limits: Limits = Limits()) -> Request:
     """Parse and check one request entry (fields as bytes, as Redis returns them).
 
     Raises InvalidRequestError naming the first bad field; range checks of the sampling
-    parameters are SamplingParams' own, prompt length and vocabulary the engine's.
+    parameters are SamplingParams' own, the vocabulary the engine's. Sizes are checked
+    against ``limits`` before the work they would cost.
     """
+    size = sum(len(v) for v in fields.values() if isinstance(v, bytes))
+    if size > limits.max_entry_bytes:
+        raise InvalidRequestError(
+            "body", f"the entry is {size} bytes, over the worker's limit of "
+            f"{limits.max_entry_bytes} (--max-entry-bytes)", "too_long")
     version = _str_field(fields, "v")
     if version not in (None, VERSION):
         raise InvalidRequestError("v", f"protocol version {version!r} is not supported; send v=1")
@@ -124,13 +143,15 @@ def decode_request(entry_id: str, fields: dict) -> Request:
     elif not RID_PATTERN.fullmatch(rid):
         raise InvalidRequestError("rid", "must be 1-128 characters of [A-Za-z0-9_.:-]")
     body = _decode_body(fields[b"body"]) if b"body" in fields else _shell_body(fields)
-    prompt = _prompt(body)
+    prompt = _prompt(body, limits)
     stream_interval = body.get("stream_interval", 1)
     if not _is_int(stream_interval) or stream_interval < 1:
-        raise InvalidRequestError("stream_interval", f"must be an integer >= 1, got {stream_interval!r}")
+        raise InvalidRequestError("stream_interval",
+                                  f"must be an integer >= 1, got {_short(stream_interval)}")
     for key in ("stop", "stop_token_ids"):
         if key in body and not isinstance(body[key], (list, str) if key == "stop" else list):
-            raise InvalidRequestError(key, f"must be a list, got {body[key]!r}")
+            raise InvalidRequestError(key, f"must be a list, got {_short(body[key])}")
+    _check_stop_sizes(body, limits)
     params = SamplingParams(**{k: body[k] for k in SAMPLING_KEYS if k in body})
     return Request(rid, prompt, params, stream_interval)
 
@@ -145,18 +166,50 @@ def _decode_body(raw: bytes) -> dict:
     return body
 
 
-def _prompt(body: dict) -> Prompt:
+def _prompt(body: dict, limits: Limits) -> Prompt:
     given = [k for k in ("prompt", "prompt_token_ids") if k in body]
     if len(given) != 1:
         raise InvalidRequestError("prompt", "give exactly one of prompt (text) or prompt_token_ids")
     if "prompt" in body:
-        if not isinstance(body["prompt"], str):
-            raise InvalidRequestError("prompt", f"must be a string, got {type(body['prompt']).__name__}")
-        return body["prompt"]
+        text = body["prompt"]
+        if not isinstance(text, str):
+            raise InvalidRequestError("prompt", f"must be a string, got {type(text).__name__}")
+        if limits.max_prompt_chars is not None and len(text) > limits.max_prompt_chars:
+            raise InvalidRequestError(
+                "prompt", f"{len(text)} characters cannot fit the model's "
+                f"{limits.max_prompt_tokens}-token context (at most {limits.max_prompt_chars}"
+                " characters even at the longest tokens); shorten the prompt", "too_long")
+        return text
     ids = body["prompt_token_ids"]
-    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+    if not isinstance(ids, list):
+        raise InvalidRequestError("prompt_token_ids", "must be a list of integer token ids")
+    if limits.max_prompt_tokens is not None and len(ids) >= limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            "prompt_token_ids", f"{len(ids)} tokens leave no room to generate within the "
+            f"model's {limits.max_prompt_tokens}-token context; shorten the prompt", "too_long")
+    if not all(_is_int(t) for t in ids):
         raise InvalidRequestError("prompt_token_ids", "must be a list of integer token ids")
     return ids
+
+
+def _check_stop_sizes(body: dict, limits: Limits) -> None:
+    stop = body.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    chars = sum(len(s) for s in stop if isinstance(s, str))
+    if len(stop) > limits.max_stop or chars > limits.max_stop_chars:
+        raise InvalidRequestError(
+            "stop", f"{len(stop)} strings of {chars} characters; at most {limits.max_stop} "
+            f"strings of {limits.max_stop_chars} characters together")
+    if len(body.get("stop_token_ids", [])) > limits.max_stop_token_ids:
+        raise InvalidRequestError(
+            "stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got "
+            f"{len(body['stop_token_ids'])}")
+
+
+def _short(value, width: int = 60) -> str:
+    """repr() of a client's value, cut short: an error message must not carry megabytes."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width] + f"... ({len(text)} characters)"
 
 
 # Shell form: the same keys as plain string fields, for redis-cli users. Lists of ids are

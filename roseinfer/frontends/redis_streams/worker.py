@@ -29,6 +29,7 @@ from redis.exceptions import ResponseError
 
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams import engine_health
+from roseinfer.frontends.redis_streams.admission import Admission
 from roseinfer.frontends.redis_streams.events import event, log
 from roseinfer.frontends.redis_streams.heartbeat import Heartbeat
 from roseinfer.frontends.redis_streams.inflight import RUN_ALONE_FROM_DELIVERY, InFlight
@@ -37,7 +38,7 @@ from roseinfer.frontends.redis_streams.outage import GaveUp, Outage
 from roseinfer.frontends.redis_streams.outbox import Outbox
 from roseinfer.frontends.redis_streams.ownership import Ownership
 from roseinfer.frontends.redis_streams.protocol import (
-    DEFAULT_GROUP, DEFAULT_PREFIX, Chunk, Keys, chunk_body, decode_request, entry_time,
+    DEFAULT_GROUP, DEFAULT_PREFIX, Chunk, Keys, Limits, chunk_body, entry_time,
     error_chunk, reply_rid)
 from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, read_takeovers
 
@@ -46,13 +47,6 @@ from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, re
 MAX_REMEMBERED_CANCELS = 10_000
 # GIL hand-over while the worker runs: see run(). (docs/benchmarks.md, "Through Redis")
 STEP_LOOP_SWITCH_INTERVAL_S = 0.0005
-
-
-def _decoded(entry_id: str, fields: dict) -> tuple:
-    try:
-        return entry_id, fields, decode_request(entry_id, fields)
-    except Exception as e:  # _admit reports it, as if it had decoded the entry itself
-        return entry_id, fields, e
 
 
 def default_consumer_name() -> str:
@@ -84,7 +78,8 @@ class Worker:
                  max_deliveries: int = 5, heartbeat_s: float = 5.0,
                  metrics: Optional[Metrics] = None, reply_ttl_s: int = 3600,
                  reply_maxlen: int = 100_000, progress_every_s: float = 10.0,
-                 chat_template: bool = True, model_name: str = "", send_thread: bool = True):
+                 chat_template: bool = True, model_name: str = "", send_thread: bool = True,
+                 max_entry_bytes: int = Limits.max_entry_bytes):
         if claim_idle_ms < 100:
             raise ValueError(f"claim_idle_ms must be at least 100, got {claim_idle_ms}")
         if max_deliveries < 1:
@@ -99,7 +94,7 @@ class Worker:
         self.max_deliveries = max_deliveries
         self.progress_every_s = progress_every_s
         # Chat models answer sensibly only inside their template; raw text is for base models.
-        self.chat_template = chat_template and bool(getattr(engine.tokenizer, "chat_template", None))
+        self.admission = Admission(engine, chat_template, max_entry_bytes)
         self.metrics = metrics or Metrics(model_name)
         self.ownership = Ownership(self.keys, group, self.consumer, claim_idle_ms)
         self.heartbeat = Heartbeat(self.keys, self.consumer, heartbeat_s, model=model_name,
@@ -238,8 +233,14 @@ class Worker:
         request_read = reads[len(plan.owned):]
         decoded = []
         if request_read and request_read[0] and not isinstance(request_read[0], Exception):
-            decoded = [_decoded(i.decode(), f) for i, f in request_read[0][0][1]]
+            decoded = [self._decoded(i.decode(), f) for i, f in request_read[0][0][1]]
         return cancel_read, reads[:len(plan.owned)], request_read, decoded
+
+    def _decoded(self, entry_id: str, fields: dict) -> tuple:
+        try:
+            return entry_id, fields, self.admission(entry_id, fields)
+        except Exception as e:  # _admit reports it, as if it had decoded the entry itself
+            return entry_id, fields, e
 
     def _on_reads(self, plan: "_Plan", reads: tuple, confirmed_at: float) -> None:
         """Cancels first, then new entries; ownership lost or kept."""
@@ -455,13 +456,13 @@ class Worker:
         seq, emitted = (resume.next_seq, resume.emitted_ids) if resume else (0, [])
         emitted_text = "".join(c.text for c in resume.chunks) if resume else ""
         try:
-            req = request or decode_request(entry_id, fields)
+            req = request or self.admission(entry_id, fields)
             if isinstance(req, Exception):
                 raise req
             if req.rid in self._inflight:
                 rid, seq, emitted = entry_id, 0, []  # P:out:{rid} belongs to the running one
                 raise InvalidRequestError("rid", f"{req.rid!r} is already in flight; use a new rid")
-            self.engine.add_request(req.rid, self._engine_prompt(req.prompt), req.params,
+            self.engine.add_request(req.rid, req.prompt, req.params,
                                     emitted_ids=emitted, emitted_text=emitted_text)
         except InvalidRequestError as e:
             event("rejected", logging.WARNING, rid=rid, entry=entry_id, code=e.code, error=e)
@@ -490,11 +491,6 @@ class Worker:
               completion_tokens: int) -> None:
         self._publish(error_chunk(rid, code, message, seq, completion_tokens), entry_id)
         self.metrics.finished("error")
-
-    def _engine_prompt(self, prompt):
-        if self.chat_template and isinstance(prompt, str):
-            return self.engine.chat_prompt(prompt)
-        return prompt
 
     def _cancel(self, rid: str) -> None:
         if rid in self._inflight:
