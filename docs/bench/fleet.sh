@@ -11,21 +11,24 @@ if [ -d .whl ]; then
 fi
 export PYTHONUNBUFFERED=1
 DEVICE=${DEVICE:-cuda}; N=${N:-2048}; TOKENS=${TOKENS:-256}; MODELS=${MODELS:-gpt2 llama1b}
-PORT=${PORT:-6390}; URL=redis://127.0.0.1:$PORT
+PORT=${PORT:-$(python3 -c "from roseinfer.frontends.redis_streams.server import free_port; print(free_port())")}
+URL=redis://127.0.0.1:$PORT
 python3 -c "
 import signal
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis
-EmbeddedRedis(port=$PORT).start(); signal.sigwait([signal.SIGTERM])" &
-REDIS=$!
+EmbeddedRedis(port=$PORT).start(); print('redis up', flush=True); signal.sigwait([signal.SIGTERM])" \
+  > "$OUT/redis.log" 2>&1 &
 trap 'kill $(jobs -p) 2>/dev/null' EXIT
-sleep 2
+for _ in $(seq 100); do grep -q "redis up" "$OUT/redis.log" && break; sleep 0.2; done
+grep -q "redis up" "$OUT/redis.log" || { echo "redis did not start:"; cat "$OUT/redis.log"; exit 1; }
 
 start_worker() {  # gpu, model, dtype, prefix
   CUDA_VISIBLE_DEVICES=$1 python3 -m roseinfer.cli worker --redis-url $URL --prefix $4 \
     --model $2 --dtype $3 --device $DEVICE --max-num-seqs 256 --raw \
     > "$OUT/worker-$4-gpu$1.log" 2>&1 &
-  for _ in $(seq 300); do
-    grep -q "event=started" "$OUT/worker-$4-gpu$1.log" && return 0; sleep 1
+  for _ in $(seq 240); do
+    grep -q "event=started" "$OUT/worker-$4-gpu$1.log" && return 0
+    grep -q "Traceback\|cannot reach" "$OUT/worker-$4-gpu$1.log" && break; sleep 1
   done
   echo "worker on GPU $1 did not start"; tail -5 "$OUT/worker-$4-gpu$1.log"; return 1
 }

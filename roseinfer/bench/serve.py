@@ -39,6 +39,7 @@ class ServeHarness:
         self.client_procs = client_procs
         self.timeout_s = request_timeout_s
         self.prefix = prefix or f"bench-{uuid.uuid4().hex[:8]}"
+        self.tag = uuid.uuid4().hex[:8]
         self._server = None
         self._worker = None
         self._thread = None
@@ -107,7 +108,10 @@ class ServeHarness:
     def _spec(self, w: Workload, run_id: str, t0: float, shard: int) -> dict:
         params = {"max_tokens": w.max_new_tokens, "temperature": 0.0, **w.sampling,
                   "ignore_eos": w.ignore_eos, "stream_interval": w.stream_interval}
-        return {"url": self.redis_url, "prefix": self.prefix, "run_id": run_id, "t0": t0,
+        # A tag of this harness in every rid: another bench on the same prefix (a fleet's)
+        # must never find its reply streams already written.
+        return {"url": self.redis_url, "prefix": self.prefix, "run_id": f"{self.tag}-{run_id}",
+                "t0": t0,
                 "prompts": w.prompts, "params": params, "interval_s": w.submit_interval_s,
                 "schedule": w.schedule, "shard": shard, "num_shards": self.client_procs,
                 "timeout_s": self.timeout_s}
