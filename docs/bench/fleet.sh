@@ -3,13 +3,7 @@
 # a `roseinfer worker` process; the load from `bench serve --no-worker`, 8 client processes.
 # Usage: OUT=dir bash docs/bench/fleet.sh   (wheels in .whl where pip cannot fetch; on a
 # machine without GPUs: DEVICE=cpu N=16 TOKENS=8 MODELS=gpt2 for a smoke run)
-set -uo pipefail
-OUT=${OUT:-bench-results}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/bench_env.sh"
 DEVICE=${DEVICE:-cuda}; N=${N:-2048}; TOKENS=${TOKENS:-256}; MODELS=${MODELS:-gpt2 llama1b}
 PORT=${PORT:-$(python3 -c "from roseinfer.frontends.redis_streams.server import free_port; print(free_port())")}
 URL=redis://127.0.0.1:$PORT

