@@ -71,3 +71,19 @@ def test_a_flood_of_hostile_entries_beside_valid_requests(tiny_llm, start_worker
 def test_sampling_params_refuse_non_finite_numbers_by_name(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_memory_comes_back_after_a_huge_entry(tiny_llm, start_worker, real_redis, redis_server,
+                                              prefix):
+    start_worker(tiny_llm.engine, chat_template=False)
+    client = Client(redis_server.url, prefix)
+    assert client.generate("warm up", max_tokens=2, timeout=10).finish_reason == "length"
+    rss = psutil.Process(os.getpid()).memory_info().rss
+    huge = {"v": "1", "body": msgpack.packb({"prompt": "hello " * (9 * MIB)})}  # 54 MiB
+    entry_id = real_redis.xadd(Keys(prefix).requests, huge).decode()
+    del huge
+    (chunk,) = list(client.stream(entry_id, timeout=20))
+    assert chunk.error["code"] == "too_long"
+    assert client.generate("after", max_tokens=2, timeout=10).finish_reason == "length"
+    growth = psutil.Process(os.getpid()).memory_info().rss - rss
+    assert growth < 200 * MIB, f"RSS stayed {growth / MIB:.0f} MiB up"
