@@ -298,3 +298,24 @@ def test_bench_serve_drives_a_fleet_it_did_not_start(tmp_path, tiny_dir):
         assert run["ttft_ms"]["p50"] > 0 and "engine_steps" not in run
         assert run["queue_wait_ms"]["p50"] is None  # the fleet's engine is not visible here
     assert worker._totals["finished"] == 3 * 5  # warm-up and two runs, all served there
+
+
+def test_request_rate_gives_poisson_arrivals_and_inf_a_burst():
+    w = Workload([[1]] * 4000, [[1]] * 4000, 4, True, request_rate=50.0, seed=3)
+    gaps = [b - a for a, b in zip(w.offsets, w.offsets[1:])]
+    assert w.offsets[0] == 0.0 and min(gaps) >= 0
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.05)  # exponential, mean 1/rate
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(0.02 * 0.693, rel=0.1)  # its median
+    assert w.offsets == Workload([[1]] * 4000, [[1]] * 4000, 4, True, request_rate=50.0,
+                                 seed=3).offsets
+    assert Workload([[1]] * 3, [[1]] * 3, 4, True, request_rate=float("inf")).offsets == [0.0] * 3
+    assert Workload([[1]] * 3, [[1]] * 3, 4, True, submit_interval_s=0.5).offsets == [0, 0.5, 1.0]
+    with pytest.raises(ValueError, match="--request-rate"):
+        Workload([[1]], [[1]], 4, True, request_rate=0.0)
+
+
+def test_offline_submits_on_the_poisson_schedule(tmp_path, tiny_dir):
+    code, result = _bench(tmp_path, "offline", tiny_dir, "--request-rate", "20")
+    assert code == 0 and result["workload"]["request_rate"] == 20.0
+    for run in result["roseinfer"]["runs"]:
+        assert run["completed"] == 5

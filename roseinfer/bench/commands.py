@@ -70,6 +70,9 @@ def _workload_parent() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="always make --max-new-tokens tokens")
     g.add_argument("--submit-interval-ms", type=float, default=0.0,
                    help="gap between submits; 0 = all at once (default: 0)")
+    g.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson arrivals at this many requests per second (vLLM's meaning; "
+                        "inf = all at once); replaces --submit-interval-ms")
     g.add_argument("--schedule", choices=("absolute", "relative"), default="absolute",
                    help="absolute: request i due at t0 + i*interval; relative: interval after "
                         "the previous submit (default: %(default)s)")

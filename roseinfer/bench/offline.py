@@ -35,7 +35,7 @@ class _Submitter:
             return self.t0
         if self.w.schedule == "relative":
             return self.last_submit + self.w.submit_interval_s
-        return self.t0 + self.next * self.w.submit_interval_s
+        return self.t0 + self.w.offset(self.next)
 
 
 def run_offline(probe: EngineProbe, w: Workload, run_id: str,

@@ -135,7 +135,7 @@ class BenchRun:
                              f"max_model_len {max_model_len}")
         return Workload(prompts, ids, a.max_new_tokens, a.ignore_eos,
                         a.submit_interval_ms / 1e3, a.schedule, getattr(a, "stream_interval", 1),
-                        sampling_of(a.temperature, a.top_p, a.top_k))
+                        sampling_of(a.temperature, a.top_p, a.top_k), a.request_rate, seed or 0)
 
     # --- runs -----------------------------------------------------------------------------
 

@@ -89,8 +89,9 @@ class ServeHarness:
 
     def run(self, w: Workload, run_id: str,
             progress: Progress) -> tuple[dict, list[RequestRecord]]:
-        if w.schedule == "relative" and self.client_procs > 1:
-            raise ValueError("--schedule relative needs --client-procs 1: each submit waits "
+        if w.schedule == "relative" and (self.client_procs > 1 or w.request_rate is not None):
+            raise ValueError("--schedule relative needs --client-procs 1 and no --request-rate: "
+                             "each submit waits "
                              "for the previous one")
         if self.probe is not None:
             self.probe.reset()  # safe: the worker is idle between runs
@@ -113,6 +114,7 @@ class ServeHarness:
         return {"url": self.redis_url, "prefix": self.prefix, "run_id": f"{self.tag}-{run_id}",
                 "t0": t0,
                 "prompts": w.prompts, "params": params, "interval_s": w.submit_interval_s,
+                "offsets": w.offsets,
                 "schedule": w.schedule, "shard": shard, "num_shards": self.client_procs,
                 "timeout_s": self.timeout_s}
 
@@ -152,7 +154,7 @@ async def _client(spec: dict) -> list[dict]:
     try:
         for i, rec in zip(mine, records):
             relative = spec["schedule"] == "relative" and tasks
-            rec.due = last + spec["interval_s"] if relative else spec["t0"] + i * spec["interval_s"]
+            rec.due = last + spec["interval_s"] if relative else spec["t0"] + spec["offsets"][i]
             await asyncio.sleep(max(0.0, rec.due - now()))
             rec.submit = last = now()
             await client.submit(spec["prompts"][i], rid=rec.rid, **spec["params"])

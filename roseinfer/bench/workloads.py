@@ -25,6 +25,16 @@ class Workload:
     schedule: str = "absolute"     # "absolute": t0 + i*interval; "relative": previous + interval
     stream_interval: int = 1
     sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k; empty: greedy
+    request_rate: Optional[float] = None  # Poisson arrivals per second (absolute schedule)
+    seed: int = 0
+
+    def __post_init__(self):
+        self.offsets = _offsets(self.num_requests, self.submit_interval_s, self.request_rate,
+                                self.seed)
+
+    def offset(self, i: int) -> float:
+        """When request i is due on the absolute schedule, in seconds after t0."""
+        return self.offsets[i]
 
     @property
     def temperature(self) -> float:
@@ -41,7 +51,8 @@ class Workload:
                 "prompt_tokens_max": max(lens), "prompt_tokens_total": sum(lens),
                 "pretokenized": bool(self.prompts) and not isinstance(self.prompts[0], str),
                 "submit_interval_ms": self.submit_interval_s * 1e3, "schedule": self.schedule,
-                "stream_interval": self.stream_interval}
+                "stream_interval": self.stream_interval, "sampling": self.sampling or "greedy",
+                "request_rate": self.request_rate}
 
 
 def parse_repeats(text: str) -> list[int]:
@@ -111,3 +122,19 @@ def sampling_of(temperature: float, top_p: float, top_k: int) -> dict:
     if temperature == 0.0:
         return {}
     return {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+
+
+def _offsets(n: int, interval_s: float, rate: Optional[float], seed: int) -> list[float]:
+    """Due times after t0: every interval_s, or Poisson arrivals at ``rate`` per second
+    (vLLM's --request-rate: exponential gaps; inf = all at once)."""
+    if rate is None:
+        return [i * interval_s for i in range(n)]
+    if not rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (inf = all at once), got {rate}")
+    if rate == float("inf"):
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
