@@ -27,6 +27,29 @@ def tiny_llama(vocab=512, **overrides):
     return LlamaForCausalLM(LlamaConfig(**{**base, **overrides})).eval()
 
 
+def tiny_family(family, vocab=512, **overrides):
+    """A Llama-like family at tiny_llama's shape: "mistral", "qwen2" or "qwen3"."""
+    import transformers
+
+    torch.manual_seed(0)
+    names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    config = getattr(transformers, f"{names}Config")
+    base = dict(vocab_size=vocab, hidden_size=72, intermediate_size=144, num_hidden_layers=2,
+                num_attention_heads=6, num_key_value_heads=2, head_dim=12,
+                max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.2,
+                tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    model = getattr(transformers, f"{names}ForCausalLM")(config(**{**base, **overrides})).eval()
+    if family == "qwen2":  # q/k/v biases start at 0: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    if family == "qwen3":  # the q/k norms start at 1: make them matter
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    return model
+
+
 def hf_greedy(model, prompt, max_new_tokens):
     """transformers' own greedy generate: the reference token ids."""
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

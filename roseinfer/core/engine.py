@@ -268,7 +268,13 @@ def _kv_shape(hf) -> tuple[int, int, int]:
 
 
 def _context_len(hf) -> int:
-    return getattr(hf, "n_positions", None) or hf.max_position_embeddings
+    """The model's context; a sliding window bounds it, since attention here is full:
+    within the window the two are the same."""
+    context = getattr(hf, "n_positions", None) or hf.max_position_embeddings
+    window = getattr(hf, "sliding_window", None)
+    if window and getattr(hf, "use_sliding_window", True):
+        context = min(context, window)
+    return context
 
 
 def _blocks_for_memory(cfg: EngineConfig, device: torch.device, per_block: int) -> int:

@@ -5,6 +5,9 @@ from roseinfer.models.llama import LlamaForCausalLM
 ARCHITECTURES = {
     "gpt2": GPT2ForCausalLM,
     "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
 }
 
 

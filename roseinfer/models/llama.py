@@ -1,4 +1,8 @@
-"""Llama family on the paged KV cache: RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+"""Llama family on the paged KV cache: RoPE, RMSNorm, SwiGLU, grouped-query attention.
+
+The families that are Llama plus a flag run here too: Mistral (Llama's layers; its
+sliding window bounds the context instead, see engine._context_len), Qwen2 (bias on
+q/k/v) and Qwen3 (an RMSNorm on each head of q and k before RoPE)."""
 from __future__ import annotations
 
 import torch
@@ -40,10 +44,13 @@ class LlamaLayer(nn.Module):
         hkv = cfg.num_key_value_heads or h
         d = getattr(cfg, "head_dim", None) or e // h
         bias = getattr(cfg, "attention_bias", False)
-        self.h, self.hkv, self.q_size, self.kv_size = h, hkv, h * d, hkv * d
+        self.h, self.hkv, self.d, self.q_size, self.kv_size = h, hkv, d, h * d, hkv * d
         self.input_layernorm = RMSNorm(e, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(e, (h + 2 * hkv) * d, bias=bias)
+        self.qkv_proj = nn.Linear(e, (h + 2 * hkv) * d, bias=bias or cfg.model_type == "qwen2")
         self.o_proj = nn.Linear(h * d, e, bias=bias)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(e, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(e, 2 * cfg.intermediate_size, bias=getattr(cfg, "mlp_bias", False))
         self.down_proj = nn.Linear(cfg.intermediate_size, e, bias=getattr(cfg, "mlp_bias", False))
@@ -55,6 +62,9 @@ class LlamaLayer(nn.Module):
         the next norm adds the two in one fused kernel."""
         h, residual = self.input_layernorm(x, residual)
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.d))[0].view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.d))[0].view(-1, self.kv_size)
         q, k = self.rotary(positions, q, k, self.h, self.hkv)  # in place, inside qkv
         h, residual = self.post_attention_layernorm(self.o_proj(self.attn(q, k, v)), residual)
         return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
