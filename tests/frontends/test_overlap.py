@@ -24,6 +24,8 @@ def test_chunks_keep_their_order_while_redis_lags_behind_the_steps(start_worker,
     worker = start_worker(FakeEngine(max_num_seqs=8))
     send = worker.worker.outbox._send
     worker.worker.outbox._sender._send = lambda rnd: time.sleep(0.01) or send(rnd)
+    # Cancels older than a worker's start are not its business: let it start first.
+    wait_until(lambda: real_redis.keys(f"{prefix}:workers:*"))
     client = Client(redis_server.url, prefix)
     rids = [client.submit(f"p{i}", max_tokens=30, stream_interval=1 + i % 3) for i in range(8)]
     doomed = client.submit("x", max_tokens=50)
