@@ -37,8 +37,9 @@ from roseinfer.frontends.redis_streams.metrics import Metrics
 from roseinfer.frontends.redis_streams.outage import GaveUp, Outage
 from roseinfer.frontends.redis_streams.outbox import Outbox
 from roseinfer.frontends.redis_streams.ownership import Ownership
+from roseinfer.frontends.redis_streams.publisher import Publisher
 from roseinfer.frontends.redis_streams.protocol import (
-    DEFAULT_GROUP, DEFAULT_PREFIX, Chunk, Keys, Limits, chunk_body, entry_time,
+    DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, entry_time,
     error_chunk, reply_rid)
 from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, read_takeovers
 
@@ -115,7 +116,8 @@ class Worker:
         self._cancel_cursor = "0-0"
         self._stop_at: Optional[float] = None
         self._engine_failure: Optional[BaseException] = None
-        self._totals = {"tokens": 0, "finished": 0}
+        self.publisher = Publisher(self.keys, self.metrics)
+        self._totals = self.publisher.totals
         self._progress = {"at": time.monotonic(), "tokens": 0, "finished": 0}
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -388,8 +390,8 @@ class Worker:
                   f"{self.max_deliveries}); it may be crashing workers")
         self.outbox.write(dead_letter, self.keys, t, reason, self.consumer)
         message = f"{reason}; moved to {self.keys.dead} for an operator to look at"
-        self._publish(error_chunk(t.rid, "dead_letter", message, t.next_seq, len(t.emitted_ids)),
-                      t.entry_id)
+        chunk = error_chunk(t.rid, "dead_letter", message, t.next_seq, len(t.emitted_ids))
+        self.publisher.publish(self.outbox.round, chunk, t.entry_id)
         self.metrics.dead_lettered.inc()
         self.metrics.finished("error")
         event("dead_lettered", logging.WARNING, rid=t.rid, entry=t.entry_id,
@@ -423,7 +425,7 @@ class Worker:
             if out.finished:
                 del self._inflight[f.rid]
             ours.append((f, out))
-        self.outbox.later(lambda rnd: self._publish_outputs(rnd, ours))
+        self.outbox.later(lambda rnd: self.publisher.outputs(rnd, ours))
         stats = self.engine.stats()
         self.metrics.engine_stats(stats)
         event("step", logging.DEBUG, outputs=len(outputs), running=stats.num_running,
@@ -489,7 +491,8 @@ class Worker:
 
     def _fail(self, rid: str, entry_id: str, code: str, message: str, seq: int,
               completion_tokens: int) -> None:
-        self._publish(error_chunk(rid, code, message, seq, completion_tokens), entry_id)
+        self.publisher.publish(self.outbox.round,
+                               error_chunk(rid, code, message, seq, completion_tokens), entry_id)
         self.metrics.finished("error")
 
     def _cancel(self, rid: str) -> None:
@@ -499,36 +502,6 @@ class Worker:
         self._cancelled[rid] = None
         if len(self._cancelled) > MAX_REMEMBERED_CANCELS:
             self._cancelled.popitem(last=False)
-
-    def _publish(self, chunk: Chunk, ack_entry_id: Optional[str] = None, rnd=None) -> None:
-        # Acked only together with the final chunk, so a crash never loses a request.
-        (self.outbox.round if rnd is None else rnd).publish(self.keys.out(chunk.rid), chunk_body(chunk),
-                                           ack_entry_id)
-
-    def _publish_outputs(self, rnd, ours: list) -> None:
-        """A step's outputs as the chunks they make due. Runs on the sender thread: it
-        touches only the chunking state of each InFlight, which nothing else does."""
-        tokens = 0
-        for f, out in ours:
-            tokens += f.observe(out, self.metrics)
-            chunk = f.take(out)
-            if chunk is not None and chunk.finished:
-                self._finish(f, chunk, rnd)
-            elif chunk is not None:
-                self._publish(chunk, rnd=rnd)
-        self.metrics.generation_tokens.inc(tokens)
-        self._totals["tokens"] += tokens
-
-    def _finish(self, f: InFlight, chunk: Chunk, rnd) -> None:
-        self._publish(chunk, f.entry_id, rnd)
-        e2e_s = max(0.0, time.time() - f.arrival)
-        self.metrics.finished(chunk.finish_reason)
-        self.metrics.e2e.observe(e2e_s)
-        self._totals["finished"] += 1
-        event("finished", rid=f.rid, reason=chunk.finish_reason,
-              prompt_tokens=chunk.usage["prompt_tokens"],
-              completion_tokens=chunk.usage["completion_tokens"], chunks=chunk.seq + 1,
-              e2e_s=e2e_s)
 
     def _log_progress(self) -> None:
         """Every progress_every_s: the totals' growth since the last time (the sender
