@@ -37,6 +37,7 @@ from roseinfer.frontends.redis_streams.metrics import Metrics
 from roseinfer.frontends.redis_streams.outage import GaveUp, Outage
 from roseinfer.frontends.redis_streams.outbox import Outbox
 from roseinfer.frontends.redis_streams.ownership import Ownership
+from roseinfer.frontends.redis_streams.pace import Pace
 from roseinfer.frontends.redis_streams.publisher import Publisher
 from roseinfer.frontends.redis_streams.protocol import (
     DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, entry_time,
@@ -93,7 +94,6 @@ class Worker:
         self.block_ms = block_ms            # also bounds how long stop() takes when idle
         self.grace_s = grace_s
         self.max_deliveries = max_deliveries
-        self.progress_every_s = progress_every_s
         # Chat models answer sensibly only inside their template; raw text is for base models.
         self.admission = Admission(engine, chat_template, max_entry_bytes)
         self.metrics = metrics or Metrics(model_name)
@@ -118,7 +118,7 @@ class Worker:
         self._engine_failure: Optional[BaseException] = None
         self.publisher = Publisher(self.keys, self.metrics)
         self._totals = self.publisher.totals
-        self._progress = {"at": time.monotonic(), "tokens": 0, "finished": 0}
+        self.pace = Pace(progress_every_s, claim_idle_ms, self._totals)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -192,17 +192,8 @@ class Worker:
         if self._claim_due():
             self._claim()
         self._exchange()
-        self._log_progress()
-        self._warn_if_slow(started, stepped)
-
-    def _warn_if_slow(self, started: float, stepped: float) -> None:
-        """A loop iteration past half the claim threshold puts this worker's entries
-        within reach of other workers' claims: say so, and where the time went."""
-        took = time.monotonic() - started
-        if took * 1000 > self.ownership.claim_idle_ms / 2:
-            event("slow_iteration", logging.WARNING, took_s=took, step_s=stepped - started,
-                  rest_s=took - (stepped - started), in_flight=len(self._inflight),
-                  hint="a long prefill or admission; raise --claim-idle-ms if this recurs")
+        self.pace.log_progress(self.engine, len(self._inflight))
+        self.pace.warn_if_slow(started, stepped, len(self._inflight))
 
     # --- Redis round trips --------------------------------------------------------------
 
@@ -502,17 +493,3 @@ class Worker:
         self._cancelled[rid] = None
         if len(self._cancelled) > MAX_REMEMBERED_CANCELS:
             self._cancelled.popitem(last=False)
-
-    def _log_progress(self) -> None:
-        """Every progress_every_s: the totals' growth since the last time (the sender
-        thread adds to the totals, so they are only read here)."""
-        p, now = self._progress, time.monotonic()
-        if now - p["at"] < self.progress_every_s:
-            return
-        tokens, finished = self._totals["tokens"], self._totals["finished"]
-        if tokens > p["tokens"] or self._inflight:
-            s = self.engine.stats()
-            event("progress", running=s.num_running, waiting=s.num_waiting,
-                  kv_cache=s.kv_cache_usage, tok_per_s=(tokens - p["tokens"]) / (now - p["at"]),
-                  finished=finished - p["finished"])
-        self._progress = {"at": now, "tokens": tokens, "finished": finished}
