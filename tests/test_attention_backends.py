@@ -123,6 +123,18 @@ def test_long_decode(request, backend_name, dtype):
     check(request, backend_name, LONG_DECODE, 6, 2, 64, 16, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("heads", [(6, 2), (9, 3), (4, 4), (16, 2)], ids=["h6kv2", "h9kv3", "h4kv4", "h16kv2"])
+@pytest.mark.parametrize("seqs", [BATCHES["decode"], LONG_DECODE], ids=["short", "long"])
+def test_decode_on_tensor_cores(request, monkeypatch, seqs, heads, dtype):
+    """triton_paged's other decode tile (tensor-core dots over the padded group)."""
+    triton_paged = pytest.importorskip("roseinfer.plugins.attention.triton_paged")
+    monkeypatch.setattr(triton_paged, "DECODE_TUNING", {})
+    monkeypatch.setitem(triton_paged.TUNING, "decode", {
+        "block_n": 32, "num_warps": 4, "num_stages": 3, "dot": True, "programs_per_sm": 8})
+    check(request, "triton_paged", seqs, *heads, 64, 16, dtype)
+
+
 def test_long_decode_is_split():
     """The long decode case above really takes triton_paged's split-K path."""
     triton_paged = pytest.importorskip("roseinfer.plugins.attention.triton_paged")
@@ -134,4 +146,6 @@ def test_long_decode_is_split():
         max_query_len=1,
         max_context_len=max(ctx for ctx, _ in LONG_DECODE),
     )
-    assert triton_paged.num_splits(attn, 2, triton_paged._num_sms(DEVICE)) > 1
+    tune = triton_paged.decode_tuning(64, 3)
+    assert triton_paged.num_splits(attn, 2, triton_paged._num_sms(DEVICE),
+                                   tune["programs_per_sm"]) > 1

@@ -20,3 +20,28 @@ def test_gemm_gelu_epilogue_is_the_tanh_form(dtype):
     assert (out - ref).norm() / ref.norm() < tol
     if dtype == torch.float32:  # fp16 rounding is as large as the erf/tanh gap
         assert (out - ref).abs().max() < (out - erf).abs().max()  # tanh, not erf
+
+
+def test_seeded_sampling_is_the_same_with_and_without_graphs_and_neighbours(gpt2_model):
+    """On CUDA a seeded request's tokens depend on its seed and positions only:
+    the same alone (eager), in a batch with others (graphs and decode windows)
+    and with graphs off; unseeded neighbours sample too."""
+    from roseinfer import LLM, SamplingParams
+    from tests.test_greedy_equality import mixed_prompts
+
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=40, seed=77,
+                            ignore_eos=True)
+    others = SamplingParams(max_tokens=24, temperature=1.0, min_p=0.05, ignore_eos=True)
+    prompts = mixed_prompts(40, seed=3)
+
+    def run(batch, **config):
+        llm = LLM(gpt2_model, device="cuda", dtype="float32", block_size=4, num_kv_blocks=1024,
+                  max_num_seqs=48, decode_steps=8, decode_steps_min_seqs=8, **config)
+        params = [seeded] + [others] * (len(batch) - 1)
+        return [o.token_ids for o in llm.generate(batch, params)]
+
+    alone = run(prompts[:1], cuda_graphs=False)[0]
+    assert run(prompts, cuda_graphs=True)[0] == alone
+    assert run(prompts, cuda_graphs=False)[0] == alone
+    assert run(prompts[:1] + prompts[20:], cuda_graphs=True)[0] == alone
+    assert len(set(alone)) > 1

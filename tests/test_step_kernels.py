@@ -1,7 +1,9 @@
 """The step kernels against the torch ops they replace (argmax, advance(), where)."""
 import torch
 
-from roseinfer.core.step_kernels import ARGMAX, greedy_advance, take_ids
+from roseinfer.core.sample_kernel import SAMPLE, WORDS, words
+from roseinfer.core.sampling import SamplingParams
+from roseinfer.core.step_kernels import sample_advance, take_ids
 from roseinfer.core.step_inputs import advance, fixed_size, views
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -17,15 +19,18 @@ def decode_inputs(rows: int, gen: torch.Generator):
     inp.seq_rows[:] = torch.randperm(rows, generator=gen)
     inp.src_rows[:] = -1
     inp.window_step[0] = 2
-    tables = torch.randint(0, 50, (rows + 1, 5), generator=gen, dtype=torch.int32)
+    state = torch.zeros(rows + 1, 5 + WORDS, dtype=torch.int32)  # greedy words: zeros
+    tables = state[:, :5]
+    tables[:] = torch.randint(0, 50, (rows + 1, 5), generator=gen, dtype=torch.int32)
     tables[:, -1] = SCRATCH  # the spare column
     inp.block_idx[:] = tables[inp.seq_rows.long(), (inp.positions // BLOCK_SIZE).long()]
-    return inp.fields["input_ids"]._base.to(DEVICE), tables.to(DEVICE)
+    return inp.fields["input_ids"]._base.to(DEVICE), state.to(DEVICE)
 
 
 def test_matches_argmax_and_advance():
+    """Greedy rows: the argmax; a sampled row (temperature 1, top_k 1) too."""
     gen = torch.Generator().manual_seed(0)
-    lane = ARGMAX["block_v"]  # the kernel's chunk: lane i reads i, i + lane, ...
+    lane = SAMPLE["block_v"]  # the kernel's chunk: lane i reads i, i + lane, ...
     rows, vocab = 6, lane + lane // 2  # two chunks, the last one partial
     logits = torch.randn(rows, vocab + 24, generator=gen).half()[:, :vocab]  # padded head
     # Ties: the first index of the maximum wins, in one lane of two chunks
@@ -33,18 +38,20 @@ def test_matches_argmax_and_advance():
     logits[0, [10, 10 + lane, lane // 2]] = logits[1, [2100, 2101]] = 50.0
     logits[2, vocab - 1] = 60.0
     logits = logits.to(DEVICE)
-    buf, tables = decode_inputs(rows, gen)
+    buf, state = decode_inputs(rows, gen)
     inp, ref = views(buf, rows, rows), views(buf.clone(), rows, rows)
+    top_k_one = words(SamplingParams(temperature=1.0, top_k=1, seed=7))
+    state[inp.seq_rows[3].long(), 5:] = torch.tensor(top_k_one, dtype=torch.int32)
     window = torch.zeros(4, rows, dtype=torch.int32, device=DEVICE)
     sampled = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
 
-    greedy_advance(logits, inp, tables, BLOCK_SIZE, sampled, window)
+    sample_advance(logits, inp, state, 5, BLOCK_SIZE, sampled, window)
 
     expected = logits.argmax(dim=-1).to(torch.int32)
     assert expected[:3].tolist() == [10, 2100, vocab - 1]
     assert torch.equal(sampled, expected) and torch.equal(window[2], expected)
     assert not window[[0, 1, 3]].any()
-    advance(ref, tables, BLOCK_SIZE, torch.arange(rows, dtype=torch.int32, device=DEVICE))
+    advance(ref, state[:, :5], BLOCK_SIZE, torch.arange(rows, dtype=torch.int32, device=DEVICE))
     for name, want in ref.fields.items():
         assert torch.equal(inp.fields[name], want), name
 

@@ -6,8 +6,8 @@ logits are dropped. Attention is captured with the context bound
 (max_model_len), so one graph serves every context length.
 
 With decode windows, each bucket also gets a window graph: ``decode_steps``
-steps captured back to back (each step samples greedily and advances the
-inputs on the device), so a full greedy window is one replay. Replays of
+steps captured back to back (each step samples, greedily or not, and
+advances the inputs on the device), so a full greedy window is one replay. Replays of
 one-step graphs each cost host time and a gap on the GPU between graphs.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ class DecodeGraphs:
         return inp, run
 
     def run_window(self, steps: int) -> None:
-        """Run ``steps`` greedy steps of the prepared bucket (each graph samples
+        """Run ``steps`` steps of the prepared bucket (each graph samples
         and advances by itself): one replay of its window graph when the
         window is full, else one replay per step."""
         key = self.prepared
@@ -135,5 +135,6 @@ def _dummy_decode(host: PackedInputs, scratch_block: int, pad_row: int) -> None:
     host.context_lens[:] = 1
     host.query_start[:] = range(host.n_seq + 1)
     host.sample_idx[:] = range(host.n_seq)
+    host.sample_seq_rows[:] = pad_row
     host.seq_rows[:] = pad_row
     host.window_step[:] = 0

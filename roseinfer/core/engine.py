@@ -112,8 +112,8 @@ class Engine:
             raise InvalidRequestError(
                 "prompt", f"{len(ids)} tokens leave no room to generate within the "
                 f"model's {self.max_model_len}-token context; shorten the prompt", "too_long")
-        gen = None
-        if params.seed is not None:
+        gen = None  # on CUDA the seed keys the sampler's noise instead (sample_kernel)
+        if params.seed is not None and self.device.type != "cuda":
             gen = torch.Generator(self.device).manual_seed(params.seed)
         max_len = min(self.max_model_len, len(ids) + params.max_tokens)
         seq = Sequence(request_id, ids, params, max_len, time.monotonic(), gen)

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from roseinfer.core.sample_kernel import words
 from roseinfer.core.sampling import SamplingParams
 
 
@@ -19,7 +20,7 @@ class Sequence:
     __slots__ = ("request_id", "params", "token_ids", "num_prompt_tokens", "num_computed",
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
                  "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
-                 "row", "synced")
+                 "row", "synced", "sample_words")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
@@ -43,6 +44,7 @@ class Sequence:
         self.sample_slot = -1
         self.row = -1                  # device block-table row while it holds blocks
         self.synced = 0                # entries of block_table already on the device
+        self.sample_words = words(params)  # written after the table entries when it gets a row
 
     @property
     def num_tokens(self) -> int:

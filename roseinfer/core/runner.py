@@ -14,9 +14,10 @@ import torch
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
 from roseinfer.core.cuda_graphs import DecodeGraphs
 from roseinfer.core.kv_cache import KVCache, SlotBatch
+from roseinfer.core.sample_kernel import WORDS, sample
 from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
-from roseinfer.core.step_kernels import greedy_advance, take_ids
+from roseinfer.core.step_kernels import sample_advance, take_ids
 from roseinfer.core.step_inputs import (InputStager, PackedInputs, TableRows, advance, fill,
                                         fixed_size)
 
@@ -48,12 +49,16 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // self.block_size) + 1
         self.max_model_len = max_model_len
         tokens = max(max_num_batched_tokens, max_num_seqs)
-        # Updates: at most every entry of every table, when all sequences are new.
+        # A sequence's device row: its block table, then its sampling words
+        # (the padding row's are zeros: greedy).
+        width = self.max_blocks + WORDS
+        # Updates: at most every entry of every row, when all sequences are new.
         self.stager = InputStager(fixed_size(tokens, max_num_seqs)
-                                  + 2 * max_num_seqs * self.max_blocks, device)
-        self.rows = TableRows(max_num_seqs, self.max_blocks)
-        self.tables = torch.full((max_num_seqs + 1, self.max_blocks), kv_cache.scratch_block,
-                                 dtype=torch.int32, device=device)
+                                  + 2 * max_num_seqs * width, device)
+        self.rows = TableRows(max_num_seqs, width, self.max_blocks)
+        self.seq_state = torch.zeros(max_num_seqs + 1, width, dtype=torch.int32, device=device)
+        self.tables = self.seq_state[:, :self.max_blocks]
+        self.tables.fill_(kv_cache.scratch_block)
         self.sampler = Sampler()
         self.sampled = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         self.window = torch.zeros(decode_steps, max_num_seqs, dtype=torch.int32, device=device)
@@ -104,9 +109,9 @@ class ModelRunner:
             inp, run = self.graphs.prepare(graph, host, n_seq, len(rows))
         else:
             inp, run = self._eager(host, num_tokens, len(rows))
-        # A graph samples greedily and advances its inputs itself (capture()),
-        # which is all a greedy batch whose every row samples needs.
-        if graph is not None and greedy and len(rows) == n_seq:
+        # A graph samples and advances its inputs itself (capture()), which is
+        # all a batch whose every row samples needs.
+        if graph is not None and len(rows) == n_seq:
             self.graphs.run_window(batch.steps)
             return self._land(batch, rows)
         for step in range(batch.steps):
@@ -114,10 +119,12 @@ class ModelRunner:
                 advance(inp, self.tables, self.block_size, self.identity)
             logits = run(step)
             if rows:
-                self._record(step, self._sample(batch, rows, logits, greedy))
+                self._record(step, self._sample(batch, rows, logits, inp, greedy))
         return self._land(batch, rows)
 
-    def _sample(self, batch, rows, logits, greedy: bool) -> torch.Tensor:
+    def _sample(self, batch, rows, logits, inp, greedy: bool) -> torch.Tensor:
+        if self.device.type == "cuda":  # the graphs' sampler: same tokens either way
+            return sample(logits, inp, self.seq_state, self.max_blocks)
         if greedy:
             return logits.argmax(dim=-1)
         picked = [batch.seqs[r] for r in rows]
@@ -132,10 +139,11 @@ class ModelRunner:
         self.window[step, :n] = tokens
 
     def capture_step(self, ctx: StepContext, inp: PackedInputs) -> torch.Tensor:
-        """What a decode CUDA graph holds: the forward, greedy sampling of
-        every row, and the inputs advanced for the next window step."""
+        """What a decode CUDA graph holds: the forward, sampling of every
+        row, and the inputs advanced for the next window step."""
         logits = self.forward(ctx, inp)
-        greedy_advance(logits, inp, self.tables, self.block_size, self.sampled, self.window)
+        sample_advance(logits, inp, self.seq_state, self.max_blocks, self.block_size,
+                       self.sampled, self.window)
         return logits
 
     def _land(self, batch, rows) -> LaunchedStep:
@@ -155,7 +163,7 @@ class ModelRunner:
         """Copy the packed inputs over and apply the block-table updates they carry."""
         inp = self.stager.to_device(host)
         if inp.n_upd:
-            self.tables.view(-1)[inp.table_idx.long()] = inp.table_val
+            self.seq_state.view(-1)[inp.table_idx.long()] = inp.table_val
         return inp
 
     def _eager(self, host: PackedInputs, num_tokens, num_samples: int):

@@ -17,16 +17,18 @@ import torch
 # src_rows[i] >= 0: token i is the one sampled into row src_rows[i] of the
 # device-side sampled buffer by the previous step, which the host has not seen.
 # sample_idx[k]: the token whose logits the k-th sampling sequence samples from.
+# sample_seq_rows[k]: the device row of the k-th sampling sequence (its sampling words).
 # seq_rows[s]: the device block-table row of sequence s.
 # window_step[0]: the window step a CUDA graph records its tokens at (it counts
 # up on the device; each launch's copy resets it to 0).
 FIELDS = ("input_ids", "src_rows", "positions", "block_idx", "offsets", "context_lens",
-          "query_start", "sample_idx", "seq_rows", "window_step")
+          "query_start", "sample_idx", "sample_seq_rows", "seq_rows", "window_step")
 
 
 def _sizes(n_tok: int, n_seq: int, n_upd: int) -> tuple[int, ...]:
     """Lengths of FIELDS, then of the block-table updates (indices, values)."""
-    return (n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq, 1, n_upd, n_upd)
+    return (n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq, n_seq, 1,
+            n_upd, n_upd)
 
 
 def fixed_size(n_tok: int, n_seq: int) -> int:
@@ -61,16 +63,21 @@ def views(buf, n_tok: int, n_seq: int, n_upd: int = 0) -> PackedInputs:
 
 
 class TableRows:
-    """Hands out device block-table rows; the last row is the padding row."""
+    """Hands out device rows of per-sequence state (block-table entries, then
+    sampling words from column ``words_at``); the last row is the padding row."""
 
-    def __init__(self, num_rows: int, width: int):
+    def __init__(self, num_rows: int, width: int, words_at: int):
         self.width = width
+        self.words_at = words_at
         self.free = list(range(num_rows - 1, -1, -1))
         self.pad_row = num_rows
 
-    def assign(self, seq) -> None:
+    def assign(self, seq) -> tuple[range, list[int]]:
+        """Give ``seq`` a row; returns the updates that write its sampling words."""
         seq.row = self.free.pop()
         seq.synced = 0
+        start = seq.row * self.width + self.words_at
+        return range(start, start + len(seq.sample_words)), seq.sample_words
 
     def release(self, seq) -> None:
         if seq.row >= 0:
@@ -94,7 +101,9 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
     greedy = True
     for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
         if seq.row < 0:
-            rows.assign(seq)
+            idx, val = rows.assign(seq)
+            upd_idx += idx
+            upd_val += val
         table = seq.block_table
         if seq.synced < len(table):
             base = seq.row * rows.width
@@ -130,6 +139,7 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
     qs[0] = 0
     np.cumsum(num_tokens, out=qs[1:s + 1])
     f["sample_idx"][:len(sample_rows)] = qs[1:][sample_rows] - 1
+    f["sample_seq_rows"][:len(sample_rows)] = f["seq_rows"][sample_rows]
     f["window_step"][0] = 0
     _pad(host, t, s, rows.pad_row, scratch_block)
     np.remainder(f["positions"], block_size, out=f["offsets"])

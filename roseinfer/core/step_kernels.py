@@ -1,5 +1,5 @@
 """A step's bookkeeping around the model, in Triton: which ids go in, and the
-end of a greedy decode-graph step.
+end of a decode-graph step.
 
 Each replaces a chain of small torch ops, and at decode batch sizes each
 small kernel costs more in launch gap than in work.
@@ -8,22 +8,21 @@ small kernel costs more in launch gap than in work.
 previous step sampled into that slot of the sampled buffer: one kernel
 instead of four.
 
-``greedy_advance``: a decode CUDA graph ends its step with each row's
-argmax, the id into the sampled buffer (the next step's input) and into the
-window (for the host), and the inputs advanced for the next window step
-(``step_inputs.advance``): about a dozen torch kernels. Here it is one
-program per row, plus the window-step counter's increment, which must wait
-until every row has read it.
+``sample_advance``: a decode CUDA graph ends its step with each row's
+token (argmax or sampled, sample_kernel), the id into the sampled buffer
+(the next step's input) and into the window (for the host), and the inputs
+advanced for the next window step (``step_inputs.advance``): about a dozen
+torch kernels. Here it is one program per row, plus the window-step
+counter's increment, which must wait until every row has read it.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
 import torch
 
+from roseinfer.core.sample_kernel import SAMPLE, block_v, sample_row
 from roseinfer.core.step_inputs import PackedInputs
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton
 
-# Argmax launch settings (one program per row); a dict so benchmarks can sweep it.
-ARGMAX = {"block_v": 4096, "num_warps": 16}
 BLOCK_IDS = 256
 
 
@@ -51,51 +50,38 @@ def take_ids(input_ids: torch.Tensor, src_rows: torch.Tensor, sampled: torch.Ten
 
 
 @_kernel
-def _argmax_row(row_ptr, vocab, BLOCK_V: tl.constexpr):
-    """The first index of the row's maximum, as torch.argmax picks it."""
-    cols = tl.arange(0, BLOCK_V)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK_V], tl.int32)
-    for start in range(0, vocab, BLOCK_V):  # per lane: strict > keeps the earliest index
-        v = tl.load(row_ptr + start + cols, mask=start + cols < vocab, other=float("-inf"))
-        v = v.to(tl.float32)
-        better = v > best
-        best = tl.where(better, v, best)
-        best_idx = tl.where(better, start + cols, best_idx)
-    top = tl.max(best, 0)
-    return tl.min(tl.where(best == top, best_idx, vocab), 0)
-
-
-@_kernel
-def _greedy_advance_kernel(
+def _sample_advance_kernel(
     logits_ptr, s_logits, vocab, sampled_ptr, window_ptr, s_window, window_step_ptr,
     positions_ptr, context_lens_ptr, offsets_ptr, block_idx_ptr, src_rows_ptr, seq_rows_ptr,
-    tables_ptr, s_table, block_size, BLOCK_V: tl.constexpr,
+    state_ptr, s_state, words_at, block_size, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0)
-    token = _argmax_row(logits_ptr + row.to(tl.int64) * s_logits, vocab, BLOCK_V)
+    # In a decode graph row i is token i and sequence i, and samples into slot i.
+    state = state_ptr + tl.load(seq_rows_ptr + row).to(tl.int64) * s_state
+    pos = tl.load(positions_ptr + row)
+    token = sample_row(logits_ptr + row.to(tl.int64) * s_logits, vocab, state + words_at, pos,
+                       BLOCK_V)
     tl.store(sampled_ptr + row, token)
     tl.store(window_ptr + tl.load(window_step_ptr) * s_window + row, token)
-    # In a decode graph row i is token i and sequence i, and samples into slot i.
-    pos = tl.load(positions_ptr + row) + 1
+    pos += 1
     tl.store(positions_ptr + row, pos)
     tl.store(context_lens_ptr + row, tl.load(context_lens_ptr + row) + 1)
     tl.store(offsets_ptr + row, pos % block_size)
-    table = tables_ptr + tl.load(seq_rows_ptr + row).to(tl.int64) * s_table
-    tl.store(block_idx_ptr + row, tl.load(table + pos // block_size))
+    tl.store(block_idx_ptr + row, tl.load(state + pos // block_size))  # the table comes first
     tl.store(src_rows_ptr + row, row)
 
 
-def greedy_advance(logits: torch.Tensor, inp: PackedInputs, tables: torch.Tensor,
+def sample_advance(logits: torch.Tensor, inp: PackedInputs, state: torch.Tensor, words_at: int,
                    block_size: int, sampled: torch.Tensor, window: torch.Tensor) -> None:
-    """For a decode batch (row i = token i = sequence i): ``argmax(logits)``
-    into ``sampled`` and ``window[inp.window_step]``, then ``advance(inp)``."""
+    """For a decode batch (row i = token i = sequence i): each row's token,
+    sampled under its sequence's words in ``state`` (sample_kernel), into
+    ``sampled`` and ``window[inp.window_step]``, then ``advance(inp)``.
+    ``state`` holds each sequence's block table in its first columns."""
     rows = logits.shape[0]
     assert inp.n_tok == inp.n_seq == rows and logits.stride(1) == 1
-    _greedy_advance_kernel[(rows,)](
+    _sample_advance_kernel[(rows,)](
         logits, logits.stride(0), logits.shape[1], sampled, window, window.stride(0),
         inp.window_step, inp.positions, inp.context_lens, inp.offsets, inp.block_idx,
-        inp.src_rows, inp.seq_rows, tables, tables.stride(0), block_size,
-        BLOCK_V=min(ARGMAX["block_v"], triton.next_power_of_2(logits.shape[1])),
-        num_warps=ARGMAX["num_warps"])
+        inp.src_rows, inp.seq_rows, state, state.stride(0), words_at, block_size,
+        BLOCK_V=block_v(logits.shape[1]), num_warps=SAMPLE["num_warps"])
     inp.window_step += 1

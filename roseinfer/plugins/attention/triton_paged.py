@@ -29,11 +29,14 @@ import torch
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_usable
 
-# Launch settings per batch kind; keys per tile (block_n) and warps were
-# measured on an H100 (docs/benchmarks.md). A dict so benchmarks can sweep it.
-TUNING = {"decode": {"block_n": 16, "num_warps": 1, "num_stages": 2},
+# Launch settings: prefill, and decode per (head dim, query heads per KV
+# head), measured on an H100 (docs/kernels.md); "decode" is the setting for
+# shapes not in the table. Dicts, so benchmarks can sweep them.
+# programs_per_sm: decode contexts are split until the grid has this many per SM.
+TUNING = {"decode": {"block_n": 16, "num_warps": 1, "num_stages": 2, "dot": False,
+                     "programs_per_sm": 8},
           "prefill": {"block_n": 32, "num_warps": 4, "num_stages": 2}}
-PROGRAMS_PER_SM = 8    # decode: split contexts until the grid has this many per SM
+DECODE_TUNING: dict[tuple[int, int], dict] = {}
 MIN_SPLIT_LEN = 64     # context bound per split below which splitting only adds merging
 MAX_SPLITS = 16
 
@@ -141,14 +144,19 @@ def _paged_decode_kernel(
     sq_n, sq_h, sq_d, so_s, so_n, so_h, sm_s, sm_n, sc_b, sc_h, sc_o, sc_d,
     bt_stride, head_dim, scale_log2, n_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Decode rows only: program (seq, kv_head, split) owns query row ``seq``.
+    """Decode rows only: program (seq, kv_head, split) owns query row ``seq``
+    and the ``G`` query heads of ``kv_head``.
 
-    A handful of query rows is too few for tensor cores: scores and the
-    weighted sum are broadcast products reduced on CUDA cores, and with no
-    tile staged in shared memory many programs fit on an SM at once, which
-    is what hides the latency of the dependent loads (table, then K/V).
+    Two ways to compute a tile, picked per shape by measurement (TUNING):
+    broadcast products reduced on CUDA cores (``DOT`` off: no tile staged in
+    shared memory, so many small programs fit on an SM at once, which hides
+    the latency of the dependent loads, table then K/V), or tensor-core dots
+    with the group padded to ``BLOCK_G >= 16`` rows (``DOT`` on: the K/V
+    tiles go through shared memory in a multi-stage pipeline, which keeps
+    more bytes in flight per program on long contexts).
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -161,7 +169,9 @@ def _paged_decode_kernel(
     d_ok = d < head_dim
     row = tl.zeros([BLOCK_G], tl.int64) + seq
     q = tl.load(q_ptr + row[:, None] * sq_n + head[:, None] * sq_h + d[None, :] * sq_d,
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if not DOT:
+        q = q.to(tl.float32)
 
     # Each split takes an equal share of this sequence's own context (whole
     # tiles), so a graph captured for the context bound splits short contexts too.
@@ -176,11 +186,18 @@ def _paged_decode_kernel(
         _, k_ok, k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
             sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N)
-        k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale_log2        # [G, N]
+        if DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        else:
+            k = k.to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale_log2    # [G, N]
         s = tl.where(k_ok[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        if DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+        acc = acc * alpha[:, None] + pv
     # The normalised output, or this split's unnormalised partial (acc, max, sum).
     out_off = split.to(tl.int64) * so_s + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]
@@ -223,12 +240,16 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: any count is correct, a small one keeps test grids small
 
 
-def num_splits(attn, num_kv_heads: int, num_sms: int) -> int:
-    """Split decode contexts until the grid has PROGRAMS_PER_SM programs per SM:
-    a decode program is small, and many of them per SM hide its load latency."""
+def decode_tuning(head_dim: int, group: int) -> dict:
+    return DECODE_TUNING.get((head_dim, group), TUNING["decode"])
+
+
+def num_splits(attn, num_kv_heads: int, num_sms: int, programs_per_sm: int) -> int:
+    """Split decode contexts until the grid has ``programs_per_sm`` programs
+    per SM: many programs per SM hide a decode program's load latency."""
     if not attn.is_decode:
         return 1  # prefill chunks give programs enough; the kernel relies on this
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, attn.num_seqs * num_kv_heads)
+    wanted = triton.cdiv(programs_per_sm * num_sms, attn.num_seqs * num_kv_heads)
     return max(1, min(wanted, attn.max_context_len // MIN_SPLIT_LEN, MAX_SPLITS))
 
 
@@ -240,14 +261,16 @@ class TritonPagedAttention:
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         assert k_cache.stride() == v_cache.stride()
-        tune = TUNING["decode" if attn.is_decode else "prefill"]
-        const = {"G": num_heads // num_kv_heads, "BLOCK_SIZE": k_cache.shape[2],
+        group = num_heads // num_kv_heads
+        tune = decode_tuning(head_dim, group) if attn.is_decode else TUNING["prefill"]
+        const = {"G": group, "BLOCK_SIZE": k_cache.shape[2],
                  "BLOCK_N": tune["block_n"], "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
-                 "num_warps": tune["num_warps"], "num_stages": tune["num_stages"]}
+                 "num_warps": tune["num_warps"], "num_stages": tune["num_stages"],
+                 "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
         scale_log2 = scale * math.log2(math.e)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if attn.is_decode:
-            self._decode(q, k_cache, v_cache, out, attn, scale_log2, const)
+            self._decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune)
             return out
         # Prefill chunks give programs enough: never split.
         block_m = max(64, triton.next_power_of_2(const["G"]))
@@ -255,15 +278,14 @@ class TritonPagedAttention:
         _paged_attention_kernel[(n // block_q + attn.num_seqs, num_kv_heads)](
             q, k_cache, v_cache, out, attn.block_tables, attn.context_lens, attn.query_start,
             *q.stride(), *out.stride()[:2], *k_cache.stride(), attn.block_tables.stride(0),
-            attn.num_seqs, head_dim, scale_log2, BLOCK_M=block_m, BLOCK_Q=block_q,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **const)
+            attn.num_seqs, head_dim, scale_log2, BLOCK_M=block_m, BLOCK_Q=block_q, **const)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, out, attn, scale_log2, const):
+    def _decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune):
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
-        splits = num_splits(attn, num_kv_heads, _num_sms(q.device))
+        splits = num_splits(attn, num_kv_heads, _num_sms(q.device), tune["programs_per_sm"])
         if splits == 1:
             dest, m, l = out.unsqueeze(0), out, out  # m, l unused without splits
         else:
@@ -274,7 +296,8 @@ class TritonPagedAttention:
             q, k_cache, v_cache, dest, m, l, attn.block_tables, attn.context_lens,
             *q.stride(), *dest.stride()[:3], *m.stride()[:2], *k_cache.stride(),
             attn.block_tables.stride(0), head_dim, scale_log2, splits,
-            BLOCK_G=triton.next_power_of_2(const["G"]), PARTIAL=splits > 1, **const)
+            BLOCK_G=max(16 if tune["dot"] else 1, triton.next_power_of_2(const["G"])),
+            PARTIAL=splits > 1, DOT=tune["dot"], **const)
         if splits > 1:
             _merge_splits_kernel[(n, num_heads)](
                 out, dest, m, l, *out.stride()[:2], *dest.stride()[:3], *m.stride()[:2],

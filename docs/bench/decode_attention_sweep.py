@@ -1,0 +1,135 @@
+"""Sweep triton_paged's decode launch settings over real model shapes.
+
+For each (head dim, query heads per KV head) class and each (batch, context)
+shape: the time of one decode attention call inside a CUDA graph (10 calls
+per replay), the bytes floor (K/V read at 3.0 TB/s) and the fraction of it,
+per setting. The graph is captured as the engine captures it: with the
+context bound (--bound) as max_context_len, so splits follow the bound.
+
+Writes one JSON line per (shape, setting) to OUT/decode_sweep.jsonl and
+prints, per class, the setting with the best geometric-mean fraction over
+shapes with >= 8 MB of K/V, and every shape's figure under it.
+
+    python docs/bench/decode_attention_sweep.py --out DIR
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+
+import torch
+
+from roseinfer.core.attention import AttnMetadata
+from roseinfer.plugins.attention import triton_paged
+
+PEAK = 3.0e12
+HEADS = 32
+BLOCK = 16
+CLASSES = [(64, 1), (64, 4), (64, 8), (128, 1), (128, 4), (128, 8)]
+BATCHES = [1, 16, 64, 256]
+CONTEXTS = [128, 512, 2048, 8192]
+MAX_BYTES = 8 << 30
+
+
+def settings():
+    for bn, w, st in itertools.product([16, 32], [1, 2, 4], [1, 2]):
+        yield {"dot": False, "block_n": bn, "num_warps": w, "num_stages": st}
+    for bn, st in itertools.product([32, 64, 128], [2, 3, 4]):
+        yield {"dot": True, "block_n": bn, "num_warps": 4, "num_stages": st}
+
+
+def time_graph(fn, calls=10, replays=5) -> float:
+    """Seconds per call of ``fn`` replayed in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (calls * replays)
+
+
+def shapes(head_dim, group):
+    kv_heads = HEADS // group
+    for batch, ctx in itertools.product(BATCHES, CONTEXTS):
+        kv_bytes = batch * ctx * kv_heads * head_dim * 2 * 2
+        if kv_bytes <= MAX_BYTES:
+            yield batch, ctx, kv_bytes
+
+
+def sweep_class(head_dim, group, bound, out):
+    kv_heads = HEADS // group
+    need = max(b * c for b, c, _ in shapes(head_dim, group)) // BLOCK + 1
+    k_cache = torch.randn(need, kv_heads, BLOCK, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    backend = triton_paged.TritonPagedAttention()
+    results = []
+    for batch, ctx, kv_bytes in shapes(head_dim, group):
+        blocks = ctx // BLOCK
+        perm = torch.randperm(need - 1, device="cuda")[:batch * blocks].int() + 1
+        attn = AttnMetadata(perm.view(batch, blocks),
+                            torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
+                            torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+                            1, max(bound, ctx))
+        q = torch.randn(batch, HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
+        floor = kv_bytes / PEAK
+        for s, ppsm in itertools.product(settings(), [4, 8, 16]):
+            triton_paged.TUNING["decode"] = dict(s, programs_per_sm=ppsm)
+            try:
+                t = time_graph(lambda: backend.forward(q, k_cache, v_cache, attn, head_dim ** -0.5))
+            except Exception as e:  # a setting the compiler refuses (e.g. out of shared memory)
+                print(f"skip {head_dim}/{group} {s} {ppsm}: {type(e).__name__}", flush=True)
+                continue
+            row = dict(head_dim=head_dim, group=group, batch=batch, context=ctx,
+                       kv_mb=kv_bytes / 2**20, us=t * 1e6, floor_us=floor * 1e6,
+                       fraction=floor / t, programs_per_sm=ppsm, **s)
+            results.append(row)
+            out.write(json.dumps(row) + "\n")
+        out.flush()
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+    return results
+
+
+def best(results):
+    """The setting with the best geometric-mean fraction over shapes >= 8 MB."""
+    def key(r):
+        return tuple(r[k] for k in ("dot", "block_n", "num_warps", "num_stages", "programs_per_sm"))
+    by_setting = {}
+    for r in results:
+        by_setting.setdefault(key(r), []).append(r)
+    def score(rows):
+        big = [r["fraction"] for r in rows if r["kv_mb"] >= 8]
+        return math.exp(sum(map(math.log, big)) / len(big)) if big else 0
+    return max(by_setting.items(), key=lambda kv: score(kv[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--bound", type=int, default=8192, help="max_context_len the graphs capture with")
+    ap.add_argument("--classes", default=",".join(f"{d}x{g}" for d, g in CLASSES))
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    with open(os.path.join(args.out, "decode_sweep.jsonl"), "w") as out:
+        for cls in args.classes.split(","):
+            head_dim, group = map(int, cls.split("x"))
+            (setting, rows) = best(sweep_class(head_dim, group, args.bound, out))
+            print(f"head_dim {head_dim} group {group}: best {setting}", flush=True)
+            for r in rows:
+                print(f"  batch {r['batch']:4d} ctx {r['context']:5d} {r['kv_mb']:9.1f} MB "
+                      f"{r['us']:8.1f} us floor {r['floor_us']:8.1f} us {100 * r['fraction']:5.1f} %",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
