@@ -11,7 +11,7 @@ from roseinfer.core.step_inputs import fixed_size, views
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-ROWS = 200_000 if CUDA else 500
+ROWS = 200_000 if CUDA else 400
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, -6.0])
 
 

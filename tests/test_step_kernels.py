@@ -1,7 +1,7 @@
 """The step kernels against the torch ops they replace (argmax, advance(), where)."""
 import torch
 
-from roseinfer.core.sample_kernel import SAMPLE, WORDS, words
+from roseinfer.core.sample_kernel import BLOCK_V, WORDS, words
 from roseinfer.core.sampling import SamplingParams
 from roseinfer.core.step_kernels import sample_advance, take_ids
 from roseinfer.core.step_inputs import advance, fixed_size, views
@@ -30,7 +30,7 @@ def decode_inputs(rows: int, gen: torch.Generator):
 def test_matches_argmax_and_advance():
     """Greedy rows: the argmax; a sampled row (temperature 1, top_k 1) too."""
     gen = torch.Generator().manual_seed(0)
-    lane = SAMPLE["block_v"]  # the kernel's chunk: lane i reads i, i + lane, ...
+    lane = int(BLOCK_V)  # the kernel's chunk: lane i reads i, i + lane, ...
     rows, vocab = 6, lane + lane // 2  # two chunks, the last one partial
     logits = torch.randn(rows, vocab + 24, generator=gen).half()[:, :vocab]  # padded head
     # Ties: the first index of the maximum wins, in one lane of two chunks

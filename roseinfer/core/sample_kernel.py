@@ -27,15 +27,19 @@ import struct
 import torch
 
 from roseinfer.core.sampling import SamplingParams
-from roseinfer.core.triton_support import kernel as _kernel, tl, triton
+from roseinfer.core.triton_support import kernel as _kernel, tl
 
 _const = tl.constexpr if tl is not None else int  # kernels read only constexpr globals
 # Layout of a row's sampling words: floats stored as their bits.
 TEMPERATURE, TOP_P, MIN_P, TOP_K, SEED_LO, SEED_HI = map(_const, range(6))
 WORDS = 6
 MAX_ROUNDS = _const(32)  # past this (vanishingly rare) a row takes its argmax: every filter keeps it
+# Columns per tile. Fixed: which Philox word a column's noise comes from
+# depends on it (_race), so changing it changes seeded requests' tokens.
+BLOCK_V = _const(4096)
+QUARTER = _const(1024)
 # Launch settings (one program per row); a dict so benchmarks can sweep it.
-SAMPLE = {"block_v": 4096, "num_warps": 16}
+SAMPLE = {"num_warps": 32}
 
 
 def words(params: SamplingParams) -> list[int]:
@@ -52,7 +56,7 @@ def _int32(v: int) -> int:
 
 
 @_kernel
-def _argmax_row(row_ptr, vocab, BLOCK_V: tl.constexpr):
+def _argmax_row(row_ptr, vocab):
     """The first index of the row's maximum, as torch.argmax picks it."""
     cols = tl.arange(0, BLOCK_V)
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -68,39 +72,53 @@ def _argmax_row(row_ptr, vocab, BLOCK_V: tl.constexpr):
 
 
 @_kernel
-def _exponential(seed, cols, position, rnd):
-    """Exp(1) noise per column, a function of (seed, column, position, round) only."""
-    c0 = cols.to(tl.uint32)
-    zero = c0 * 0
-    bits, _, _, _ = tl.philox(seed, c0, (zero + position).to(tl.uint32),
-                              (zero + rnd).to(tl.uint32), zero)
-    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)   # in (0, 1)
-    return -tl.log(u)
+def _race_part(row_ptr, vocab, c, bits, inv_t, pivot, best, best_idx, m, z):
+    """Columns ``c`` into the race state (best key and its column per lane, and
+    the online max and sum of ``exp((l - max) / T)``); ``bits`` is their noise."""
+    ok = c < vocab
+    l = tl.load(row_ptr + c, mask=ok, other=float("-inf")).to(tl.float32)
+    # Uniform in (0, 1): 23 bits, so that k + 0.5 is exact in float32 (with 24
+    # the largest rounds to 1.0, whose Gumbel noise is +inf).
+    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    key = l * inv_t - tl.log(-tl.log(u))                           # + Gumbel noise
+    key = tl.where(ok & (l > pivot), key, float("-inf"))
+    better = key > best  # strict: a lane keeps its earliest column on ties
+    best = tl.where(better, key, best)
+    best_idx = tl.where(better, c, best_idx)
+    # -inf logits (and masked lanes) add 0 to the sum.
+    m_new = tl.maximum(m, l)
+    alpha = tl.where(m_new > float("-inf"), tl.exp((m - m_new) * inv_t), 1.0)
+    z = z * alpha + tl.where(l > float("-inf"), tl.exp((l - m_new) * inv_t), 0.0)
+    return best, best_idx, m_new, z
 
 
 @_kernel
-def _race(row_ptr, vocab, inv_t, pivot, seed, position, rnd, BLOCK_V: tl.constexpr):
+def _race(row_ptr, vocab, inv_t, pivot, seed, position, rnd):
     """One round: the winning token among logits above ``pivot``, and over the
-    whole row the max logit and the sum of ``exp((l - max) / T)``."""
-    cols = tl.arange(0, BLOCK_V)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK_V], tl.int32)
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    z = tl.zeros([BLOCK_V], tl.float32)
+    whole row the max logit and the sum of ``exp((l - max) / T)``.
+
+    Philox gives four words per call: lane t of tile ``start`` takes them for
+    columns ``start + j * QUARTER + t``, j = 0..3, with counter
+    ``(start / 4 + t, position, round)``. The noise of a column depends only on
+    (seed, column, position, round)."""
+    t = tl.arange(0, QUARTER)
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_idx = tl.zeros([QUARTER], tl.int32)
+    m = tl.full([QUARTER], float("-inf"), tl.float32)
+    z = tl.zeros([QUARTER], tl.float32)
     for start in range(0, vocab, BLOCK_V):
-        c = start + cols
-        ok = c < vocab
-        l = tl.load(row_ptr + c, mask=ok, other=float("-inf")).to(tl.float32)
-        key = l * inv_t - tl.log(_exponential(seed, c, position, rnd))
-        key = tl.where(ok & (l > pivot), key, float("-inf"))
-        better = key > best
-        best = tl.where(better, key, best)
-        best_idx = tl.where(better, c, best_idx)
-        # Online sum of exp((l - max) / T); -inf logits (and masked lanes) add 0.
-        m_new = tl.maximum(m, l)
-        alpha = tl.where(m_new > float("-inf"), tl.exp((m - m_new) * inv_t), 1.0)
-        z = z * alpha + tl.where(l > float("-inf"), tl.exp((l - m_new) * inv_t), 0.0)
-        m = m_new
+        c0 = (start // 4 + t).to(tl.uint32)
+        zero = c0 * 0
+        b0, b1, b2, b3 = tl.philox(seed, c0, (zero + position).to(tl.uint32),
+                                   (zero + rnd).to(tl.uint32), zero)
+        c = start + t
+        best, best_idx, m, z = _race_part(row_ptr, vocab, c, b0, inv_t, pivot, best, best_idx, m, z)
+        c += QUARTER
+        best, best_idx, m, z = _race_part(row_ptr, vocab, c, b1, inv_t, pivot, best, best_idx, m, z)
+        c += QUARTER
+        best, best_idx, m, z = _race_part(row_ptr, vocab, c, b2, inv_t, pivot, best, best_idx, m, z)
+        c += QUARTER
+        best, best_idx, m, z = _race_part(row_ptr, vocab, c, b3, inv_t, pivot, best, best_idx, m, z)
     top = tl.max(best, 0)
     token = tl.min(tl.where(best == top, best_idx, vocab - 1), 0)
     m_row = tl.max(m, 0)
@@ -109,7 +127,7 @@ def _race(row_ptr, vocab, inv_t, pivot, seed, position, rnd, BLOCK_V: tl.constex
 
 
 @_kernel
-def _above(row_ptr, vocab, inv_t, lx, m, BLOCK_V: tl.constexpr):
+def _above(row_ptr, vocab, inv_t, lx, m):
     """How many logits exceed ``lx``, and their unnormalised mass."""
     cols = tl.arange(0, BLOCK_V)
     count = tl.zeros([BLOCK_V], tl.int32)
@@ -124,11 +142,11 @@ def _above(row_ptr, vocab, inv_t, lx, m, BLOCK_V: tl.constexpr):
 
 
 @_kernel
-def sample_row(row_ptr, vocab, params_ptr, position, BLOCK_V: tl.constexpr):
+def sample_row(row_ptr, vocab, params_ptr, position):
     """The token row ``row_ptr`` samples under the sampling words at ``params_ptr``."""
     temperature = tl.load(params_ptr + TEMPERATURE).to(tl.float32, bitcast=True)
     if temperature == 0:
-        return _argmax_row(row_ptr, vocab, BLOCK_V)
+        return _argmax_row(row_ptr, vocab)
     top_p = tl.load(params_ptr + TOP_P).to(tl.float32, bitcast=True)
     min_p = tl.load(params_ptr + MIN_P).to(tl.float32, bitcast=True)
     top_k = tl.load(params_ptr + TOP_K)
@@ -140,34 +158,30 @@ def sample_row(row_ptr, vocab, params_ptr, position, BLOCK_V: tl.constexpr):
     token = -1
     rnd = 0
     while token < 0:
-        x, m, z = _race(row_ptr, vocab, inv_t, pivot, seed, position, rnd, BLOCK_V)
+        x, m, z = _race(row_ptr, vocab, inv_t, pivot, seed, position, rnd)
         token = x
         if filtered:
             lx = tl.load(row_ptr + x).to(tl.float32)
-            count, mass = _above(row_ptr, vocab, inv_t, lx, m, BLOCK_V)
+            count, mass = _above(row_ptr, vocab, inv_t, lx, m)
             kept = (((top_k == 0) | (count < top_k)) & (mass < top_p * z)
                     & (tl.exp((lx - m) * inv_t) >= min_p))
             token = tl.where(kept, x, -1)
             pivot = tl.where(kept, pivot, lx)
         rnd += 1
         if (token < 0) & (rnd == MAX_ROUNDS):
-            token = _argmax_row(row_ptr, vocab, BLOCK_V)
+            token = _argmax_row(row_ptr, vocab)
     return token
 
 
 @_kernel
 def _sample_kernel(logits_ptr, s_logits, vocab, out_ptr, seq_state_ptr, s_state, params_col,
-                   sample_seq_rows_ptr, sample_idx_ptr, positions_ptr, BLOCK_V: tl.constexpr):
+                   sample_seq_rows_ptr, sample_idx_ptr, positions_ptr):
     k = tl.program_id(0)
     params = (seq_state_ptr + tl.load(sample_seq_rows_ptr + k).to(tl.int64) * s_state
               + params_col)
     position = tl.load(positions_ptr + tl.load(sample_idx_ptr + k))
-    token = sample_row(logits_ptr + k.to(tl.int64) * s_logits, vocab, params, position, BLOCK_V)
+    token = sample_row(logits_ptr + k.to(tl.int64) * s_logits, vocab, params, position)
     tl.store(out_ptr + k, token)
-
-
-def block_v(vocab: int) -> int:
-    return min(SAMPLE["block_v"], triton.next_power_of_2(vocab))
 
 
 def sample(logits: torch.Tensor, inp, seq_state: torch.Tensor, params_col: int) -> torch.Tensor:
@@ -178,5 +192,5 @@ def sample(logits: torch.Tensor, inp, seq_state: torch.Tensor, params_col: int) 
     out = torch.empty(rows, dtype=torch.int32, device=logits.device)
     _sample_kernel[(rows,)](logits, logits.stride(0), vocab, out, seq_state, seq_state.stride(0),
                             params_col, inp.sample_seq_rows, inp.sample_idx, inp.positions,
-                            BLOCK_V=block_v(vocab), num_warps=SAMPLE["num_warps"])
+                            num_warps=SAMPLE["num_warps"])
     return out

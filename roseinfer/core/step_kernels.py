@@ -19,7 +19,7 @@ from __future__ import annotations  # kernel annotations stay strings without tr
 
 import torch
 
-from roseinfer.core.sample_kernel import SAMPLE, block_v, sample_row
+from roseinfer.core.sample_kernel import SAMPLE, sample_row
 from roseinfer.core.step_inputs import PackedInputs
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton
 
@@ -53,14 +53,13 @@ def take_ids(input_ids: torch.Tensor, src_rows: torch.Tensor, sampled: torch.Ten
 def _sample_advance_kernel(
     logits_ptr, s_logits, vocab, sampled_ptr, window_ptr, s_window, window_step_ptr,
     positions_ptr, context_lens_ptr, offsets_ptr, block_idx_ptr, src_rows_ptr, seq_rows_ptr,
-    state_ptr, s_state, words_at, block_size, BLOCK_V: tl.constexpr,
+    state_ptr, s_state, words_at, block_size,
 ):
     row = tl.program_id(0)
     # In a decode graph row i is token i and sequence i, and samples into slot i.
     state = state_ptr + tl.load(seq_rows_ptr + row).to(tl.int64) * s_state
     pos = tl.load(positions_ptr + row)
-    token = sample_row(logits_ptr + row.to(tl.int64) * s_logits, vocab, state + words_at, pos,
-                       BLOCK_V)
+    token = sample_row(logits_ptr + row.to(tl.int64) * s_logits, vocab, state + words_at, pos)
     tl.store(sampled_ptr + row, token)
     tl.store(window_ptr + tl.load(window_step_ptr) * s_window + row, token)
     pos += 1
@@ -83,5 +82,5 @@ def sample_advance(logits: torch.Tensor, inp: PackedInputs, state: torch.Tensor,
         logits, logits.stride(0), logits.shape[1], sampled, window, window.stride(0),
         inp.window_step, inp.positions, inp.context_lens, inp.offsets, inp.block_idx,
         inp.src_rows, inp.seq_rows, state, state.stride(0), words_at, block_size,
-        BLOCK_V=block_v(logits.shape[1]), num_warps=SAMPLE["num_warps"])
+        num_warps=SAMPLE["num_warps"])
     inp.window_step += 1
