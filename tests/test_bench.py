@@ -265,9 +265,23 @@ def test_sampling_flags_reach_the_engine_and_greedy_sends_none():
 
     assert sampling_of(0.0, 0.9, 5) == {}
     w = Workload([[1]], [[1]], 4, True, sampling=sampling_of(0.7, 0.9, 20))
-    p = sampling_params(w)
+    p, = sampling_params(w)
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.7, 0.9, 20, 4)
-    assert sampling_params(Workload([[1]], [[1]], 4, True)).temperature == 0.0
+    assert sampling_params(Workload([[1]], [[1]], 4, True))[0].temperature == 0.0
+
+
+def test_random_dataset_varies_output_lengths_too(tmp_path, tiny_dir):
+    """vLLM's meaning: --range-ratio spreads --max-new-tokens as it spreads --input-len,
+    and each request makes exactly its own count (ignore_eos)."""
+    code, result = _bench(tmp_path, "offline", tiny_dir, "--dataset", "random", "--input-len",
+                          "6", "--max-new-tokens", "10", "--range-ratio", "0.5",
+                          "--num-requests", "12")
+    assert code == 0
+    w = result["workload"]
+    assert 5 <= w["output_tokens_min"] < w["output_tokens_max"] <= 15
+    for run in result["roseinfer"]["runs"]:
+        assert run["completed"] == 12
+        assert run["total_output_tokens"] == w["output_tokens_total"]
 
 
 def test_bench_serve_drives_a_fleet_it_did_not_start(tmp_path, tiny_dir):
@@ -319,3 +333,22 @@ def test_offline_submits_on_the_poisson_schedule(tmp_path, tiny_dir):
     assert code == 0 and result["workload"]["request_rate"] == 20.0
     for run in result["roseinfer"]["runs"]:
         assert run["completed"] == 5
+
+
+def test_decode_bytes_floor_counts_weights_per_step_and_kv_per_token(gpt2_model):
+    from roseinfer import LLM
+    from roseinfer.bench.floor import decode_floor, kv_bytes_per_token, weight_bytes
+
+    eng = LLM(gpt2_model, device="cpu", dtype="float32", num_kv_blocks=64,
+              max_num_seqs=2).engine
+    cfg = gpt2_model.config
+    params = sum(p.numel() for p in gpt2_model.parameters())  # wte counted once (tied)
+    # A step reads every weight but the position table; the tied head reads all of wte.
+    assert weight_bytes(eng.model) == 4 * (params - cfg.n_positions * cfg.n_embd)
+    kv_tok = kv_bytes_per_token(eng.kv_cache)
+    assert kv_tok == 2 * cfg.n_layer * cfg.n_embd * 4
+    f = decode_floor(eng, [3, 5, 1], [2, 4, 4], peak=1e9)
+    # 10 tokens, 2 per step: 5 steps; K/V read: (3 + 4) + (5+6+7+8) + (1+2+3+4) tokens.
+    assert f["decode_steps"] == 5
+    want = (5 * weight_bytes(eng.model) + 43 * kv_tok) / 1e9
+    assert f["seconds"] == pytest.approx(want) and f["output_throughput"] == pytest.approx(10 / want)

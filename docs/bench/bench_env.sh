@@ -6,4 +6,4 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
-export PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1

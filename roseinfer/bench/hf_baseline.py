@@ -71,6 +71,8 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 def run_hf(model, tokenizer, w: Workload, variant: str) -> dict:
     """One timed generate over all requests. Raises VariantUnavailable when it cannot run."""
+    if len(set(w.output_lens)) > 1:
+        raise VariantUnavailable("one generate call makes one output length for all requests")
     device = model.device
     stop_ids = set() if w.ignore_eos else eos_ids(model, tokenizer)
     pad_id = min(stop_ids) if stop_ids else 0

@@ -15,9 +15,12 @@ from roseinfer.bench.workloads import Workload
 from roseinfer.core.sampling import SamplingParams
 
 
-def sampling_params(w: Workload) -> SamplingParams:
-    return SamplingParams(max_tokens=w.max_new_tokens, ignore_eos=w.ignore_eos,
-                          **{"temperature": 0.0, **w.sampling})
+def sampling_params(w: Workload) -> list[SamplingParams]:
+    """Each request's parameters (one object per distinct output length)."""
+    by_len = {n: SamplingParams(max_tokens=n, ignore_eos=w.ignore_eos,
+                                **{"temperature": 0.0, **w.sampling})
+              for n in set(w.output_lens)}
+    return [by_len[n] for n in w.output_lens]
 
 
 class _Submitter:
@@ -54,7 +57,7 @@ def run_offline(probe: EngineProbe, w: Workload, run_id: str,
             rec = records[sub.next]
             rec.due = sub.due_at()
             rec.submit = sub.last_submit = now()
-            probe.add_request(rec.rid, w.prompts[sub.next], params)
+            probe.add_request(rec.rid, w.prompts[sub.next], params[sub.next])
             sub.next += 1
         if not probe.has_unfinished():
             sleep_until(sub.due_at())

@@ -99,6 +99,11 @@ def print_report(result: dict, console=None) -> None:
         lat.add_row(f"engine step ({steps['num_steps']:.0f})", _fmt(steps.get("step_ms_mean"), 2),
                     _fmt(steps.get("step_ms_p50"), 2), "", _fmt(steps.get("step_ms_p99"), 2))
     console.print(lat)
+    if "bytes_floor" in result:
+        f = result["bytes_floor"]
+        console.print(f"decode bytes floor at {f['peak_bytes_per_s'] / 1e12:.2f} TB/s: "
+                      f"{f['output_throughput']:,.1f} completion tok/s; roseinfer reaches "
+                      f"[bold]{100 * f['fraction']:.1f} %[/] of it")
     if "offline_ratio" in result:
         off = result["offline"]["summary"]["output_throughput"]
         console.print(f"through Redis / engine alone ({off:,.1f} completion tok/s): "

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import signal
 import threading
 
 from rich.console import Console
 
 from roseinfer.bench import hf_baseline, report
+from roseinfer.bench.floor import decode_floor
 from roseinfer.bench.metrics import RequestRecord, summarize
 from roseinfer.bench.probe import EngineProbe
 from roseinfer.bench.progress import Progress
 from roseinfer.bench.workloads import (
-    Workload, build_prompts, parse_repeats, random_prompts, sampling_of)
+    Workload, build_prompts, parse_repeats, random_lengths, random_prompts, sampling_of)
 from roseinfer.core.engine import settle_heap
 
 
@@ -69,6 +71,10 @@ class BenchRun:
                   "roseinfer": {"summary": ours, "runs": runs}, "hf": hf,
                   "ratios": {v: ours["output_throughput"] / r["summary"]["output_throughput"]
                              for v, r in hf.items() if "summary" in r}}
+        if engine.device.type == "cuda":
+            floor = decode_floor(engine, [len(p) for p in w.prompt_ids], w.output_lens)
+            floor["fraction"] = ours["output_throughput"] / floor["output_throughput"]
+            result["bytes_floor"] = floor
         if offline is not None:
             result["offline"] = {"summary": summarize(offline), "runs": offline}
             result["offline_ratio"] = (ours["output_throughput"]
@@ -122,20 +128,25 @@ class BenchRun:
         a = self.args
         if tokenizer is None and not a.pretok:
             self.console.log("the model has no tokenizer: sending pre-tokenized prompts")
+        output_lens = None
         if a.dataset == "random":
             prompts = ids = random_prompts(a.num_requests, a.input_len, a.range_ratio,
                                            vocab_size, seed or 0)
+            output_lens = random_lengths(a.num_requests, a.max_new_tokens, a.range_ratio,
+                                         random.Random(f"output {seed or 0}"))
         else:
             prompts, ids = build_prompts(a.num_requests, a.prompt, parse_repeats(a.prompt_repeats),
                                          tokenizer, vocab_size, a.pretok, a.prompt_sep,
                                          a.prompt_token_id)
-        longest = max(len(p) for p in ids) + a.max_new_tokens
+        w = Workload(prompts, ids, a.max_new_tokens, a.ignore_eos,
+                     a.submit_interval_ms / 1e3, a.schedule, getattr(a, "stream_interval", 1),
+                     sampling_of(a.temperature, a.top_p, a.top_k), a.request_rate, seed or 0,
+                     output_lens)
+        longest = max(len(p) + n for p, n in zip(ids, w.output_lens))
         if max_model_len is not None and longest > max_model_len:
-            raise SystemExit(f"prompt + --max-new-tokens = {longest} tokens exceeds the engine's "
+            raise SystemExit(f"prompt + new tokens = {longest} tokens exceeds the engine's "
                              f"max_model_len {max_model_len}")
-        return Workload(prompts, ids, a.max_new_tokens, a.ignore_eos,
-                        a.submit_interval_ms / 1e3, a.schedule, getattr(a, "stream_interval", 1),
-                        sampling_of(a.temperature, a.top_p, a.top_k), a.request_rate, seed or 0)
+        return w
 
     # --- runs -----------------------------------------------------------------------------
 
@@ -179,7 +190,7 @@ class BenchRun:
         return runs
 
     def _ours(self, harness, w: Workload, name: str, run_id: str):
-        total = w.num_requests * w.max_new_tokens
+        total = sum(w.output_lens)
         with Progress(total, f"roseinfer {name}", self.args.progress) as progress:
             metrics, records = harness.run(w, run_id, progress)
         self.console.log(f"roseinfer {name}: {metrics['output_throughput']:,.1f} completion tok/s, "

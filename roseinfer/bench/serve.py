@@ -113,7 +113,8 @@ class ServeHarness:
         # must never find its reply streams already written.
         return {"url": self.redis_url, "prefix": self.prefix, "run_id": f"{self.tag}-{run_id}",
                 "t0": t0,
-                "prompts": w.prompts, "params": params, "interval_s": w.submit_interval_s,
+                "prompts": w.prompts, "params": params, "output_lens": w.output_lens,
+                "interval_s": w.submit_interval_s,
                 "offsets": w.offsets,
                 "schedule": w.schedule, "shard": shard, "num_shards": self.client_procs,
                 "timeout_s": self.timeout_s}
@@ -157,7 +158,8 @@ async def _client(spec: dict) -> list[dict]:
             rec.due = last + spec["interval_s"] if relative else spec["t0"] + spec["offsets"][i]
             await asyncio.sleep(max(0.0, rec.due - now()))
             rec.submit = last = now()
-            await client.submit(spec["prompts"][i], rid=rec.rid, **spec["params"])
+            await client.submit(spec["prompts"][i], rid=rec.rid,
+                                **{**spec["params"], "max_tokens": spec["output_lens"][i]})
             tasks.append(asyncio.create_task(_read(client, rec, spec["timeout_s"])))
         await asyncio.gather(*tasks)
     finally:

@@ -27,10 +27,12 @@ class Workload:
     sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k; empty: greedy
     request_rate: Optional[float] = None  # Poisson arrivals per second (absolute schedule)
     seed: int = 0
+    output_lens: list[int] = field(default_factory=list)  # per request; empty: max_new_tokens
 
     def __post_init__(self):
         self.offsets = _offsets(self.num_requests, self.submit_interval_s, self.request_rate,
                                 self.seed)
+        self.output_lens = self.output_lens or [self.max_new_tokens] * self.num_requests
 
     def offset(self, i: int) -> float:
         """When request i is due on the absolute schedule, in seconds after t0."""
@@ -47,7 +49,9 @@ class Workload:
     def describe(self) -> dict:
         lens = [len(p) for p in self.prompt_ids]
         return {"num_requests": self.num_requests, "max_new_tokens": self.max_new_tokens,
-                "ignore_eos": self.ignore_eos, "prompt_tokens_min": min(lens),
+                "output_tokens_min": min(self.output_lens),
+                "output_tokens_max": max(self.output_lens),
+                "output_tokens_total": sum(self.output_lens), "ignore_eos": self.ignore_eos, "prompt_tokens_min": min(lens),
                 "prompt_tokens_max": max(lens), "prompt_tokens_total": sum(lens),
                 "pretokenized": bool(self.prompts) and not isinstance(self.prompts[0], str),
                 "submit_interval_ms": self.submit_interval_s * 1e3, "schedule": self.schedule,
@@ -109,12 +113,19 @@ def random_prompts(n: int, input_len: int, range_ratio: float, vocab_size: int,
     """vLLM's random dataset: ids uniform over the vocabulary, lengths uniform in
     [input_len * (1 - range_ratio), input_len * (1 + range_ratio)], at least 1. Random
     ids share no prefix, so the prefix cache saves no prefill."""
-    if input_len < 1 or not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"--input-len must be >= 1 and --range-ratio in [0, 1); "
-                         f"got {input_len} and {range_ratio}")
     rng = random.Random(seed)
-    lo, hi = max(1, round(input_len * (1 - range_ratio))), round(input_len * (1 + range_ratio))
-    return [[rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return [[rng.randrange(vocab_size) for _ in range(k)]
+            for k in random_lengths(n, input_len, range_ratio, rng)]
+
+
+def random_lengths(n: int, length: int, range_ratio: float, rng: random.Random) -> list[int]:
+    """``n`` lengths uniform in [length * (1 - range_ratio), length * (1 + range_ratio)],
+    at least 1 (vLLM's random dataset, for prompts and outputs alike)."""
+    if length < 1 or not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"lengths must be >= 1 and --range-ratio in [0, 1); "
+                         f"got {length} and {range_ratio}")
+    lo, hi = max(1, round(length * (1 - range_ratio))), round(length * (1 + range_ratio))
+    return [rng.randint(lo, hi) for _ in range(n)]
 
 
 def sampling_of(temperature: float, top_p: float, top_k: int) -> dict:

@@ -1,0 +1,53 @@
+"""The decode bytes floor: the least time a run's decode steps can take on the
+GPU's memory bandwidth, reading every weight once per step and every cached
+K/V entry once per generated token. Prefill (compute-bound) is not counted,
+so on prefill-heavy runs the fraction overstates how far decode is from it."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+# What the real-shape benchmarks count an H100 SXM (HBM3) at; its spec says 3.35 TB/s.
+PEAK_BYTES_PER_S = 3.0e12
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every weight, but of an embedding table only the
+    rows it looks up (nothing, to first order). A tied LM head still reads the whole
+    table: the head holds it (or its padded or packed copy) as its own weight."""
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            continue
+        tensors = [*m._parameters.values(), *vars(m).values()]
+        for t in tensors:  # also weights packed outside parameters (PackedLinear)
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = id(t) if t.is_mkldnn else t.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_per_token(kv_cache) -> int:
+    """K and V of one token, all layers: [blocks, kv_heads, block_size, head_dim] each."""
+    return sum(2 * k.shape[1] * k.shape[3] * k.element_size() for k in kv_cache.k)
+
+
+def decode_floor(engine, prompt_lens: list[int], output_lens: list[int],
+                 peak: float = PEAK_BYTES_PER_S) -> dict:
+    """Floor seconds and tokens/s for decoding ``output_lens`` after ``prompt_lens``,
+    with at most ``max_num_seqs`` sequences per step."""
+    weights = weight_bytes(engine.model)
+    kv_tok = kv_bytes_per_token(engine.kv_cache)
+    batch = min(engine.config.max_num_seqs, len(output_lens))
+    steps = max(max(output_lens), math.ceil(sum(output_lens) / batch))
+    # Token t of a request reads the K/V of its prompt and of the t tokens before it.
+    kv = sum(n * p + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens)) * kv_tok
+    seconds = (steps * weights + kv) / peak
+    return {"peak_bytes_per_s": peak, "weight_bytes": weights, "kv_bytes_per_token": kv_tok,
+            "decode_steps": steps, "seconds": seconds,
+            "output_throughput": sum(output_lens) / seconds}
