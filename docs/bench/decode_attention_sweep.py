@@ -13,6 +13,7 @@ shapes with >= 8 MB of K/V, and every shape's figure under it.
     python docs/bench/decode_attention_sweep.py --out DIR
 """
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -30,22 +31,25 @@ CLASSES = [(64, 1), (64, 4), (64, 8), (128, 1), (128, 4), (128, 8)]
 BATCHES = [1, 16, 64, 256]
 CONTEXTS = [128, 512, 2048, 8192]
 MAX_BYTES = 8 << 30
+CALLS = 10
 
 
-def settings():
+def settings(dot_only: bool):
     for bn, w, st in itertools.product([16, 32], [1, 2, 4], [1, 2]):
-        yield {"dot": False, "block_n": bn, "num_warps": w, "num_stages": st}
+        if not dot_only:
+            yield {"dot": False, "block_n": bn, "num_warps": w, "num_stages": st}
     for bn, st in itertools.product([32, 64, 128], [2, 3, 4]):
         yield {"dot": True, "block_n": bn, "num_warps": 4, "num_stages": st}
 
 
-def time_graph(fn, calls=10, replays=5) -> float:
-    """Seconds per call of ``fn`` replayed in a CUDA graph."""
-    fn()
+def time_graph(fns, replays=5) -> float:
+    """Seconds per call of the ``fns`` captured back to back in one CUDA graph."""
+    for fn in fns:
+        fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
+        for fn in fns:
             fn()
     graph.replay()
     torch.cuda.synchronize()
@@ -55,7 +59,7 @@ def time_graph(fn, calls=10, replays=5) -> float:
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (calls * replays)
+    return start.elapsed_time(end) / 1e3 / (len(fns) * replays)
 
 
 def shapes(head_dim, group):
@@ -66,7 +70,7 @@ def shapes(head_dim, group):
             yield batch, ctx, kv_bytes
 
 
-def sweep_class(head_dim, group, bound, out):
+def sweep_class(head_dim, group, bound, dot_only, out):
     kv_heads = HEADS // group
     need = max(b * c for b, c, _ in shapes(head_dim, group)) // BLOCK + 1
     k_cache = torch.randn(need, kv_heads, BLOCK, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -74,18 +78,24 @@ def sweep_class(head_dim, group, bound, out):
     backend = triton_paged.TritonPagedAttention()
     results = []
     for batch, ctx, kv_bytes in shapes(head_dim, group):
+        # Each of the graph's calls reads its own random blocks of the whole cache, so
+        # that K/V small enough for the L2 cache (50 MB) is not read from it, as in a
+        # model, where the other layers' K/V and weights pass between two reads.
         blocks = ctx // BLOCK
-        perm = torch.randperm(need - 1, device="cuda")[:batch * blocks].int() + 1
-        attn = AttnMetadata(perm.view(batch, blocks),
-                            torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
-                            torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-                            1, max(bound, ctx))
+        attns = [AttnMetadata(
+            (torch.randperm(need - 1, device="cuda")[:batch * blocks].int() + 1).view(batch, blocks),
+            torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
+            torch.arange(batch + 1, dtype=torch.int32, device="cuda"), 1, max(bound, ctx))
+            for _ in range(CALLS)]
         q = torch.randn(batch, HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
+        calls = [functools.partial(backend.forward, q, k_cache, v_cache, attn, head_dim ** -0.5)
+                 for attn in attns]
         floor = kv_bytes / PEAK
-        for s, ppsm in itertools.product(settings(), [4, 8, 16]):
+        for s, ppsm in itertools.product(settings(dot_only), [4, 8] if dot_only else [4, 8, 16]):
+            triton_paged.DECODE_TUNING.clear()
             triton_paged.TUNING["decode"] = dict(s, programs_per_sm=ppsm)
             try:
-                t = time_graph(lambda: backend.forward(q, k_cache, v_cache, attn, head_dim ** -0.5))
+                t = time_graph(calls)
             except Exception as e:  # a setting the compiler refuses (e.g. out of shared memory)
                 print(f"skip {head_dim}/{group} {s} {ppsm}: {type(e).__name__}", flush=True)
                 continue
@@ -118,12 +128,13 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--bound", type=int, default=8192, help="max_context_len the graphs capture with")
     ap.add_argument("--classes", default=",".join(f"{d}x{g}" for d, g in CLASSES))
+    ap.add_argument("--dot-only", action="store_true", help="only the tensor-core tile")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     with open(os.path.join(args.out, "decode_sweep.jsonl"), "w") as out:
         for cls in args.classes.split(","):
             head_dim, group = map(int, cls.split("x"))
-            (setting, rows) = best(sweep_class(head_dim, group, args.bound, out))
+            (setting, rows) = best(sweep_class(head_dim, group, args.bound, args.dot_only, out))
             print(f"head_dim {head_dim} group {group}: best {setting}", flush=True)
             for r in rows:
                 print(f"  batch {r['batch']:4d} ctx {r['context']:5d} {r['kv_mb']:9.1f} MB "
