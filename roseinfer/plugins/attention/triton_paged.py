@@ -36,9 +36,9 @@ from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_
 TUNING = {"decode": {"block_n": 16, "num_warps": 1, "num_stages": 2, "dot": False,
                      "programs_per_sm": 8},
           "prefill": {"block_n": 32, "num_warps": 4, "num_stages": 2}}
+_TC = {"block_n": 64, "num_warps": 4, "num_stages": 2, "dot": True, "programs_per_sm": 4}
 DECODE_TUNING: dict[tuple[int, int], dict] = {
-    (64, 4): {"block_n": 128, "num_warps": 4, "num_stages": 2, "dot": True, "programs_per_sm": 4},
-    (128, 4): {"block_n": 64, "num_warps": 4, "num_stages": 2, "dot": True, "programs_per_sm": 4},
+    (64, 4): _TC, (64, 8): _TC, (128, 4): _TC, (128, 8): dict(_TC, num_stages=3),
 }
 MIN_SPLIT_LEN = 64     # context bound per split below which splitting only adds merging
 MAX_SPLITS = 16
