@@ -352,3 +352,45 @@ def test_decode_bytes_floor_counts_weights_per_step_and_kv_per_token(gpt2_model)
     assert f["decode_steps"] == 5
     want = (5 * weight_bytes(eng.model) + 43 * kv_tok) / 1e9
     assert f["seconds"] == pytest.approx(want) and f["output_throughput"] == pytest.approx(10 / want)
+
+
+def test_max_concurrency_caps_requests_in_flight(monkeypatch):
+    """A due request waits for a slot; each client process gets its share of the cap."""
+    import asyncio
+    import types
+
+    from roseinfer.bench import serve
+    from roseinfer.frontends.redis_streams import client as client_mod
+
+    assert [serve._share(5, k, 2) for k in range(2)] == [3, 2]
+    assert [serve._share(1, k, 3) for k in range(3)] == [1, 1, 1]
+    assert serve._share(None, 0, 2) is None
+    live, peak = 0, 0
+
+    class FakeClient:
+        def __init__(self, *a):
+            pass
+
+        async def submit(self, prompt, rid, **params):
+            nonlocal live, peak
+            live += 1
+            peak = max(peak, live)
+
+        async def stream(self, rid, timeout):
+            nonlocal live
+            await asyncio.sleep(0.01)
+            live -= 1
+            yield types.SimpleNamespace(token_ids=[1], finished=True, finish_reason="length",
+                                        usage={}, error=None)
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(client_mod, "AsyncClient", FakeClient)
+    spec = {"url": "", "prefix": "", "run_id": "r", "t0": serve.now(), "prompts": [[1]] * 12,
+            "params": {}, "output_lens": [1] * 12, "interval_s": 0.0, "offsets": [0.0] * 12,
+            "schedule": "absolute", "shard": 0, "num_shards": 1, "timeout_s": 5.0,
+            "max_concurrency": 3}
+    rows = serve.client_run(spec)
+    assert len(rows) == 12 and all(r["finish_reason"] == "length" for r in rows)
+    assert peak == 3

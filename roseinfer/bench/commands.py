@@ -32,6 +32,9 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-offline", action="store_true",
                    help="also run the same requests on the engine alone (bench offline) first, "
                         "and report the ratio")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight; a due request waits for a "
+                        "slot (vLLM's meaning; default: no cap)")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds to wait for each chunk (default: %(default)s)")
     srv.set_defaults(func=lambda args: run_bench(args, "serve"))

@@ -141,7 +141,7 @@ class BenchRun:
         w = Workload(prompts, ids, a.max_new_tokens, a.ignore_eos,
                      a.submit_interval_ms / 1e3, a.schedule, getattr(a, "stream_interval", 1),
                      sampling_of(a.temperature, a.top_p, a.top_k), a.request_rate, seed or 0,
-                     output_lens)
+                     output_lens, getattr(a, "max_concurrency", None))
         longest = max(len(p) + n for p, n in zip(ids, w.output_lens))
         if max_model_len is not None and longest > max_model_len:
             raise SystemExit(f"prompt + new tokens = {longest} tokens exceeds the engine's "

@@ -117,6 +117,7 @@ class ServeHarness:
                 "interval_s": w.submit_interval_s,
                 "offsets": w.offsets,
                 "schedule": w.schedule, "shard": shard, "num_shards": self.client_procs,
+                "max_concurrency": _share(w.max_concurrency, shard, self.client_procs),
                 "timeout_s": self.timeout_s}
 
     def _wait(self, pending, progress: Progress) -> None:
@@ -140,6 +141,11 @@ def _ping() -> bool:
     return True
 
 
+def _share(cap, shard: int, shards: int):
+    """This shard's part of an in-flight cap (None: no cap); every shard gets >= 1."""
+    return None if cap is None else max(1, cap // shards + (shard < cap % shards))
+
+
 def client_run(spec: dict) -> list[dict]:
     """Submit this shard's requests on the schedule and read their streams; records as dicts."""
     return asyncio.run(_client(spec))
@@ -152,22 +158,24 @@ async def _client(spec: dict) -> list[dict]:
     mine = range(spec["shard"], len(spec["prompts"]), spec["num_shards"])
     records = [RequestRecord(f"{spec['run_id']}-{i}") for i in mine]
     tasks, last = [], spec["t0"]
+    slots = asyncio.Semaphore(spec["max_concurrency"] or len(records) or 1)
     try:
         for i, rec in zip(mine, records):
             relative = spec["schedule"] == "relative" and tasks
             rec.due = last + spec["interval_s"] if relative else spec["t0"] + spec["offsets"][i]
             await asyncio.sleep(max(0.0, rec.due - now()))
+            await slots.acquire()  # released when its stream ends
             rec.submit = last = now()
             await client.submit(spec["prompts"][i], rid=rec.rid,
                                 **{**spec["params"], "max_tokens": spec["output_lens"][i]})
-            tasks.append(asyncio.create_task(_read(client, rec, spec["timeout_s"])))
+            tasks.append(asyncio.create_task(_read(client, rec, spec["timeout_s"], slots)))
         await asyncio.gather(*tasks)
     finally:
         await client.close()
     return [dataclasses.asdict(r) for r in records]
 
 
-async def _read(client, rec: RequestRecord, timeout_s: float) -> None:
+async def _read(client, rec: RequestRecord, timeout_s: float, slots) -> None:
     try:
         async for chunk in client.stream(rec.rid, timeout=timeout_s):
             rec.chunks.append((now(), len(chunk.token_ids)))
@@ -179,3 +187,5 @@ async def _read(client, rec: RequestRecord, timeout_s: float) -> None:
                     rec.error = f"{chunk.error.get('code')}: {chunk.error.get('message')}"
     except Exception as e:  # a lost request counts as failed, the run goes on
         rec.error = f"{type(e).__name__}: {e}"
+    finally:
+        slots.release()

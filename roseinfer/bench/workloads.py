@@ -28,11 +28,14 @@ class Workload:
     request_rate: Optional[float] = None  # Poisson arrivals per second (absolute schedule)
     seed: int = 0
     output_lens: list[int] = field(default_factory=list)  # per request; empty: max_new_tokens
+    max_concurrency: Optional[int] = None  # in-flight cap (serve)
 
     def __post_init__(self):
         self.offsets = _offsets(self.num_requests, self.submit_interval_s, self.request_rate,
                                 self.seed)
         self.output_lens = self.output_lens or [self.max_new_tokens] * self.num_requests
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
 
     def offset(self, i: int) -> float:
         """When request i is due on the absolute schedule, in seconds after t0."""
@@ -56,7 +59,7 @@ class Workload:
                 "pretokenized": bool(self.prompts) and not isinstance(self.prompts[0], str),
                 "submit_interval_ms": self.submit_interval_s * 1e3, "schedule": self.schedule,
                 "stream_interval": self.stream_interval, "sampling": self.sampling or "greedy",
-                "request_rate": self.request_rate}
+                "request_rate": self.request_rate, "max_concurrency": self.max_concurrency}
 
 
 def parse_repeats(text: str) -> list[int]:
