@@ -276,4 +276,3 @@ def test_resume_releases_text_the_first_owner_held_back():
     while eng.has_unfinished():
         rest += "".join(o.new_text for o in eng.step())
     assert handed_out + rest == whole.text
-
