@@ -28,16 +28,18 @@ def tiny_llama(vocab=512, **overrides):
 
 
 def tiny_family(family, vocab=512, **overrides):
-    """A Llama-like family at tiny_llama's shape: "mistral", "qwen2" or "qwen3"."""
+    """A Llama-like family at tiny_llama's shape: "mistral", "qwen2", "qwen3" or "phi3"."""
     import transformers
 
     torch.manual_seed(0)
-    names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[family]
     config = getattr(transformers, f"{names}Config")
     base = dict(vocab_size=vocab, hidden_size=72, intermediate_size=144, num_hidden_layers=2,
                 num_attention_heads=6, num_key_value_heads=2, head_dim=12,
                 max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.2,
                 tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    if family == "phi3":  # its default pad id (32000) is past a tiny vocabulary
+        base["pad_token_id"] = 0
     model = getattr(transformers, f"{names}ForCausalLM")(config(**{**base, **overrides})).eval()
     if family == "qwen2":  # q/k/v biases start at 0: make them matter
         for layer in model.model.layers:

@@ -10,7 +10,9 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+# Phi-3's rotates the first cos.shape[-1] dims (partial rotary) and equals Llama's at full width.
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
 from roseinfer.models.fused import add_layer_norm, add_rms_norm, apply_rope, silu_and_mul
 
@@ -111,8 +113,8 @@ def test_silu_and_mul(gen, intermediate, lead, dtype):
         assert_close(silu_and_mul(gate_up, use_triton=use_triton), expected, dtype)
 
 
-def rope_tables(head_dim):
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+def rope_tables(dim):
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, dim, 2).float() / dim)
     freqs = torch.outer(torch.arange(MAX_POS).float(), inv_freq)
     return freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
 
@@ -128,15 +130,17 @@ def rope_reference(x, heads, positions, cos, sin):
 
 @dtypes
 @pytest.mark.parametrize("fused", [True, False], ids=["qkv_view", "contiguous"])
-@pytest.mark.parametrize("head_dim", [12, 64])
-def test_apply_rope(gen, head_dim, fused, dtype):
-    """In place on q and k, which may be column slices of a fused qkv tensor; v untouched."""
+@pytest.mark.parametrize("head_dim,rotary", [(12, 12), (64, 64), (64, 32), (96, 72)],
+                         ids=["d12", "d64", "d64-partial32", "d96-partial72"])
+def test_apply_rope(gen, head_dim, rotary, fused, dtype):
+    """In place on q and k, which may be column slices of a fused qkv tensor; v untouched.
+    Partial rotary: only each head's first ``rotary`` dims turn."""
     q_size, kv_size = H * head_dim, HKV * head_dim
     qkv = randn(gen, ROWS, q_size + 2 * kv_size, dtype=dtype)
     # Unsorted positions; int32 as the engine packs them, int64 as indexing produces them.
     positions = torch.randperm(MAX_POS, generator=gen)[:ROWS].to(
         torch.int32 if fused else torch.int64).to(DEVICE)
-    cos, sin = rope_tables(head_dim)
+    cos, sin = rope_tables(rotary)
     expected_q = rope_reference(qkv[:, :q_size], H, positions, cos, sin)
     expected_k = rope_reference(qkv[:, q_size:q_size + kv_size], HKV, positions, cos, sin)
 

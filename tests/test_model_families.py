@@ -1,13 +1,13 @@
-"""The Llama-like families (Mistral, Qwen2, Qwen3): greedy ids equal transformers'
-generate on random tiny configs, across block sizes, batches of mixed lengths and the
-prefix cache; a sliding window bounds the context."""
+"""The Llama-like families (Mistral, Qwen2, Qwen3, Phi-3): greedy ids equal
+transformers' generate on random tiny configs, across block sizes, batches of mixed
+lengths and the prefix cache; a sliding window bounds the context, and so does LongRoPE."""
 import pytest
 
 from roseinfer import LLM
 from tests.models import tiny_family
 from tests.test_greedy_equality import check, mixed_prompts
 
-FAMILIES = ["mistral", "qwen2", "qwen3"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "phi3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -32,3 +32,22 @@ def test_a_sliding_window_bounds_the_context():
     llm = LLM(tiny_family("mistral", sliding_window=64), device="cpu", dtype="float32",
               num_kv_blocks=128, block_size=4)
     assert llm.engine.max_model_len == 64
+
+
+def test_phi3_with_partial_rotary():
+    """Phi-4-mini's kind of config: a quarter of each head's dims do not rotate."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    check(tiny_family("phi3", sliding_window=None, rope_parameters=rope),
+          mixed_prompts(5, seed=4), max_tokens=16)
+
+
+def test_longrope_bounds_the_context_to_its_original_length():
+    """Past its original context LongRoPE changes frequencies (transformers switches
+    tables on the fly); built once here, the short-context tables bound the context."""
+    half = 6  # head dim 12: rotary dims come in 6 pairs
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+            "long_factor": [4.0] * half, "original_max_position_embeddings": 128}
+    model = tiny_family("phi3", sliding_window=None, max_position_embeddings=512,
+                        original_max_position_embeddings=128, rope_parameters=rope)
+    llm = check(model, mixed_prompts(3, seed=5), max_tokens=12)
+    assert llm.engine.max_model_len == 128

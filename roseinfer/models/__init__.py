@@ -8,6 +8,7 @@ ARCHITECTURES = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
 }
 
 

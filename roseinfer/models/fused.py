@@ -157,13 +157,14 @@ def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch
 # ---------------------------------------------------------------- RoPE
 
 @_kernel
-def _rotate_heads(ptr, row_offset, num_heads, cos, sin, half,
+def _rotate_heads(ptr, row_offset, num_heads, head_dim, cos, sin, half,
                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate-half RoPE of one token's heads, in place: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]."""
+    """Rotate-half RoPE of one token's heads, in place: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
+    over each head's first ``2 * half`` dims (partial rotary leaves the rest)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (j < half)
-    first = ptr + row_offset + h * (2 * half) + j
+    first = ptr + row_offset + h * head_dim + j
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
     tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
@@ -174,7 +175,7 @@ def _rotate_heads(ptr, row_offset, num_heads, cos, sin, half,
 def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
     s_q, s_k, s_pos, s_table,                    # row strides (q/k may be slices of qkv)
-    num_heads, num_kv_heads, half,
+    num_heads, num_kv_heads, head_dim, half,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     # One program per token: its cos/sin row is gathered once for all q and k heads.
@@ -183,8 +184,8 @@ def _rope_kernel(
     j = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + pos * s_table + j, mask=j < half, other=0.0)
     sin = tl.load(sin_ptr + pos * s_table + j, mask=j < half, other=0.0)
-    _rotate_heads(q_ptr, row * s_q, num_heads, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr, row * s_k, num_kv_heads, cos, sin, half, BLOCK_HK, BLOCK_HALF)
+    _rotate_heads(q_ptr, row * s_q, num_heads, head_dim, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, row * s_k, num_kv_heads, head_dim, cos, sin, half, BLOCK_HK, BLOCK_HALF)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -194,23 +195,24 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
     ``q`` and ``k`` need unit column stride only (column slices of a fused qkv
     tensor are fine); ``positions`` [N] must index rows of the float32
-    ``cos``/``sin`` tables [max_pos, D/2] (not bounds-checked on the Triton path).
+    ``cos``/``sin`` tables [max_pos, R/2] (not bounds-checked on the Triton path); the
+    first R dims of each head rotate (R < D: partial rotary, as Phi-4-mini's).
     """
+    half, head_dim = cos.shape[1], q.shape[1] // num_heads
+    assert k.shape[1] == num_kv_heads * head_dim and 2 * half <= head_dim
     if not _use_triton(use_triton, q):
         cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         for x, heads in ((q, num_heads), (k, num_kv_heads)):
-            per_head = x.view(x.shape[0], heads, -1)
-            x1, x2 = per_head.float().chunk(2, dim=-1)
-            per_head.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+            rot = x.view(x.shape[0], heads, head_dim)[..., :2 * half]
+            x1, x2 = rot.float().chunk(2, dim=-1)
+            rot.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
         return q, k
-    half = cos.shape[1]
-    assert q.shape[1] == num_heads * 2 * half and k.shape[1] == num_kv_heads * 2 * half
     assert q.stride(1) == k.stride(1) == cos.stride(1) == 1 and sin.stride() == cos.stride()
     block_half = triton.next_power_of_2(half)
     _rope_kernel[(q.shape[0],)](
         q, k, positions, cos, sin,
         q.stride(0), k.stride(0), positions.stride(0), cos.stride(0),
-        num_heads, num_kv_heads, half,
+        num_heads, num_kv_heads, head_dim, half,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half,
         num_warps=_warps(triton.next_power_of_2(num_heads + num_kv_heads) * block_half),

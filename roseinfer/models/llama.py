@@ -2,7 +2,9 @@
 
 The families that are Llama plus a flag run here too: Mistral (Llama's layers; its
 sliding window bounds the context instead, see engine._context_len), Qwen2 (bias on
-q/k/v) and Qwen3 (an RMSNorm on each head of q and k before RoPE)."""
+q/k/v), Qwen3 (an RMSNorm on each head of q and k before RoPE) and Phi-3 (its
+checkpoints hold q/k/v and gate/up already fused; partial rotary where the config
+sets it)."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +24,8 @@ def rope_params(cfg) -> tuple[torch.Tensor, float]:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
         return inv_freq, scaling
     theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))  # the rotated dims
+    exps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     return 1.0 / (theta ** exps), 1.0
 
 
