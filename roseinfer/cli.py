@@ -1,4 +1,4 @@
-"""roseinfer command line: generate | plugins | serve | worker | submit | bench."""
+"""roseinfer command line: generate | plugins | serve | worker | submit | status | gateway | bench."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,8 @@ import sys
 from roseinfer.core.config import engine_args_parser
 
 # Command groups living outside core, each exposing add_commands(subparsers, engine_parent).
-COMMAND_MODULES = ("roseinfer.frontends.redis_streams.commands", "roseinfer.bench.commands")
+COMMAND_MODULES = ("roseinfer.frontends.redis_streams.commands",
+                   "roseinfer.frontends.openai.commands", "roseinfer.bench.commands")
 
 
 def cmd_generate(args) -> int:

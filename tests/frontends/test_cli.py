@@ -1,5 +1,6 @@
 """`roseinfer worker`, `submit`, `status` and `serve` as real processes."""
 import json
+import shlex
 import signal
 import socket
 import subprocess
@@ -61,14 +62,22 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, expected, redis_server, pref
 
 
 def test_serve_runs_an_embedded_redis_and_stops_on_ctrl_c(tiny_gpt2_dir, expected):
-    port = free_port()
-    serve = subprocess.Popen(roseinfer("serve", "--port", str(port), *engine_flags(tiny_gpt2_dir)),
+    port, api_port = free_port(), free_port()
+    serve = subprocess.Popen(roseinfer("serve", "--port", str(port), "--gateway-port", str(api_port),
+                                       *engine_flags(tiny_gpt2_dir)),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        banner = [serve.stdout.readline() for _ in range(2)]
+        banner = [serve.stdout.readline() for _ in range(4)]
         url = f"redis://127.0.0.1:{port}"
         assert url in banner[0]
         assert banner[1].split()[:2] == ["roseinfer", "submit"] and f"--redis-url {url}" in banner[1]
+        # The gateway it starts: the banner's curl command, as printed, gets the reply.
+        api = f"http://127.0.0.1:{api_port}/v1"
+        assert api in banner[2] and banner[3].split()[:2] == ["curl", f"{api}/chat/completions"]
+        reply = subprocess.run(shlex.split(banner[3]), capture_output=True, text=True, timeout=60)
+        # The tiny GPT-2 has no chat template: the worker's refusal, in OpenAI's shape.
+        error = json.loads(reply.stdout)["error"]
+        assert error["param"] == "messages" and "no chat template" in error["message"]
         result = Client(url).generate(PROMPT, max_tokens=10, temperature=0, timeout=30)
     finally:
         code, _, log = stop(serve, signal.SIGINT)

@@ -146,3 +146,23 @@ def test_entries_within_the_limits_pass():
     req = decode_request("1-0", as_redis(encode_request("x" * 400, stop=["ab", "c"])), LIMITS)
     assert len(req.prompt) == 400 and req.params.stop == ["ab", "c"]
     assert decode_request("1-0", as_redis(encode_request([3] * 49)), LIMITS).prompt == [3] * 49
+
+
+def test_messages_round_trip_and_are_checked():
+    from roseinfer.frontends.redis_streams.protocol import Chat
+
+    chat = Chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    req = decode_request("1-0", as_redis(encode_request(chat, max_tokens=3)))
+    assert req.prompt == chat and req.params.max_tokens == 3
+    bad = [[], [{"role": "user"}], [{"role": "robot", "content": "x"}], "Hi",
+           [{"role": "user", "content": 3}]]
+    for messages in bad:
+        with pytest.raises(InvalidRequestError) as e:
+            decode_request("1-0", entry({"messages": messages}))
+        assert e.value.field == "messages"
+    with pytest.raises(InvalidRequestError, match="exactly one of"):
+        decode_request("1-0", entry({"messages": chat.messages, "prompt": "x"}))
+    with pytest.raises(InvalidRequestError) as e:  # sizes count before any templating
+        decode_request("1-0", entry({"messages": [{"role": "user", "content": "x" * 50}]}),
+                       Limits(max_prompt_tokens=10, max_prompt_chars=40))
+    assert e.value.code == "too_long"

@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-from roseinfer.frontends.redis_streams.protocol import Limits, Request, decode_request
+from roseinfer.core.errors import InvalidRequestError
+from roseinfer.frontends.redis_streams.protocol import Chat, Limits, Request, decode_request
 from roseinfer.models.tokenizers import as_chat
 
 
@@ -20,7 +21,8 @@ class Admission:
         # Its own copy: transformers' fast tokenizers change their settings on each
         # encode, which is not safe beside the loop's detokenizers on the shared one.
         self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
-        self.chat_template = chat_template and bool(getattr(tokenizer, "chat_template", None))
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.chat_template = chat_template and self.has_template
         context = getattr(engine, "max_model_len", None)
         self.limits = Limits(max_entry_bytes, context, _max_prompt_chars(self.tokenizer, context))
 
@@ -28,12 +30,24 @@ class Admission:
         """The entry as a request whose text prompt is already token ids; raises
         InvalidRequestError naming what is wrong or too large."""
         req = decode_request(entry_id, fields, self.limits)
-        if isinstance(req.prompt, str) and self.tokenizer is not None:
-            req.prompt = self.tokenizer.encode(self.templated(req.prompt))
+        if isinstance(req.prompt, Chat):
+            req.prompt = self.tokenizer.encode(self._render(req.prompt))
+        elif isinstance(req.prompt, str) and self.tokenizer is not None:
+            text = req.prompt if req.raw else self.templated(req.prompt)
+            req.prompt = self.tokenizer.encode(text)
         return req
 
     def templated(self, text: str) -> str:
         return as_chat(self.tokenizer, text) if self.chat_template else text
+
+    def _render(self, chat: Chat) -> str:
+        """Messages through the model's chat template (also on a --raw worker: a
+        conversation has no other form)."""
+        if not self.has_template:
+            raise InvalidRequestError(
+                "messages", "this worker's model has no chat template; send prompt instead")
+        return self.tokenizer.apply_chat_template(chat.messages, tokenize=False,
+                                                  add_generation_prompt=True)
 
 
 def _max_prompt_chars(tokenizer, context: Optional[int]) -> Optional[int]:

@@ -52,6 +52,10 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
         help="run a worker, with an embedded Redis unless --redis-url is given")
     serve.add_argument("--port", type=int, default=6379,
                        help="port of the embedded Redis, on 127.0.0.1 (default: %(default)s)")
+    serve.add_argument("--gateway-port", type=int, default=8000,
+                       help="port of the OpenAI API gateway, on 127.0.0.1 (default: %(default)s)")
+    serve.add_argument("--no-gateway", dest="gateway", action="store_false",
+                       help="serve no OpenAI API: the Redis queue only")
     _add_worker_flags(serve)
     serve.set_defaults(func=serve_command)
 
@@ -132,6 +136,16 @@ def serve_command(args: argparse.Namespace) -> int:
         return _serve_with(args, settings, server.url, announce=True)
 
 
+def _start_gateway(args, settings: dict, redis_url: str):
+    """`serve`'s OpenAI gateway, in a thread, on 127.0.0.1 (None: a worker, --no-gateway)."""
+    if not getattr(args, "gateway", False):
+        return None
+    from roseinfer.frontends.openai.app import BackgroundGateway, GatewayConfig
+
+    config = GatewayConfig(redis_url, settings["prefix"], model_name="roseinfer")
+    return BackgroundGateway(config, port=args.gateway_port).start()
+
+
 def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                 announce: bool = False) -> int:
     from roseinfer.core.llm import llm_from_args  # torch loads only for commands that need it
@@ -149,12 +163,22 @@ def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                         heartbeat_s=settings["heartbeat_s"], metrics=worker_metrics,
                         chat_template=not settings["raw"], model_name=args.model,
                         max_entry_bytes=settings["max_entry_bytes"])
+        gateway = _start_gateway(args, settings, redis_url)
         if announce:
             print(f"roseinfer is serving {args.model} at {redis_url}; from another terminal:\n"
                   f"  roseinfer submit {EXAMPLE_PROMPT!r}{_client_flags(settings, redis_url)}",
                   flush=True)
+        if gateway is not None:
+            print(f"OpenAI API at {gateway.url}/v1:\n  curl {gateway.url}/v1/chat/completions "
+                  "-H 'Content-Type: application/json' -d '{\"model\": \"roseinfer\", "
+                  f"\"messages\": [{{\"role\": \"user\", \"content\": \"{EXAMPLE_PROMPT}\"}}]}}'",
+                  flush=True)
         _stop_on_signals(worker)
-        worker.run()
+        try:
+            worker.run()
+        finally:
+            if gateway is not None:
+                gateway.stop()
     except KeyboardInterrupt:
         log.warning("interrupted twice: quit without finishing in-flight requests")
         return 130

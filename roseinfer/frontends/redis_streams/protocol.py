@@ -20,8 +20,17 @@ DEFAULT_GROUP = "workers"
 RID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                  "stop", "stop_token_ids", "ignore_eos")
-PARAM_KEYS = SAMPLING_KEYS + ("stream_interval",)
-Prompt = Union[str, list[int]]  # text, or token ids of the worker's model
+PARAM_KEYS = SAMPLING_KEYS + ("stream_interval", "raw")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Chat:
+    """A conversation: the worker renders it with its model's chat template."""
+    messages: list[dict]
+
+
+Prompt = Union[str, list[int], Chat]  # text, token ids of the worker's model, or messages
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,7 @@ class Request:
     prompt: Prompt
     params: SamplingParams
     stream_interval: int = 1
+    raw: bool = False        # a text prompt skips the worker's chat template
 
 
 @dataclass
@@ -105,7 +115,10 @@ def encode_request(prompt: Prompt, rid: Optional[str] = None, **params) -> dict:
         raise TypeError(f"unknown request parameter(s) {unknown}; known: {list(PARAM_KEYS)}")
     if rid is not None and not RID_PATTERN.fullmatch(rid):
         raise ValueError(f"rid {rid!r} must be 1-128 characters of [A-Za-z0-9_.:-]")
-    body = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt}
+    if isinstance(prompt, Chat):
+        body = {"messages": prompt.messages}
+    else:
+        body = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt}
     body.update((k, v) for k, v in params.items() if v is not None)
     fields = {"v": VERSION, "body": msgpack.packb(body)}
     if rid is not None:
@@ -152,8 +165,11 @@ def decode_request(entry_id: str, fields: dict, limits: Limits = Limits()) -> Re
         if key in body and not isinstance(body[key], (list, str) if key == "stop" else list):
             raise InvalidRequestError(key, f"must be a list, got {_short(body[key])}")
     _check_stop_sizes(body, limits)
+    raw = body.get("raw", False)
+    if not isinstance(raw, bool):
+        raise InvalidRequestError("raw", f"must be true or false, got {_short(raw)}")
     params = SamplingParams(**{k: body[k] for k in SAMPLING_KEYS if k in body})
-    return Request(rid, prompt, params, stream_interval)
+    return Request(rid, prompt, params, stream_interval, raw)
 
 
 def _decode_body(raw: bytes) -> dict:
@@ -167,18 +183,17 @@ def _decode_body(raw: bytes) -> dict:
 
 
 def _prompt(body: dict, limits: Limits) -> Prompt:
-    given = [k for k in ("prompt", "prompt_token_ids") if k in body]
+    given = [k for k in ("prompt", "prompt_token_ids", "messages") if k in body]
     if len(given) != 1:
-        raise InvalidRequestError("prompt", "give exactly one of prompt (text) or prompt_token_ids")
+        raise InvalidRequestError(
+            "prompt", "give exactly one of prompt (text), prompt_token_ids or messages")
+    if "messages" in body:
+        return _chat(body["messages"], limits)
     if "prompt" in body:
         text = body["prompt"]
         if not isinstance(text, str):
             raise InvalidRequestError("prompt", f"must be a string, got {type(text).__name__}")
-        if limits.max_prompt_chars is not None and len(text) > limits.max_prompt_chars:
-            raise InvalidRequestError(
-                "prompt", f"{len(text)} characters cannot fit the model's "
-                f"{limits.max_prompt_tokens}-token context (at most {limits.max_prompt_chars}"
-                " characters even at the longest tokens); shorten the prompt", "too_long")
+        _check_chars("prompt", len(text), limits)
         return text
     ids = body["prompt_token_ids"]
     if not isinstance(ids, list):
@@ -190,6 +205,26 @@ def _prompt(body: dict, limits: Limits) -> Prompt:
     if not all(_is_int(t) for t in ids):
         raise InvalidRequestError("prompt_token_ids", "must be a list of integer token ids")
     return ids
+
+
+def _chat(messages, limits: Limits) -> Chat:
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        for m in messages)
+    if not ok:
+        raise InvalidRequestError(
+            "messages", f"must be a non-empty list of maps with role ({', '.join(ROLES)}) "
+            "and content (a string)")
+    _check_chars("messages", sum(len(m["content"]) for m in messages), limits)
+    return Chat([{"role": m["role"], "content": m["content"]} for m in messages])
+
+
+def _check_chars(name: str, chars: int, limits: Limits) -> None:
+    if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
+        raise InvalidRequestError(
+            name, f"{chars} characters cannot fit the model's {limits.max_prompt_tokens}-token"
+            f" context (at most {limits.max_prompt_chars} characters even at the longest "
+            "tokens); shorten the prompt", "too_long")
 
 
 def _check_stop_sizes(body: dict, limits: Limits) -> None:
@@ -225,7 +260,7 @@ def _bool(s: str) -> bool:
 _SHELL_PARSERS = {
     "prompt": str, "prompt_token_ids": _ids, "max_tokens": int, "temperature": float,
     "top_p": float, "top_k": int, "min_p": float, "seed": int, "stop": lambda s: [s],
-    "stop_token_ids": _ids, "ignore_eos": _bool, "stream_interval": int,
+    "stop_token_ids": _ids, "ignore_eos": _bool, "stream_interval": int, "raw": _bool,
 }
 _SHELL_KINDS = {int: "an integer", float: "a number", _ids: "integers separated by commas",
                 _bool: "true or false"}

@@ -1,0 +1,201 @@
+"""The gateway's HTTP app (starlette): each call becomes one queue request, and its
+reply stream becomes the response, whole or as server-sent events (sse-starlette).
+
+Stateless: any number of gateways and workers can share one Redis.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from roseinfer.frontends.openai import mapping
+from roseinfer.frontends.openai.mapping import APIError, Call
+from roseinfer.frontends.redis_streams.client import AsyncClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayConfig:
+    redis_url: str
+    prefix: str = "roseinfer"
+    model_name: str = "roseinfer"
+    api_keys: list[str] = field(default_factory=list)
+    queue_timeout: float = 60.0    # no first reply by then: 503 (no worker took it)
+    request_timeout: float = 600.0  # the whole request
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.client: AsyncClient | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        self.client = AsyncClient(self.config.redis_url, self.config.prefix)
+        try:
+            yield
+        finally:
+            await self.client.close()
+
+    # --- routes ---------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.model_name, "object": "model", "created": 0,
+             "owned_by": "roseinfer"}]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, mapping.completion_call)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, mapping.chat_call)
+
+    # --- one call -------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, make_call) -> Response:
+        self._authorize(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        call = make_call(body)
+        rid = f"oai-{uuid.uuid4().hex}"
+        await self.client.submit(call.prompt, rid=rid, **call.params)
+        chunks = self._chunks(rid)
+        try:
+            first = await anext(chunks)  # before any byte is sent: errors keep their status
+        except BaseException:
+            await chunks.aclose()
+            raise
+        head = mapping.envelope(call, rid, self.config.model_name, int(time.time()))
+        if call.stream:
+            return EventSourceResponse(self._events(call, head, first, chunks))
+        return await self._whole(request, call, rid, first, chunks)
+
+    async def _chunks(self, rid: str) -> AsyncIterator:
+        """The request's chunks; a worker error raises it as an OpenAI error. Ending
+        early (a disconnect, a timeout) cancels the request, so its worker frees the slot."""
+        cfg, finished, seen = self.config, False, False
+        try:
+            async with asyncio.timeout(cfg.request_timeout):
+                async for chunk in self.client.stream(rid, timeout=cfg.queue_timeout):
+                    seen = True
+                    if chunk.error:
+                        finished = True
+                        raise mapping.worker_error(chunk.error)
+                    finished = chunk.finished
+                    yield chunk
+        except TimeoutError:
+            if seen:
+                raise APIError(504, f"the reply stalled past --queue-timeout "
+                               f"({cfg.queue_timeout:g} s per chunk) or --request-timeout "
+                               f"({cfg.request_timeout:g} s in all)", kind="server_error") from None
+            raise APIError(503, f"no worker answered within {cfg.queue_timeout:g} s "
+                           f"(--queue-timeout): are workers running with prefix "
+                           f"{cfg.prefix!r}?", kind="server_error") from None
+        finally:
+            if not finished:
+                await asyncio.shield(self.client.cancel(rid))
+
+    async def _events(self, call: Call, head: dict, first, chunks) -> AsyncIterator[dict]:
+        try:
+            chunk, opening = first, True
+            while chunk is not None:
+                if chunk.text or opening or chunk.finished:
+                    yield {"data": json.dumps(mapping.piece(call, head, chunk.text,
+                                                            chunk.finish_reason, opening))}
+                    opening = False
+                if chunk.finished and call.include_usage:
+                    yield {"data": json.dumps({**mapping.piece(call, head, None, None),
+                                               "choices": [], "usage": mapping.usage(chunk.usage)})}
+                chunk = await anext(chunks, None)
+        except APIError as e:  # the status line is sent: the error goes in the stream
+            yield {"data": json.dumps(e.body())}
+        finally:
+            await chunks.aclose()
+        yield {"data": "[DONE]"}
+
+    async def _whole(self, request: Request, call: Call, rid: str, first, chunks) -> Response:
+        async def collect():
+            parts, last = [first.text], first
+            async for chunk in chunks:
+                parts.append(chunk.text)
+                last = chunk
+            return mapping.whole(call, rid, self.config.model_name, "".join(parts),
+                                 last.finish_reason, last.usage)
+
+        task = asyncio.create_task(collect())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # its generator's cleanup cancels the request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return Response(status_code=499)
+        return JSONResponse(task.result())
+
+    def _authorize(self, request: Request) -> None:
+        keys = self.config.api_keys
+        if keys and request.headers.get("authorization", "") not in {f"Bearer {k}" for k in keys}:
+            raise APIError(401, "Incorrect API key provided: send Authorization: Bearer KEY "
+                           "with a key the gateway was started with (--api-key)",
+                           code="invalid_api_key")
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gw = Gateway(config)
+    routes = [Route("/health", gw.health), Route("/v1/models", gw.models),
+              Route("/v1/completions", gw.completions, methods=["POST"]),
+              Route("/v1/chat/completions", gw.chat_completions, methods=["POST"])]
+    return Starlette(routes=routes, lifespan=gw.lifespan,
+                     exception_handlers={APIError: _api_error})
+
+
+class BackgroundGateway:
+    """The gateway served by uvicorn in a daemon thread (`roseinfer serve`, tests)."""
+
+    def __init__(self, config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000):
+        import threading
+
+        import uvicorn
+
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> "BackgroundGateway":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not start on {self.url} (port taken?)")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

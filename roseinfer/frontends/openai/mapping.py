@@ -1,0 +1,187 @@
+"""OpenAI request bodies to protocol-v1 requests, and replies back to OpenAI objects.
+
+Fields this engine cannot honour yet are refused with OpenAI's error shape when they
+ask for something other than their default, never silently misread.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from roseinfer.frontends.redis_streams.protocol import Chat, Prompt
+
+CHAT_DEFAULT_MAX_TOKENS = 1024  # OpenAI's chat default is "up to the context"
+
+
+class APIError(Exception):
+    """An error as OpenAI shapes it: HTTP status, message, type, param, code."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 kind: str = "invalid_request_error", code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param)
+
+
+@dataclass
+class Call:
+    """One OpenAI call as a queue request."""
+    prompt: Prompt
+    params: dict
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+# Fields accepted only at their default (value, or None meaning "absent or null").
+_DEFAULTS = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logprobs": None,
+             "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0,
+             "logit_bias": None, "tools": None, "tool_choice": None, "functions": None,
+             "function_call": None}
+_LATER = "is not supported by this server yet"
+
+
+def _check_defaults(body: dict) -> None:
+    for name, default in _DEFAULTS.items():
+        value = body.get(name)
+        if value is None or value == default or (name == "logprobs" and value is False) \
+                or (name == "logit_bias" and value == {}):
+            continue
+        raise bad(name, f"{name}={value!r} {_LATER}; leave it out or use {default!r}")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format", f"response_format {fmt!r} {_LATER}; use {{'type': 'text'}}")
+
+
+def _sampling(body: dict, max_tokens_default: int) -> dict:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    stop = body.get("stop")
+    params = {"max_tokens": max_tokens_default if max_tokens is None else max_tokens,
+              "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+              "seed": body.get("seed"), "stop": [stop] if isinstance(stop, str) else stop}
+    for name, ok in (("max_tokens", _is_int), ("temperature", _is_num), ("top_p", _is_num),
+                     ("seed", lambda v: v is None or _is_int(v)),
+                     ("stop", lambda v: v is None or (isinstance(v, list)
+                                                      and all(isinstance(s, str) for s in v)))):
+        if not ok(params[name]):
+            raise bad(name, f"{name} has the wrong type: {params[name]!r}")
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def completion_call(body: dict) -> Call:
+    _check_defaults(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                        and all(_is_int(t) for t in prompt))):
+        raise bad("prompt", "prompt must be a string or a list of token ids (one prompt "
+                  "per request: batches are not supported)")
+    params = {**_sampling(body, 16), "raw": True}
+    return Call(prompt, params, *_stream(body), chat=False)
+
+
+def chat_call(body: dict) -> Call:
+    _check_defaults(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty list")
+    chat = Chat([_message(m, i) for i, m in enumerate(messages)])
+    return Call(chat, _sampling(body, CHAT_DEFAULT_MAX_TOKENS), *_stream(body), chat=True)
+
+
+def _message(m, i: int) -> dict:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad(param, "each message must be an object with role and content")
+    role = {"developer": "system"}.get(m.get("role"), m.get("role"))
+    if role not in ("system", "user", "assistant"):
+        raise bad(f"{param}.role", f"role {m.get('role')!r} {_LATER}; use system, user or "
+                  "assistant")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise bad(f"{param}.content", f"only text content parts; others {_LATER}")
+        content = "".join(p.get("text", "") for p in content)
+    if not isinstance(content, str):
+        raise bad(f"{param}.content", "content must be a string or a list of text parts")
+    return {"role": role, "content": content}
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", "stream must be true or false")
+    options = body.get("stream_options") or {}
+    return stream, bool(stream and options.get("include_usage"))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# --- replies -------------------------------------------------------------------------------
+
+def finish(reason: Optional[str]) -> Optional[str]:
+    """OpenAI knows stop and length; a cancelled request ended as a stop."""
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def usage(u: Optional[dict]) -> dict:
+    u = u or {}
+    p, c = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def worker_error(error: dict) -> APIError:
+    """A worker's error chunk as an OpenAI error: the field it names is the param."""
+    code, message = error.get("code"), error.get("message", "")
+    if code in ("bad_request", "too_long"):
+        field, _, _ = message.partition(":")
+        return APIError(400, message, field if field.isidentifier() else None,
+                        code="context_length_exceeded" if code == "too_long" else None)
+    return APIError(500, f"the worker failed the request ({code}): {message}", kind="server_error")
+
+
+def envelope(call: Call, rid: str, model: str, created: int) -> dict:
+    kind = ("chat.completion" if call.chat else "text_completion")
+    return {"id": f"{'chatcmpl' if call.chat else 'cmpl'}-{rid}", "object": kind,
+            "created": created, "model": model}
+
+
+def whole(call: Call, rid: str, model: str, text: str, reason: str, u: dict) -> dict:
+    choice = {"index": 0, "logprobs": None, "finish_reason": finish(reason)}
+    if call.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {**envelope(call, rid, model, int(time.time())), "choices": [choice], "usage": usage(u)}
+
+
+def piece(call: Call, head: dict, text: Optional[str], reason: Optional[str],
+          first: bool = False) -> dict:
+    """One streamed chunk; text None means no content in it."""
+    choice = {"index": 0, "logprobs": None, "finish_reason": finish(reason)}
+    if call.chat:
+        delta = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    obj = {**head, "choices": [choice]}
+    if call.chat:
+        obj["object"] = "chat.completion.chunk"
+    return obj

@@ -1,0 +1,135 @@
+"""The OpenAI gateway with the official `openai` client, against a real redis-server and
+a worker: outputs equal LLM.generate's, streaming and not; errors shaped as OpenAI's;
+auth; a disconnect cancels the request; no worker gives a 503."""
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from roseinfer import SamplingParams
+from roseinfer.frontends.openai.app import BackgroundGateway, GatewayConfig
+from roseinfer.frontends.redis_streams.server import free_port
+
+from .conftest import TINY_ENGINE, FakeEngine, raw_chunks, wait_until
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tiny_gpt2_dir, tmp_path_factory):
+    """The tiny GPT-2 with a chat template: messages have a form to take."""
+    from transformers import AutoTokenizer
+
+    from roseinfer import LLM
+
+    path = tmp_path_factory.mktemp("tiny-chat")
+    shutil.copytree(tiny_gpt2_dir, path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return LLM(str(path), **TINY_ENGINE)
+
+
+@pytest.fixture
+def gateway(redis_server, prefix):
+    started = []
+
+    def start(**kw):
+        g = BackgroundGateway(GatewayConfig(redis_server.url, prefix, model_name="tiny", **kw),
+                              port=free_port())
+        started.append(g)
+        return g.start()
+
+    yield start
+    for g in started:
+        g.stop()
+
+
+def client(g, key="none"):
+    return openai.OpenAI(base_url=f"{g.url}/v1", api_key=key, max_retries=0)
+
+
+def test_completions_and_chat_equal_llm_generate(chat_llm, start_worker, gateway):
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    raw = chat_llm.generate(["The capital of France is"], greedy)[0]
+    templated = chat_llm.engine.tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True)
+    chat = chat_llm.generate([templated], greedy)[0]
+    start_worker(chat_llm.engine)
+    api = client(gateway())
+    assert [m.id for m in api.models.list().data] == ["tiny"]
+
+    done = api.completions.create(model="tiny", prompt="The capital of France is",
+                                  max_tokens=12, temperature=0)
+    assert done.choices[0].text == raw.text and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(raw.prompt_token_ids), 12)
+
+    reply = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12,
+                                        temperature=0)
+    assert reply.choices[0].message.content == chat.text
+    assert reply.choices[0].message.role == "assistant" and reply.object == "chat.completion"
+
+    parts = list(api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True}))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.text
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+    assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == 12
+
+    streamed = api.completions.create(model="tiny", prompt="The capital of France is",
+                                      max_tokens=12, temperature=0, stream=True)
+    assert "".join(p.choices[0].text for p in streamed) == raw.text
+
+
+def test_errors_are_shaped_as_openais(chat_llm, start_worker, gateway):
+    start_worker(chat_llm.engine)
+    api = client(gateway())
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the gateway
+        api.chat.completions.create(model="tiny", messages=MESSAGES, n=2)
+    assert e.value.body["param"] == "n" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the worker
+        api.completions.create(model="tiny", prompt="Hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}])
+    assert e.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model="tiny", messages=MESSAGES,
+                                    response_format={"type": "json_object"})
+
+
+def test_api_keys(gateway, redis_server):
+    g = gateway(api_keys=["sesame"])
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(g, "wrong").models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+    assert [m.id for m in client(g, "sesame").models.list().data] == ["tiny"]
+    assert httpx.get(f"{g.url}/health").json() == {"status": "ok"}
+
+
+def test_no_worker_is_a_503(gateway):
+    api = client(gateway(queue_timeout=0.5))
+    with pytest.raises(openai.InternalServerError) as e:
+        api.completions.create(model="tiny", prompt="Hi", max_tokens=3)
+    assert e.value.status_code == 503 and "no worker answered" in e.value.body["message"]
+
+
+def test_a_disconnect_cancels_the_request(start_worker, gateway, real_redis, prefix):
+    """Closing a stream after its first event aborts the request: the worker ends it
+    with finish_reason abort long before its 60 tokens."""
+    start_worker(FakeEngine(step_s=0.05))
+    g = gateway()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 60, "stream": True}
+    with httpx.stream("POST", f"{g.url}/v1/completions", json=body, timeout=10) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data:"))
+    rid = json.loads(first.removeprefix("data:").strip())["id"].removeprefix("cmpl-")
+    wait_until(lambda: any(c.finished for c in raw_chunks(real_redis, prefix, rid)))
+    chunks = raw_chunks(real_redis, prefix, rid)
+    assert chunks[-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in chunks) < 60
