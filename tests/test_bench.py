@@ -250,6 +250,16 @@ def test_bench_serve_through_real_redis(tmp_path, tiny_dir):
     assert result["workload"]["stream_interval"] == 4
 
 
+def test_bench_serve_through_the_openai_gateway(tmp_path, tiny_dir):
+    """--endpoint openai: the same requests through the gateway, each chunk's tokens
+    counted from the usage every chunk carries."""
+    code, result = _bench(tmp_path, "serve", tiny_dir, "--endpoint", "openai",
+                          "--client-procs", "2")
+    assert code == 0
+    _assert_all_requests_complete(result)
+    assert result["meta"]["endpoint"] == "openai"
+
+
 def test_random_dataset_follows_vllms_lengths_and_shares_no_prefix():
     prompts = random_prompts(200, input_len=10, range_ratio=0.3, vocab_size=50, seed=1)
     assert {len(p) for p in prompts} == set(range(7, 14))

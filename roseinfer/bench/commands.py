@@ -32,6 +32,9 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-offline", action="store_true",
                    help="also run the same requests on the engine alone (bench offline) first, "
                         "and report the ratio")
+    g.add_argument("--endpoint", choices=("redis", "openai"), default="redis",
+                   help="redis: clients write the stream (protocol v1); openai: through the "
+                        "OpenAI gateway, started in this process (default: %(default)s)")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="at most this many requests in flight; a due request waits for a "
                         "slot (vLLM's meaning; default: no cap)")

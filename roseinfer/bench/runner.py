@@ -55,6 +55,7 @@ class BenchRun:
         w = self._workload(engine.tokenizer, engine.vocab_size, engine.config.seed,
                            engine.max_model_len)
         meta = {"mode": self.mode, "model": a.model, "label": a.label,
+                "endpoint": getattr(a, "endpoint", None),
                 "command": report.command_line(getattr(a, "argv", None)),
                 **report.machine_info(engine.device)}
         self.console.log(f"{self.mode}: {w.num_requests} requests, {w.max_new_tokens} new tokens, "
@@ -111,11 +112,12 @@ class BenchRun:
         hf_config, tokenizer = model_info(a.model)
         w = self._workload(tokenizer, hf_config.vocab_size, a.seed, None)
         meta = {"mode": "serve (fleet)", "model": a.model, "label": a.label,
+                "endpoint": a.endpoint,
                 "command": report.command_line(getattr(a, "argv", None)),
                 **report.machine_info("cpu")}
         runs = []
         with ServeHarness(None, a.redis_url, a.client_procs, a.request_timeout,
-                          prefix=a.prefix) as harness:
+                          prefix=a.prefix, endpoint=a.endpoint) as harness:
             for k in range(a.warmup_runs):
                 self._ours(harness, w, f"warm-up {k + 1}/{a.warmup_runs}", f"w{k}")
             for k in range(a.repeat_runs):
@@ -228,7 +230,8 @@ class BenchRun:
         if self.mode == "serve":
             from roseinfer.bench.serve import ServeHarness
             a = self.args
-            return ServeHarness(probe, a.redis_url, a.client_procs, a.request_timeout)
+            return ServeHarness(probe, a.redis_url, a.client_procs, a.request_timeout,
+                                endpoint=a.endpoint)
         return _OfflineHarness(probe)
 
     # --- output ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import multiprocessing
 import threading
 import uuid
@@ -33,8 +34,10 @@ class ServeHarness:
 
     def __init__(self, probe: Optional[EngineProbe], redis_url: Optional[str] = None,
                  client_procs: int = 1, request_timeout_s: float = 600.0,
-                 prefix: Optional[str] = None):
+                 prefix: Optional[str] = None, endpoint: str = "redis"):
         self.probe = probe
+        self.endpoint = endpoint
+        self._gateway = None
         self.redis_url = redis_url
         self.client_procs = client_procs
         self.timeout_s = request_timeout_s
@@ -63,6 +66,12 @@ class ServeHarness:
                 self._thread = threading.Thread(target=self._run_worker, daemon=True,
                                                 name="bench-worker")
                 self._thread.start()
+            if self.endpoint == "openai":
+                from roseinfer.frontends.openai.app import BackgroundGateway, GatewayConfig
+
+                config = GatewayConfig(self.redis_url, self.prefix,
+                                       request_timeout=self.timeout_s)
+                self._gateway = BackgroundGateway(config, port=free_port()).start()
             ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
             self._pools = [ctx.Pool(1) for _ in range(self.client_procs)]
             for r in [p.apply_async(_ping) for p in self._pools]:
@@ -81,6 +90,8 @@ class ServeHarness:
     def __exit__(self, *exc) -> None:
         for p in self._pools:
             p.terminate()  # between runs they are idle; after an error they must not wait on
+        if self._gateway is not None:
+            self._gateway.stop()
         if self._worker is not None:
             self._worker.stop(grace_s=5.0)
             self._thread.join(15)
@@ -118,6 +129,7 @@ class ServeHarness:
                 "offsets": w.offsets,
                 "schedule": w.schedule, "shard": shard, "num_shards": self.client_procs,
                 "max_concurrency": _share(w.max_concurrency, shard, self.client_procs),
+                "gateway_url": self._gateway.url if self._gateway else None,
                 "timeout_s": self.timeout_s}
 
     def _wait(self, pending, progress: Progress) -> None:
@@ -152,9 +164,7 @@ def client_run(spec: dict) -> list[dict]:
 
 
 async def _client(spec: dict) -> list[dict]:
-    from roseinfer.frontends.redis_streams.client import AsyncClient
-
-    client = AsyncClient(spec["url"], spec["prefix"])
+    transport = (_Gateway if spec.get("gateway_url") else _Queue)(spec)
     mine = range(spec["shard"], len(spec["prompts"]), spec["num_shards"])
     records = [RequestRecord(f"{spec['run_id']}-{i}") for i in mine]
     tasks, last = [], spec["t0"]
@@ -166,13 +176,80 @@ async def _client(spec: dict) -> list[dict]:
             await asyncio.sleep(max(0.0, rec.due - now()))
             await slots.acquire()  # released when its stream ends
             rec.submit = last = now()
-            await client.submit(spec["prompts"][i], rid=rec.rid,
-                                **{**spec["params"], "max_tokens": spec["output_lens"][i]})
-            tasks.append(asyncio.create_task(_read(client, rec, spec["timeout_s"], slots)))
+            params = {**spec["params"], "max_tokens": spec["output_lens"][i]}
+            tasks.append(await transport.send(spec["prompts"][i], rec, params, slots))
         await asyncio.gather(*tasks)
     finally:
-        await client.close()
+        await transport.close()
     return [dataclasses.asdict(r) for r in records]
+
+
+class _Queue:
+    """Requests straight onto the Redis stream (protocol v1)."""
+
+    def __init__(self, spec: dict):
+        from roseinfer.frontends.redis_streams.client import AsyncClient
+
+        self.client = AsyncClient(spec["url"], spec["prefix"])
+        self.timeout_s = spec["timeout_s"]
+
+    async def send(self, prompt, rec: RequestRecord, params: dict, slots) -> asyncio.Task:
+        await self.client.submit(prompt, rid=rec.rid, **params)
+        return asyncio.create_task(_read(self.client, rec, self.timeout_s, slots))
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class _Gateway:
+    """Requests through the OpenAI gateway: streamed completions, with the usage in
+    every chunk (vLLM's continuous_usage_stats) to count each chunk's tokens."""
+
+    def __init__(self, spec: dict):
+        import httpx
+
+        self.url = f"{spec['gateway_url']}/v1/completions"
+        self.http = httpx.AsyncClient(timeout=spec["timeout_s"],
+                                      limits=httpx.Limits(max_connections=None))
+
+    async def send(self, prompt, rec: RequestRecord, params: dict, slots) -> asyncio.Task:
+        if params.pop("stream_interval", 1) != 1:
+            raise ValueError("--endpoint openai streams every token: drop --stream-interval")
+        body = {"model": "bench", "prompt": prompt, "stream": True, **params,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        return asyncio.create_task(self._request(body, rec, slots))
+
+    async def _request(self, body: dict, rec: RequestRecord, slots) -> None:
+        try:
+            # Our rid as the queue's: the worker-side probe finds the request by it.
+            async with self.http.stream("POST", self.url, json=body,
+                                        headers={"X-Request-Id": rec.rid}) as reply:
+                if reply.status_code != 200:
+                    rec.error = f"HTTP {reply.status_code}: {(await reply.aread())[:300]!r}"
+                    return
+                made = 0
+                async for line in reply.aiter_lines():
+                    data = line.removeprefix("data:").strip()
+                    if not line.startswith("data:") or data == "[DONE]":
+                        continue
+                    event = json.loads(data)
+                    if "error" in event:
+                        rec.error = f"{event['error'].get('message')}"
+                        return
+                    usage = event.get("usage") or {}
+                    rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+                    if event["choices"]:
+                        n = usage.get("completion_tokens", made) - made
+                        made += n
+                        rec.chunks.append((now(), n))
+                        rec.finish_reason = event["choices"][0]["finish_reason"]
+        except Exception as e:  # a lost request counts as failed, the run goes on
+            rec.error = f"{type(e).__name__}: {e}"
+        finally:
+            slots.release()
+
+    async def close(self) -> None:
+        await self.http.aclose()
 
 
 async def _read(client, rec: RequestRecord, timeout_s: float, slots) -> None:

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from roseinfer.frontends.openai import mapping
 from roseinfer.frontends.openai.mapping import APIError, Call
 from roseinfer.frontends.redis_streams.client import AsyncClient
+from roseinfer.frontends.redis_streams.protocol import RID_PATTERN
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,9 @@ class Gateway:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         call = make_call(body)
-        rid = f"oai-{uuid.uuid4().hex}"
+        rid = request.headers.get("x-request-id") or f"oai-{uuid.uuid4().hex}"
+        if not RID_PATTERN.fullmatch(rid):
+            raise APIError(400, "X-Request-Id must be 1-128 characters of [A-Za-z0-9_.:-]")
         await self.client.submit(call.prompt, rid=rid, **call.params)
         chunks = self._chunks(rid)
         try:
@@ -118,11 +121,14 @@ class Gateway:
 
     async def _events(self, call: Call, head: dict, first, chunks) -> AsyncIterator[dict]:
         try:
-            chunk, opening = first, True
+            chunk, opening, made = first, True, 0
             while chunk is not None:
-                if chunk.text or opening or chunk.finished:
-                    yield {"data": json.dumps(mapping.piece(call, head, chunk.text,
-                                                            chunk.finish_reason, opening))}
+                made += len(chunk.token_ids)
+                if chunk.text or opening or chunk.finished or call.continuous_usage:
+                    obj = mapping.piece(call, head, chunk.text, chunk.finish_reason, opening)
+                    if call.continuous_usage:  # prompt tokens are known at the end only
+                        obj["usage"] = mapping.usage(chunk.usage or {"completion_tokens": made})
+                    yield {"data": json.dumps(obj)}
                     opening = False
                 if chunk.finished and call.include_usage:
                     yield {"data": json.dumps({**mapping.piece(call, head, None, None),

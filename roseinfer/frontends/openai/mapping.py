@@ -39,6 +39,7 @@ class Call:
     stream: bool
     include_usage: bool
     chat: bool
+    continuous_usage: bool = False  # usage in every streamed chunk (vLLM's extension)
 
 
 # Fields accepted only at their default (value, or None meaning "absent or null").
@@ -66,8 +67,14 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
     stop = body.get("stop")
     params = {"max_tokens": max_tokens_default if max_tokens is None else max_tokens,
               "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
-              "seed": body.get("seed"), "stop": [stop] if isinstance(stop, str) else stop}
+              "seed": body.get("seed"), "stop": [stop] if isinstance(stop, str) else stop,
+              # Extensions that vLLM's server takes too: not in OpenAI's API.
+              "top_k": body.get("top_k"), "min_p": body.get("min_p"),
+              "ignore_eos": body.get("ignore_eos")}
     for name, ok in (("max_tokens", _is_int), ("temperature", _is_num), ("top_p", _is_num),
+                     ("top_k", lambda v: v is None or _is_int(v)),
+                     ("min_p", lambda v: v is None or _is_num(v)),
+                     ("ignore_eos", lambda v: v is None or isinstance(v, bool)),
                      ("seed", lambda v: v is None or _is_int(v)),
                      ("stop", lambda v: v is None or (isinstance(v, list)
                                                       and all(isinstance(s, str) for s in v)))):
@@ -86,7 +93,7 @@ def completion_call(body: dict) -> Call:
         raise bad("prompt", "prompt must be a string or a list of token ids (one prompt "
                   "per request: batches are not supported)")
     params = {**_sampling(body, 16), "raw": True}
-    return Call(prompt, params, *_stream(body), chat=False)
+    return Call(prompt, params, *_stream(body), chat=False, continuous_usage=_continuous(body))
 
 
 def chat_call(body: dict) -> Call:
@@ -95,7 +102,8 @@ def chat_call(body: dict) -> Call:
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list")
     chat = Chat([_message(m, i) for i, m in enumerate(messages)])
-    return Call(chat, _sampling(body, CHAT_DEFAULT_MAX_TOKENS), *_stream(body), chat=True)
+    return Call(chat, _sampling(body, CHAT_DEFAULT_MAX_TOKENS), *_stream(body), chat=True,
+                continuous_usage=_continuous(body))
 
 
 def _message(m, i: int) -> dict:
@@ -122,6 +130,11 @@ def _stream(body: dict) -> tuple[bool, bool]:
         raise bad("stream", "stream must be true or false")
     options = body.get("stream_options") or {}
     return stream, bool(stream and options.get("include_usage"))
+
+
+def _continuous(body: dict) -> bool:
+    return bool(body.get("stream") and (body.get("stream_options") or {}).get(
+        "continuous_usage_stats"))
 
 
 def _is_int(v) -> bool:
