@@ -85,6 +85,10 @@ def test_completions_and_chat_equal_llm_generate(chat_llm, start_worker, gateway
     streamed = api.completions.create(model="tiny", prompt="The capital of France is",
                                       max_tokens=12, temperature=0, stream=True)
     assert "".join(p.choices[0].text for p in streamed) == raw.text
+    metrics = httpx.get(f"{api.base_url}".removesuffix("/v1/") + "/metrics").text
+    assert 'roseinfer:gateway_requests_total{endpoint="/v1/chat/completions",status="200"} 2.0' in metrics
+    assert 'roseinfer:gateway_requests_total{endpoint="/v1/completions",status="200"} 2.0' in metrics
+    assert "roseinfer:gateway_requests_in_flight 0.0" in metrics
 
 
 def test_errors_are_shaped_as_openais(chat_llm, start_worker, gateway):

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from roseinfer.frontends.openai import mapping
 from roseinfer.frontends.openai.mapping import APIError, Call
+from roseinfer.frontends.openai.metrics import GatewayMetrics
 from roseinfer.frontends.redis_streams.client import AsyncClient
 from roseinfer.frontends.redis_streams.protocol import RID_PATTERN
 
@@ -42,6 +43,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.client: AsyncClient | None = None
+        self.metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -55,6 +57,9 @@ class Gateway:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -71,6 +76,25 @@ class Gateway:
     # --- one call -------------------------------------------------------------------------
 
     async def _serve(self, request: Request, make_call) -> Response:
+        """One call, counted: in flight until its last byte; by status when it ends."""
+        endpoint, start = request.url.path, time.monotonic()
+
+        def ended(status: int) -> None:
+            self.metrics.ended(endpoint, status, time.monotonic() - start)
+
+        self.metrics.in_flight.inc()
+        try:
+            response = await self._answer(request, make_call, endpoint, start, ended)
+        except BaseException as e:
+            self.metrics.in_flight.dec()
+            ended(e.status if isinstance(e, APIError) else 500)
+            raise
+        if not isinstance(response, EventSourceResponse):
+            self.metrics.in_flight.dec()
+            ended(response.status_code)
+        return response
+
+    async def _answer(self, request: Request, make_call, endpoint, start, ended) -> Response:
         self._authorize(request)
         try:
             body = await request.json()
@@ -89,9 +113,10 @@ class Gateway:
         except BaseException:
             await chunks.aclose()
             raise
+        self.metrics.ttft.labels(endpoint).observe(time.monotonic() - start)
         head = mapping.envelope(call, rid, self.config.model_name, int(time.time()))
         if call.stream:
-            return EventSourceResponse(self._events(call, head, first, chunks))
+            return EventSourceResponse(self._events(call, head, first, chunks, ended))
         return await self._whole(request, call, rid, first, chunks)
 
     async def _chunks(self, rid: str) -> AsyncIterator:
@@ -119,7 +144,8 @@ class Gateway:
             if not finished:
                 await asyncio.shield(self.client.cancel(rid))
 
-    async def _events(self, call: Call, head: dict, first, chunks) -> AsyncIterator[dict]:
+    async def _events(self, call: Call, head: dict, first, chunks, ended) -> AsyncIterator[dict]:
+        status = 499  # unless it ends: the client went away
         try:
             chunk, opening, made = first, True, 0
             while chunk is not None:
@@ -134,10 +160,14 @@ class Gateway:
                     yield {"data": json.dumps({**mapping.piece(call, head, None, None),
                                                "choices": [], "usage": mapping.usage(chunk.usage)})}
                 chunk = await anext(chunks, None)
+            status = 200
         except APIError as e:  # the status line is sent: the error goes in the stream
+            status = e.status
             yield {"data": json.dumps(e.body())}
         finally:
             await chunks.aclose()
+            self.metrics.in_flight.dec()
+            ended(status)
         yield {"data": "[DONE]"}
 
     async def _whole(self, request: Request, call: Call, rid: str, first, chunks) -> Response:
@@ -173,7 +203,8 @@ async def _api_error(request: Request, exc: APIError) -> Response:
 
 def create_app(config: GatewayConfig) -> Starlette:
     gw = Gateway(config)
-    routes = [Route("/health", gw.health), Route("/v1/models", gw.models),
+    routes = [Route("/health", gw.health), Route("/metrics", gw.prometheus),
+              Route("/v1/models", gw.models),
               Route("/v1/completions", gw.completions, methods=["POST"]),
               Route("/v1/chat/completions", gw.chat_completions, methods=["POST"])]
     return Starlette(routes=routes, lifespan=gw.lifespan,
