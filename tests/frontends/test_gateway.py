@@ -124,6 +124,17 @@ def test_no_worker_is_a_503(gateway):
     assert e.value.status_code == 503 and "no worker answered" in e.value.body["message"]
 
 
+def test_an_unreachable_queue_is_a_503():
+    g = BackgroundGateway(GatewayConfig(f"redis://127.0.0.1:{free_port()}"), port=free_port())
+    g.start()
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            client(g).completions.create(model="tiny", prompt="Hi", max_tokens=3)
+        assert e.value.status_code == 503 and "unreachable" in e.value.body["message"]
+    finally:
+        g.stop()
+
+
 def test_a_disconnect_cancels_the_request(start_worker, gateway, real_redis, prefix):
     """Closing a stream after its first event aborts the request: the worker ends it
     with finish_reason abort long before its 60 tokens."""

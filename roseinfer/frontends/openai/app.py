@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import redis
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -201,6 +202,13 @@ async def _api_error(request: Request, exc: APIError) -> Response:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+async def _queue_error(request: Request, exc: Exception) -> Response:
+    """Redis unreachable: a 503 in OpenAI's shape (clients retry those)."""
+    log.warning("the queue is unreachable: %s", exc)
+    return await _api_error(request, APIError(
+        503, f"the request queue (Redis) is unreachable: {exc}", kind="server_error"))
+
+
 def create_app(config: GatewayConfig) -> Starlette:
     gw = Gateway(config)
     routes = [Route("/health", gw.health), Route("/metrics", gw.prometheus),
@@ -208,7 +216,9 @@ def create_app(config: GatewayConfig) -> Starlette:
               Route("/v1/completions", gw.completions, methods=["POST"]),
               Route("/v1/chat/completions", gw.chat_completions, methods=["POST"])]
     return Starlette(routes=routes, lifespan=gw.lifespan,
-                     exception_handlers={APIError: _api_error})
+                     exception_handlers={APIError: _api_error,
+                                         redis.exceptions.ConnectionError: _queue_error,
+                                         redis.exceptions.TimeoutError: _queue_error})
 
 
 class BackgroundGateway:
