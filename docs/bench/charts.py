@@ -1,0 +1,64 @@
+"""The real-shape charts of docs/benchmarks.md, from the JSON in docs/bench/h100/:
+latency against arrival rate through Redis, and each real-shape run's completion
+throughput against its decode bytes floor.
+
+    python3 docs/bench/charts.py
+"""
+import json
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = pathlib.Path(__file__).parent
+RUNS = HERE / "h100"
+
+
+def load(name):
+    return json.loads((RUNS / name).read_text())
+
+
+def latency_vs_rate():
+    rates = sorted(int(p.stem.split("-")[1]) for p in RUNS.glob("rate-*.json"))
+    summaries = [load(f"rate-{r}.json")["roseinfer"]["summary"] for r in rates]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
+        for p, style in (("p50", "o-"), ("p99", "s--")):
+            ax.plot(rates, [s[key][p] for s in summaries], style, label=p)
+        ax.set(xscale="log", xlabel="arrival rate (requests/s, Poisson)", ylabel="ms",
+               title=f"{title}: Llama-3.2-1B shape, 512 -> 128, through Redis")
+        ax.set_xticks(rates, [str(r) for r in rates])
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(HERE / "h100-latency-vs-rate.png", dpi=110)
+
+
+def throughput_vs_floor():
+    rows = [("8B x1", "real-8b-b1.json"), ("8B x64", "real-main-8b-b64.json"),
+            ("8B x128", "real-8b-b128.json"), ("1B x1", "real-main-1b-b1.json"),
+            ("1B x256", "real-main-1b-b256.json"), ("1B nano T0.6", "real-nano-t06.json")]
+    before = {"8B x64": "real-old-8b-b64.json", "1B x1": "real-old-1b-b1.json",
+              "1B x256": "real-old-1b-b256.json"}
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for i, (label, name) in enumerate(rows):
+        r = load(name)
+        floor = r["bytes_floor"]["output_throughput"]
+        now = r["roseinfer"]["summary"]["output_throughput"] / floor
+        ax.bar(i + 0.2, 100 * now, 0.4, color="tab:blue", label="now" if i == 0 else None)
+        if label in before:
+            old = load(before[label])["roseinfer"]["summary"]["output_throughput"] / floor
+            ax.bar(i - 0.2, 100 * old, 0.4, color="tab:gray",
+                   label="landed 78e744e, same run" if label == "8B x64" else None)
+    ax.set_xticks(range(len(rows)), [label for label, _ in rows])
+    ax.set(ylabel="% of the decode bytes floor (3.0 TB/s)", ylim=(0, 100),
+           title="Completion throughput against the decode bytes floor, one H100 (prefill included)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(HERE / "h100-real-shapes.png", dpi=110)
+
+
+if __name__ == "__main__":
+    latency_vs_rate()
+    throughput_vs_floor()
