@@ -141,6 +141,31 @@ def _paged_attention_kernel(
 
 
 @_kernel
+def _decode_tile(q, k, v, k_ok, m_i, l_i, acc, scale_log2,
+                 DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K/V tile into a decode group's running softmax (max, sum, accumulator).
+
+    Two ways, picked per shape by measurement (DECODE_TUNING): broadcast
+    products reduced on CUDA cores (``DOT`` off: no tile staged in shared
+    memory, so many small programs fit on an SM at once, which hides the
+    latency of the dependent loads, table then K/V), or tensor-core dots with
+    the group padded to 16 rows (``DOT`` on: K/V tiles go through shared
+    memory in a multi-stage pipeline, more bytes in flight per program).
+    """
+    if DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    else:
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale_log2  # [G, N]
+    s = tl.where(k_ok[None, :], s, float("-inf"))
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i)
+    if DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    return m_i, l_i, acc * alpha[:, None] + pv
+
+
+@_kernel
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, context_lens_ptr,
@@ -151,16 +176,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Decode rows only: program (seq, kv_head, split) owns query row ``seq``
-    and the ``G`` query heads of ``kv_head``.
-
-    Two ways to compute a tile, picked per shape by measurement (TUNING):
-    broadcast products reduced on CUDA cores (``DOT`` off: no tile staged in
-    shared memory, so many small programs fit on an SM at once, which hides
-    the latency of the dependent loads, table then K/V), or tensor-core dots
-    with the group padded to ``BLOCK_G >= 16`` rows (``DOT`` on: the K/V
-    tiles go through shared memory in a multi-stage pipeline, which keeps
-    more bytes in flight per program on long contexts).
-    """
+    and the ``G`` query heads of ``kv_head`` (tiles: ``_decode_tile``)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,18 +205,8 @@ def _paged_decode_kernel(
         _, k_ok, k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
             sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N)
-        if DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        else:
-            k = k.to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale_log2    # [G, N]
-        s = tl.where(k_ok[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i)
-        if DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-        acc = acc * alpha[:, None] + pv
+        m_i, l_i, acc = _decode_tile(q, k, v, k_ok, m_i, l_i, acc, scale_log2, DOT,
+                                     DOT_PRECISION)
     # The normalised output, or this split's unnormalised partial (acc, max, sum).
     out_off = split.to(tl.int64) * so_s + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]
