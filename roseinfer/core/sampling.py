@@ -29,21 +29,21 @@ class SamplingParams:
         def bad(name, why):
             raise InvalidRequestError(name, why)
 
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_num(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or self.temperature < 0:
             bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not (_is_int(self.seed) and -2**63 <= self.seed < 2**64):
+        if self.seed is not None and not (is_int(self.seed) and -2**63 <= self.seed < 2**64):
             bad("seed", f"must be a 64-bit integer or None, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
@@ -53,11 +53,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x) -> bool:
+def is_number(x) -> bool:
     """A finite number: NaN and infinities are refused by name, never sampled with."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 

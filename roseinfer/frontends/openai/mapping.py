@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from roseinfer.core.sampling import is_int, is_number
 from roseinfer.frontends.redis_streams.protocol import Chat, Prompt
 
 CHAT_DEFAULT_MAX_TOKENS = 1024  # OpenAI's chat default is "up to the context"
@@ -71,11 +72,11 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
               # Extensions that vLLM's server takes too: not in OpenAI's API.
               "top_k": body.get("top_k"), "min_p": body.get("min_p"),
               "ignore_eos": body.get("ignore_eos")}
-    for name, ok in (("max_tokens", _is_int), ("temperature", _is_num), ("top_p", _is_num),
-                     ("top_k", lambda v: v is None or _is_int(v)),
-                     ("min_p", lambda v: v is None or _is_num(v)),
+    for name, ok in (("max_tokens", is_int), ("temperature", is_number), ("top_p", is_number),
+                     ("top_k", lambda v: v is None or is_int(v)),
+                     ("min_p", lambda v: v is None or is_number(v)),
                      ("ignore_eos", lambda v: v is None or isinstance(v, bool)),
-                     ("seed", lambda v: v is None or _is_int(v)),
+                     ("seed", lambda v: v is None or is_int(v)),
                      ("stop", lambda v: v is None or (isinstance(v, list)
                                                       and all(isinstance(s, str) for s in v)))):
         if not ok(params[name]):
@@ -89,7 +90,7 @@ def completion_call(body: dict) -> Call:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                        and all(_is_int(t) for t in prompt))):
+                                        and all(is_int(t) for t in prompt))):
         raise bad("prompt", "prompt must be a string or a list of token ids (one prompt "
                   "per request: batches are not supported)")
     params = {**_sampling(body, 16), "raw": True}
@@ -137,12 +138,6 @@ def _continuous(body: dict) -> bool:
         "continuous_usage_stats"))
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # --- replies -------------------------------------------------------------------------------

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import msgpack
 
 from roseinfer.core.errors import InvalidRequestError
-from roseinfer.core.sampling import SamplingParams
+from roseinfer.core.sampling import SamplingParams, is_int
 
 VERSION = "1"
 DEFAULT_PREFIX = "roseinfer"
@@ -158,7 +158,7 @@ def decode_request(entry_id: str, fields: dict, limits: Limits = Limits()) -> Re
     body = _decode_body(fields[b"body"]) if b"body" in fields else _shell_body(fields)
     prompt = _prompt(body, limits)
     stream_interval = body.get("stream_interval", 1)
-    if not _is_int(stream_interval) or stream_interval < 1:
+    if not is_int(stream_interval) or stream_interval < 1:
         raise InvalidRequestError("stream_interval",
                                   f"must be an integer >= 1, got {_short(stream_interval)}")
     for key in ("stop", "stop_token_ids"):
@@ -202,7 +202,7 @@ def _prompt(body: dict, limits: Limits) -> Prompt:
         raise InvalidRequestError(
             "prompt_token_ids", f"{len(ids)} tokens leave no room to generate within the "
             f"model's {limits.max_prompt_tokens}-token context; shorten the prompt", "too_long")
-    if not all(_is_int(t) for t in ids):
+    if not all(is_int(t) for t in ids):
         raise InvalidRequestError("prompt_token_ids", "must be a list of integer token ids")
     return ids
 
@@ -288,10 +288,6 @@ def _str_field(fields: dict, name: str) -> Optional[str]:
         return raw.decode()
     except UnicodeDecodeError:
         raise InvalidRequestError(name, "is not valid UTF-8") from None
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 # --- replies ----------------------------------------------------------------------------
