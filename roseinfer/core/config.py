@@ -35,6 +35,12 @@ class EngineConfig:
     # by step anyway) are spared.
     decode_steps: int = 8
     decode_steps_min_seqs: int = 32
+    # Steps that carry prefill chunks run as CUDA graphs too, captured for
+    # token-count buckets up to this many tokens (default and cap:
+    # max_num_batched_tokens; 0: only decode steps run as graphs). Under
+    # steady arrivals most steps carry a chunk; launched from Python, each
+    # costs milliseconds of host time (docs/benchmarks.md).
+    mixed_graph_max_tokens: Optional[int] = None
     seed: Optional[int] = None
 
     def __post_init__(self):
@@ -47,6 +53,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        v = self.mixed_graph_max_tokens
+        if v is not None and (not isinstance(v, int) or v < 0):
+            raise ConfigError(f"mixed_graph_max_tokens must be an integer >= 0 or unset, got {v!r}")
         for name in ("num_kv_blocks", "max_model_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 2):

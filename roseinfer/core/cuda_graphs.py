@@ -1,4 +1,6 @@
-"""CUDA graphs for decode steps, one per batch-size bucket and KV-append variant.
+"""CUDA graphs for steps: decode graphs per batch-size bucket and KV-append
+variant, and mixed graphs (prefill chunks with or without decode rows) per
+token-count bucket.
 
 Captured once at start-up. A decode batch of S rows replays the graph of the
 smallest bucket >= S; padding rows write to the scratch block and their
@@ -9,19 +11,35 @@ With decode windows, each bucket also gets a window graph: ``decode_steps``
 steps captured back to back (each step samples, greedily or not, and
 advances the inputs on the device), so a full greedy window is one replay. Replays of
 one-step graphs each cost host time and a gap on the GPU between graphs.
+
+A step that carries a prefill chunk has N tokens over S sequences in any
+split. Its graph is captured for a token bucket >= N and ``max_num_seqs + 1``
+sequences: the paged attention kernel's grid depends only on (N, S), and
+sequences with no tokens cost it one idle program each. The spare sequence
+takes the padding tokens (step_inputs._pad). Without these graphs a mixed
+step launches every kernel from Python, which under steady arrivals is most
+steps (docs/benchmarks.md, "Latency against arrival rate").
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
 from roseinfer.core.kv_cache import SlotBatch
-from roseinfer.core.step_inputs import PackedInputs
+from roseinfer.core.step_inputs import PackedInputs, fill
 
 log = logging.getLogger(__name__)
+
+
+class Layout(NamedTuple):
+    """The (tokens, sequences) a step is padded to, and which graph runs it."""
+    n_tok: int
+    n_seq: int
+    mixed: bool
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -29,20 +47,45 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return sorted({min(s, max_num_seqs) for s in sizes})
 
 
-class DecodeGraphs:
-    def __init__(self, runner, max_num_seqs: int, window: int):
+def token_buckets(max_tokens: int) -> list[int]:
+    """Mixed-step buckets: steps of 64 tokens to 512, of 128 to 1024, then
+    of 256, so padding stays within about an eighth of a step's tokens."""
+    sizes, size = [], 64
+    while size < max_tokens:
+        sizes.append(size)
+        size += 64 if size < 512 else 128 if size < 1024 else 256
+    return sizes + [max_tokens] if max_tokens > 0 else []
+
+
+def _smallest_at_least(sizes: list[int], n: int):
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class StepGraphs:
+    def __init__(self, runner, max_num_seqs: int, window: int, mixed_max_tokens: int):
         self.runner = runner
         self.sizes = bucket_sizes(max_num_seqs)
+        self.token_sizes = token_buckets(mixed_max_tokens)
+        self.mixed_seqs = max_num_seqs + 1
         self.window_len = window
+        # keys: (tokens, KV-append backend); decode graphs have tokens == sequences
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.windows: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.mixed: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, str], torch.Tensor] = {}
+        self.mixed_backend = ""
         self.pool = None
-        self.prepared: tuple[int, str] | None = None
+        self.prepared: tuple[dict, tuple[int, str]] | None = None
 
-    def bucket(self, n_seq: int):
-        i = bisect.bisect_left(self.sizes, n_seq)
-        return self.sizes[i] if i < len(self.sizes) else None
+    def layout(self, n_tok: int, n_seq: int) -> Layout | None:
+        """The captured layout a step of ``n_tok`` tokens over ``n_seq``
+        sequences runs in, or None (too big: it runs eagerly)."""
+        if n_tok == n_seq:
+            size = _smallest_at_least(self.sizes, n_seq)
+            return Layout(size, size, False) if size else None
+        size = _smallest_at_least(self.token_sizes, n_tok)
+        return Layout(size, self.mixed_seqs, True) if size else None
 
     def _variants(self, ctx) -> set[str]:
         """The KV-append backends that "auto" (or the configured name) picks for
@@ -54,59 +97,81 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        for size in reversed(self.sizes):  # largest first: later graphs reuse its pool
-            for name in sorted(self._variants(self._dummy(size)[0])):
+        # Largest first: later graphs reuse its memory pool.
+        for size in reversed(self.token_sizes):
+            ctx, inp = self._dummy(Layout(size, self.mixed_seqs, True))
+            ctx.slots.shared_offset = None
+            self.mixed_backend = self.runner.kv_cache.select(ctx.slots)
+            self._capture_mixed(size, ctx, inp)
+        for size in reversed(self.sizes):
+            for name in sorted(self._variants(self._dummy(Layout(size, size, False))[0])):
                 # fresh inputs each time: the warm-up run advances them
-                self._capture_one(size, name, *self._dummy(size))
+                self._capture_decode(size, name, *self._dummy(Layout(size, size, False)))
         torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs in %.1fs",
-                 len(self.graphs) + len(self.windows), time.perf_counter() - start)
+        log.info("captured %d CUDA graphs (%d for mixed steps) in %.1fs",
+                 len(self.graphs) + len(self.windows) + len(self.mixed), len(self.mixed),
+                 time.perf_counter() - start)
 
-    def _dummy(self, size: int):
-        """(context, device inputs) of a decode batch of padding rows."""
+    def _dummy(self, layout: Layout):
+        """(context, device inputs) of a step of padding only."""
         r = self.runner
-        host = r.stager.host_views(size, size)
-        _dummy_decode(host, r.kv_cache.scratch_block, r.rows.pad_row)
+        host = r.stager.host_views(layout.n_tok, layout.n_seq)
+        fill(host, [], [], r.block_size, r.rows, r.kv_cache.scratch_block)
         inp = r.to_device(host)
-        return r.context(inp, 1, r.max_model_len), inp
+        # a mixed graph holds the prefill attention kernel: any query length > 1 picks it
+        return r.context(inp, 2 if layout.mixed else 1, r.max_model_len), inp
 
-    def _capture_one(self, size, name, ctx, inp) -> None:
+    def _capture_decode(self, size, name, ctx, inp) -> None:
         r = self.runner
         r.kv_cache.force(name)
         try:
             r.capture_step(ctx, inp)  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize()
             if self.window_len > 1:
-                self.windows[size, name] = self._graph(ctx, inp, self.window_len)[0]
-            self.graphs[size, name], self.logits[size, name] = self._graph(ctx, inp, 1)
+                self.windows[size, name] = self._graph(r.capture_step, ctx, inp, self.window_len)[0]
+            self.graphs[size, name], self.logits[size, name] = self._graph(r.capture_step, ctx, inp, 1)
         finally:
             r.kv_cache.force(None)
 
-    def _graph(self, ctx, inp, steps: int):
-        """A graph of ``steps`` decode steps; returns it and the last step's logits."""
+    def _capture_mixed(self, size, ctx, inp) -> None:
+        r, name = self.runner, self.mixed_backend
+        r.kv_cache.force(name)
+        try:
+            r.capture_mixed(ctx, inp)
+            torch.cuda.synchronize()
+            self.mixed[size, name] = self._graph(r.capture_mixed, ctx, inp, 1)[0]
+        finally:
+            r.kv_cache.force(None)
+
+    def _graph(self, step, ctx, inp, steps: int):
+        """A graph of ``steps`` calls of ``step``; returns it and the last call's result."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             for _ in range(steps):
-                logits = self.runner.capture_step(ctx, inp)
+                out = step(ctx, inp)
         self.pool = self.pool or graph.pool()
-        return graph, logits
+        return graph, out
 
-    def prepare(self, size: int, host: PackedInputs, n_seq: int, num_samples: int):
-        """Load the step's inputs into the bucket's graph; returns (device inputs,
-        a function that replays the graph and returns the sampling rows' logits)."""
+    def prepare(self, layout: Layout, host: PackedInputs, n_seq: int, num_samples: int):
+        """Load the step's inputs into the layout's graph; returns (device inputs,
+        a function that replays a decode graph and returns the sampling rows'
+        logits). A mixed graph samples by itself: run it with run_window."""
         r = self.runner
+        if layout.mixed:
+            self.prepared = self.mixed, (layout.n_tok, self.mixed_backend)
+            return r.to_device(host), None
         shared = bool((host.offsets[:n_seq] == host.offsets[0]).all())
         if shared:  # padding rows (scratch block) follow the real rows' offset
             host.offsets[n_seq:] = host.offsets[0]
         inp = r.to_device(host)
         slots = SlotBatch(inp.block_idx, inp.offsets, shared_offset=inp.offsets[:1] if shared else None)
-        name = r.kv_cache.select(slots)
-        self.prepared = size, name
-        graph, logits = self.graphs[size, name], self.logits[size, name]
+        key = layout.n_tok, r.kv_cache.select(slots)
+        self.prepared = self.graphs, key
+        graph, logits = self.graphs[key], self.logits[key]
         sample_idx = inp.sample_idx[:num_samples]
 
         def run(_step: int) -> torch.Tensor:
-            r.kv_cache.steps_by_backend[name] += 1
+            r.kv_cache.steps_by_backend[key[1]] += 1
             graph.replay()
             # Rows that do not sample (a one-token prefill chunk that is not
             # the prompt's last) are rare: the common case is a plain slice.
@@ -114,27 +179,13 @@ class DecodeGraphs:
         return inp, run
 
     def run_window(self, steps: int) -> None:
-        """Run ``steps`` steps of the prepared bucket (each graph samples
-        and advances by itself): one replay of its window graph when the
-        window is full, else one replay per step."""
-        key = self.prepared
+        """Run ``steps`` steps of the prepared graph (each samples and
+        advances by itself): one replay of its window graph when the window
+        is full, else one replay per step."""
+        graphs, key = self.prepared
         self.runner.kv_cache.steps_by_backend[key[1]] += steps
-        if steps == self.window_len and key in self.windows:
+        if steps == self.window_len and key in self.windows and graphs is self.graphs:
             self.windows[key].replay()
             return
         for _ in range(steps):
-            self.graphs[key].replay()
-
-
-def _dummy_decode(host: PackedInputs, scratch_block: int, pad_row: int) -> None:
-    host.input_ids[:] = 0
-    host.src_rows[:] = -1
-    host.positions[:] = 0
-    host.block_idx[:] = scratch_block
-    host.offsets[:] = 0
-    host.context_lens[:] = 1
-    host.query_start[:] = range(host.n_seq + 1)
-    host.sample_idx[:] = range(host.n_seq)
-    host.sample_seq_rows[:] = pad_row
-    host.seq_rows[:] = pad_row
-    host.window_step[:] = 0
+            graphs[key].replay()

@@ -58,9 +58,14 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decode_steps, config.decode_steps_min_seqs)
         attention = plugins.create("attention", self._attention_name())
+        mixed_tokens = config.mixed_graph_max_tokens
+        if not getattr(attention, "mixed_graphs", False):  # docs/plugins.md
+            mixed_tokens = 0
         self.runner = ModelRunner(self.model, self.kv_cache, attention, self.device,
                                   config.max_num_seqs, config.max_num_batched_tokens,
-                                  self.max_model_len, config.cuda_graphs, config.decode_steps)
+                                  self.max_model_len, config.cuda_graphs, config.decode_steps,
+                                  config.max_num_batched_tokens if mixed_tokens is None
+                                  else mixed_tokens)
         self.blocks.on_free_seq = self.runner.rows.release
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []

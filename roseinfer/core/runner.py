@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
-from roseinfer.core.cuda_graphs import DecodeGraphs
+from roseinfer.core.cuda_graphs import StepGraphs
 from roseinfer.core.kv_cache import KVCache, SlotBatch
 from roseinfer.core.sample_kernel import WORDS, sample
 from roseinfer.core.sampler import Sampler
@@ -39,7 +39,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, attention, device: torch.device,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 cuda_graphs: bool, decode_steps: int = 1):
+                 cuda_graphs: bool, decode_steps: int = 1, mixed_graph_tokens: int = 0):
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
@@ -53,24 +53,27 @@ class ModelRunner:
         # (the padding row's are zeros: greedy).
         width = self.max_blocks + WORDS
         # Updates: at most every entry of every row, when all sequences are new.
-        self.stager = InputStager(fixed_size(tokens, max_num_seqs)
+        # Mixed graphs have one sequence more than max_num_seqs (StepGraphs).
+        self.stager = InputStager(fixed_size(tokens, max_num_seqs + 1)
                                   + 2 * max_num_seqs * width, device)
         self.rows = TableRows(max_num_seqs, width, self.max_blocks)
         self.seq_state = torch.zeros(max_num_seqs + 1, width, dtype=torch.int32, device=device)
         self.tables = self.seq_state[:, :self.max_blocks]
         self.tables.fill_(kv_cache.scratch_block)
         self.sampler = Sampler()
-        self.sampled = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
-        self.window = torch.zeros(decode_steps, max_num_seqs, dtype=torch.int32, device=device)
+        # Slots for every sequence of a mixed graph (one more than max_num_seqs).
+        self.sampled = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self.window = torch.zeros(decode_steps, max_num_seqs + 1, dtype=torch.int32, device=device)
         self.identity = torch.arange(max_num_seqs, dtype=torch.int32, device=device)
         # Two host landing buffers: step n's copy must not overwrite step n-1's ids.
         pin = device.type == "cuda"
-        self.landing = [torch.zeros(decode_steps, max_num_seqs, dtype=torch.int32, pin_memory=pin)
+        self.landing = [torch.zeros(decode_steps, max_num_seqs + 1, dtype=torch.int32, pin_memory=pin)
                         for _ in range(2)]
         self.launches = 0
         self.graphs = None
+        self.mixed_graph_tokens = min(mixed_graph_tokens, tokens)
         if cuda_graphs and device.type == "cuda":
-            self.graphs = DecodeGraphs(self, max_num_seqs, decode_steps)
+            self.graphs = StepGraphs(self, max_num_seqs, decode_steps, self.mixed_graph_tokens)
             self.graphs.capture()
 
     def context(self, inp: PackedInputs, max_query_len: int, max_context_len: int) -> StepContext:
@@ -99,23 +102,23 @@ class ModelRunner:
         """Launch the batch's step (or window of decode steps) without waiting for it."""
         seqs, num_tokens = batch.seqs, batch.num_tokens
         n_tok, n_seq = sum(num_tokens), len(seqs)
-        graph = self.graphs.bucket(n_seq) if self.graphs and n_tok == n_seq else None
-        host = self.stager.host_views(graph or n_tok, graph or n_seq)
+        layout = self.graphs.layout(n_tok, n_seq) if self.graphs else None
+        host = self.stager.host_views(*(layout[:2] if layout else (n_tok, n_seq)))
         rows, upd_idx, upd_val, greedy = fill(host, seqs, num_tokens, self.block_size,
                                               self.rows, self.kv_cache.scratch_block, batch.steps)
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
-        if graph is not None:
-            inp, run = self.graphs.prepare(graph, host, n_seq, len(rows))
+        if layout is not None:
+            inp, run = self.graphs.prepare(layout, host, n_seq, len(rows))
         else:
             inp, run = self._eager(host, num_tokens, len(rows))
-        # A graph samples and advances its inputs itself (capture()), which is
-        # all a batch whose every row samples needs.
-        if graph is not None and len(rows) == n_seq:
+        # A graph samples and advances its inputs itself (capture_step,
+        # capture_mixed), which is all a batch whose every row samples needs.
+        if layout is not None and (layout.mixed or len(rows) == n_seq):
             self.graphs.run_window(batch.steps)
             return self._land(batch, rows)
         for step in range(batch.steps):
-            if step and graph is None:
+            if step and layout is None:
                 advance(inp, self.tables, self.block_size, self.identity)
             logits = run(step)
             if rows:
@@ -145,6 +148,13 @@ class ModelRunner:
         sample_advance(logits, inp, self.seq_state, self.max_blocks, self.block_size,
                        self.sampled, self.window)
         return logits
+
+    def capture_mixed(self, ctx: StepContext, inp: PackedInputs) -> None:
+        """What a mixed-step CUDA graph holds: the forward and sampling of every
+        sequence (padding ones sample greedily from a padding token; nothing
+        reads their slots)."""
+        logits = self.forward(ctx, inp, inp.sample_idx)
+        self._record(0, sample(logits, inp, self.seq_state, self.max_blocks))
 
     def _land(self, batch, rows) -> LaunchedStep:
         """Start the window's ids on their way to the host."""

@@ -138,8 +138,12 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
     qs = f["query_start"]
     qs[0] = 0
     np.cumsum(num_tokens, out=qs[1:s + 1])
-    f["sample_idx"][:len(sample_rows)] = qs[1:][sample_rows] - 1
-    f["sample_seq_rows"][:len(sample_rows)] = f["seq_rows"][sample_rows]
+    n_samp = len(sample_rows)
+    f["sample_idx"][:n_samp] = qs[1:][sample_rows] - 1
+    f["sample_seq_rows"][:n_samp] = f["seq_rows"][sample_rows]
+    # A graph samples every row it has: padding rows sample the last token, greedily.
+    f["sample_idx"][n_samp:] = host.n_tok - 1
+    f["sample_seq_rows"][n_samp:] = rows.pad_row
     f["window_step"][0] = 0
     _pad(host, t, s, rows.pad_row, scratch_block)
     np.remainder(f["positions"], block_size, out=f["offsets"])
@@ -147,14 +151,22 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
 
 
 def _pad(host: PackedInputs, t: int, s: int, pad_row: int, scratch_block: int) -> None:
-    """Padding: one token per padded sequence, at position 0 of the scratch block."""
+    """Padding tokens and sequences up to the layout's (n_tok, n_seq): padding
+    tokens sit at position 0 of the scratch block; padding sequences take them,
+    one each while they last (a decode graph's padding rows) and the last
+    sequence the rest (a mixed graph's padding, which then leaves sequences
+    with no tokens at all; those attend to nothing)."""
     host.input_ids[t:] = 0
     host.src_rows[t:] = -1
     host.positions[t:] = 0
     host.block_idx[t:] = scratch_block
-    host.context_lens[s:] = 1
-    host.query_start[s + 1:] = t + 1 + np.arange(host.n_seq - s)
     host.seq_rows[s:] = pad_row
+    pad_tokens, pad_seqs = host.n_tok - t, host.n_seq - s
+    if pad_seqs:
+        ends = np.minimum(np.arange(1, pad_seqs + 1), pad_tokens)
+        ends[-1] = pad_tokens
+        host.query_start[s + 1:] = t + ends
+        np.subtract(host.query_start[s + 1:], host.query_start[s:-1], out=host.context_lens[s:])
 
 
 def advance(inp: PackedInputs, tables: torch.Tensor, block_size: int,

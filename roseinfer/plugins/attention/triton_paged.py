@@ -263,6 +263,10 @@ def num_splits(attn, num_kv_heads: int, num_sms: int, programs_per_sm: int) -> i
 
 
 class TritonPagedAttention:
+    # Every launch depends only on (N, S), never on host copies of the
+    # metadata: steps with prefill chunks can be captured as CUDA graphs.
+    mixed_graphs = True
+
     def supports(self, device) -> bool:
         return triton_usable(device)
 
