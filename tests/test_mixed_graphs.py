@@ -78,15 +78,21 @@ def test_greedy_mixed_steps_in_graphs_equal_transformers(family, request, monkey
 
 
 def test_steps_too_large_for_a_bucket_run_eagerly(gpt2_model, monkeypatch):
-    llm = llm_with_graphs(gpt2_model, monkeypatch, max_num_batched_tokens=64,
-                          mixed_graph_max_tokens=8)
-    runner = llm.engine.runner
-    assert runner.graphs.layout(9, 2) is None
-    assert runner.graphs.layout(8, 2) == (8, 9, True)
-    assert runner.graphs.layout(3, 3) == (4, 4, False)
-    prompts = [list(range(3, 25)), [7, 8]]
+    """The first step (120 prompt tokens) is past the largest bucket (100): it
+    runs eagerly; the next ones are mixed graphs. Also: a padding sequence
+    longer than a block table covers (the capture's dummy step puts 92 tokens
+    on one; tables cover 52) reads no keys past it."""
+    llm = llm_with_graphs(gpt2_model, monkeypatch, max_num_batched_tokens=128,
+                          mixed_graph_max_tokens=100, max_model_len=48)
+    graphs = llm.engine.runner.graphs
+    assert graphs.layout(101, 4) is None
+    assert graphs.layout(100, 4) == (100, 9, True)
+    assert graphs.layout(3, 3) == (4, 4, False)
+    prompts = [list(range(3 + i, 43 + i)) for i in range(3)] + [list(range(100, 120))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(gpt2_model, p, 6) for p in prompts]
+    if DEVICE == "cpu":
+        assert graphs.replays["capture_mixed"] >= 1
 
 
 def test_seeded_sampling_in_mixed_graphs_matches_eager_steps(gpt2_model, monkeypatch):

@@ -93,7 +93,7 @@ def _paged_attention_kernel(
     sq_n, sq_h, sq_d,                 # q strides (a view of fused qkv is fine)
     so_n, so_h,                       # out strides (d stride 1)
     sc_b, sc_h, sc_o, sc_d,           # cache strides, K and V alike
-    bt_stride, num_seqs, head_dim, scale_log2,
+    bt_stride, table_keys, num_seqs, head_dim, scale_log2,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -122,6 +122,9 @@ def _paged_attention_kernel(
     # Keys up to the block's last query. Every row sees the first key, so the
     # running max is finite after the first tile (no -inf - -inf).
     kv_hi = context_len - q_len + tl.minimum(first_tok + BLOCK_Q, q_len)
+    # A CUDA graph's padding sequence may hold more tokens than a block table
+    # covers (step_inputs._pad): it reads no keys past the table.
+    kv_hi = tl.minimum(kv_hi, table_keys)
     block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -291,7 +294,7 @@ class TritonPagedAttention:
         _paged_attention_kernel[(n // block_q + attn.num_seqs, num_kv_heads)](
             q, k_cache, v_cache, out, attn.block_tables, attn.context_lens, attn.query_start,
             *q.stride(), *out.stride()[:2], *k_cache.stride(), attn.block_tables.stride(0),
-            attn.num_seqs, head_dim, scale_log2, BLOCK_M=block_m, BLOCK_Q=block_q, **const)
+            attn.block_tables.shape[1] * k_cache.shape[2], attn.num_seqs, head_dim, scale_log2, BLOCK_M=block_m, BLOCK_Q=block_q, **const)
         return out
 
     @staticmethod
