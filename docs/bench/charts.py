@@ -20,17 +20,28 @@ def load(name):
     return json.loads((RUNS / name).read_text())
 
 
+def _rates(prefix):
+    """{rate: summary} of the runs named ``{prefix}{rate}.json``."""
+    runs = {int(p.stem.removeprefix(prefix)): p.name for p in RUNS.glob(f"{prefix}*.json")
+            if p.stem.removeprefix(prefix).isdigit()}
+    return {r: load(runs[r])["roseinfer"]["summary"] for r in sorted(runs)}
+
+
 def latency_vs_rate():
-    rates = sorted(int(p.stem.split("-")[1]) for p in RUNS.glob("rate-*.json"))
-    summaries = [load(f"rate-{r}.json")["roseinfer"]["summary"] for r in rates]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    series = [("Llama-1B shape", "rate-", "tab:blue"),
+              ("Llama-1B, eager mixed steps (earlier run)", "rate-eager-", "tab:gray"),
+              ("SmolLM2 shape", "rate-smollm2-random-", "tab:green")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
-        for p, style in (("p50", "o-"), ("p99", "s--")):
-            ax.plot(rates, [s[key][p] for s in summaries], style, label=p)
+        for label, prefix, color in series:
+            runs = _rates(prefix)
+            for p, style in (("p50", "o-"), ("p99", "s--")):
+                ax.plot(list(runs), [s[key][p] for s in runs.values()], style, color=color,
+                        label=f"{label} {p}")
         ax.set(xscale="log", xlabel="arrival rate (requests/s, Poisson)", ylabel="ms",
-               title=f"{title}: Llama-3.2-1B shape, 512 -> 128, through Redis")
-        ax.set_xticks(rates, [str(r) for r in rates])
-        ax.legend()
+               title=f"{title}: 512 -> 128 tokens, through Redis, one H100")
+        ax.set_xticks([10, 20, 40, 80, 160, 320, 640], ["10", "20", "40", "80", "160", "320", "640"])
+    axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(HERE / "h100-latency-vs-rate.png", dpi=110)
 
