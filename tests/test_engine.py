@@ -114,6 +114,33 @@ def test_small_batches_step_one_token_at_a_time(gpt2_model):
     assert chunks == [1] * 5
 
 
+def test_prefill_beside_decoding_sequences_is_capped(gpt2_model):
+    """A prompt prefills in one step alone, and in chunks of at most
+    max_mixed_prefill_tokens while another sequence decodes."""
+    eng = llm_for(gpt2_model, max_num_batched_tokens=64, max_mixed_prefill_tokens=5).engine
+    batches, schedule = [], eng.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        batches.append(list(batch.num_tokens))
+        return batch
+    eng.scheduler.schedule = spy
+    first, second = list(range(10, 30)), list(range(40, 62))
+    eng.add_request("a", first, GREEDY)
+    ids = {"a": [], "b": []}
+    for i in range(14):
+        if i == 1:
+            eng.add_request("b", second, GREEDY)
+        for out in eng.step():
+            ids[out.request_id] += out.new_token_ids
+    while eng.has_unfinished():
+        for out in eng.step():
+            ids[out.request_id] += out.new_token_ids
+    assert batches[0] == [20]
+    assert [b[1] for b in batches if len(b) == 2 and b[1] > 1] == [5, 5, 5, 5, 2]
+    assert ids == {"a": hf_greedy(gpt2_model, first, 16), "b": hf_greedy(gpt2_model, second, 16)}
+
+
 def test_tokens_are_recorded_at_a_device_side_window_step(gpt2_model):
     """CUDA graphs record at a window step held in a tensor; the host at an int."""
     runner = llm_for(gpt2_model, decode_steps=4).engine.runner

@@ -41,7 +41,9 @@ def itl_ms(url: str, prefix: str, rids: list[str]) -> np.ndarray:
     return np.asarray([g for gaps in asyncio.run(read_all()) for g in gaps]) * 1e3
 
 
-def run(llm: LLM, url: str, prefix: str, disturb: bool, args) -> np.ndarray:
+def run(llm: LLM, url: str, prefix: str, disturb: bool, args, waits: list) -> np.ndarray:
+    """The decoders' inter-token gaps; each maximum-size prompt's submit-to-answer
+    time (one token) is appended to ``waits``."""
     worker = Worker(llm.engine, redis.Redis.from_url(url), prefix=prefix, block_ms=50,
                     chat_template=False)
     thread = threading.Thread(target=worker.run, daemon=True)
@@ -52,9 +54,16 @@ def run(llm: LLM, url: str, prefix: str, disturb: bool, args) -> np.ndarray:
     stop = threading.Event()
     longest = "hello " * (llm.engine.max_model_len - 2)
 
+    def answered(rid, sent):
+        for _ in Client(url, prefix).stream(rid, timeout=600):
+            pass
+        waits.append(time.monotonic() - sent)
+
     def disturbance():
         while not stop.wait(args.every_s):
-            client.submit(longest, max_tokens=1)
+            sent = time.monotonic()
+            rid = client.submit(longest, max_tokens=1)
+            threading.Thread(target=answered, args=(rid, sent), daemon=True).start()
 
     if disturb:
         threading.Thread(target=disturbance, daemon=True).start()
@@ -69,17 +78,24 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="gpt2-random")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-mixed-prefill-tokens", type=int, default=None,
+                   help="default: the engine's (16 on the CPU)")
     p.add_argument("--tokens", type=int, default=100)
     p.add_argument("--every-s", type=float, default=0.5)
     args = p.parse_args()
     llm = LLM(args.model, device="cpu", max_num_seqs=32, num_kv_blocks=2048,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_mixed_prefill_tokens=args.max_mixed_prefill_tokens)
     with EmbeddedRedis(port=free_port()) as server:
-        base = run(llm, server.url, "hol-base", False, args)
-        hit = run(llm, server.url, "hol-hit", True, args)
+        waits = []
+        base = run(llm, server.url, "hol-base", False, args, waits)
+        hit = run(llm, server.url, "hol-hit", True, args, waits)
+        time.sleep(args.every_s)  # the last prompts' answers
     for name, g in (("undisturbed", base), ("with max-size prompts", hit)):
         print(f"{name}: ITL p50 {np.percentile(g, 50):.1f} ms, p99 {np.percentile(g, 99):.1f} ms")
     print(f"p99 ratio: {np.percentile(hit, 99) / np.percentile(base, 99):.2f}x")
+    print(f"max-size prompts answered: {len(waits)}, submit to answer "
+          f"{', '.join(f'{w:.1f}' for w in sorted(waits))} s")
 
 
 if __name__ == "__main__":

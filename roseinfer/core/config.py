@@ -41,6 +41,12 @@ class EngineConfig:
     # steady arrivals most steps carry a chunk; launched from Python, each
     # costs milliseconds of host time (docs/benchmarks.md).
     mixed_graph_max_tokens: Optional[int] = None
+    # Prefill tokens a step may carry while sequences decode: every decoding
+    # request waits for the whole step. Default: no cap on CUDA (a cap
+    # starved prefill under arrivals there), 16 on the CPU, where a
+    # 128-token chunk made a GPT-2 step 4x a decode step (docs/benchmarks.md,
+    # "Decoding while maximum-size prompts arrive").
+    max_mixed_prefill_tokens: Optional[int] = None
     seed: Optional[int] = None
 
     def __post_init__(self):
@@ -56,6 +62,10 @@ class EngineConfig:
         v = self.mixed_graph_max_tokens
         if v is not None and (not isinstance(v, int) or v < 0):
             raise ConfigError(f"mixed_graph_max_tokens must be an integer >= 0 or unset, got {v!r}")
+        v = self.max_mixed_prefill_tokens
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ConfigError(f"max_mixed_prefill_tokens must be a positive integer or unset, "
+                              f"got {v!r}")
         for name in ("num_kv_blocks", "max_model_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 2):

@@ -25,6 +25,8 @@ from roseinfer.models.tokenizers import as_chat
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, list[int]]
+# The CPU's default max_mixed_prefill_tokens (config.py says why).
+CPU_MIXED_PREFILL_TOKENS = 16
 
 
 @dataclass
@@ -55,8 +57,11 @@ class Engine:
                                    config.enable_prefix_cache, self.kv_cache.copy_block)
         self.max_model_len = min(config.max_model_len or _context_len(self.hf_config),
                                  num_blocks * config.block_size)
+        mixed_prefill = config.max_mixed_prefill_tokens
+        if mixed_prefill is None and self.device.type == "cpu":
+            mixed_prefill = CPU_MIXED_PREFILL_TOKENS
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.decode_steps, config.decode_steps_min_seqs)
+                                   config.decode_steps, config.decode_steps_min_seqs, mixed_prefill)
         attention = plugins.create("attention", self._attention_name())
         mixed_tokens = config.mixed_graph_max_tokens
         if not getattr(attention, "mixed_graphs", False):  # docs/plugins.md

@@ -27,8 +27,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 decode_steps: int = 1, decode_steps_min_seqs: int = 1):
+                 decode_steps: int = 1, decode_steps_min_seqs: int = 1,
+                 max_mixed_prefill_tokens: int | None = None):
         self.blocks = blocks
+        self.mixed_prefill = max_mixed_prefill_tokens
         self.decode_steps = decode_steps
         self.window_min_seqs = decode_steps_min_seqs
         self.max_num_seqs = max_num_seqs
@@ -43,9 +45,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
         preemptions = self.num_preemptions
-        budget = self._schedule_running(batch, self.budget)
+        prefill = self._prefill_budget()
+        budget, prefill = self._schedule_running(batch, self.budget, prefill)
         if self.num_preemptions == preemptions:  # admit nothing while preempting
-            self._admit_waiting(batch, budget)
+            self._admit_waiting(batch, min(budget, prefill))
         if self.decode_steps > 1 and len(batch.seqs) >= self.window_min_seqs:
             self._widen(batch)
         return batch
@@ -62,26 +65,38 @@ class Scheduler:
         if steps > 1 and all(reserve(s, steps) for s in batch.seqs):
             batch.steps = steps
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _prefill_budget(self) -> int:
+        """Prefill tokens this step may carry: the whole budget, or the mixed
+        cap when a running sequence decodes (it waits for the whole step)."""
+        if self.mixed_prefill is not None and any(
+                len(s.token_ids) + s.pending - s.num_computed == 1 for s in self.running):
+            return self.mixed_prefill
+        return self.budget
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int,
+                          prefill: int) -> tuple[int, int]:
+        """Serve running sequences; returns the (token, prefill) budgets left."""
         running, reserve = self.running, self.blocks.reserve
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             total = len(seq.token_ids) + seq.pending
-            if total >= seq.max_len:  # its last token is in flight
-                i += 1
+            left = total - seq.num_computed
+            if total >= seq.max_len or (left > 1 and prefill == 0):
+                i += 1  # its last token is in flight, or no prefill budget is left
                 continue
-            n = min(total - seq.num_computed, budget)
+            n = min(left, budget) if left == 1 else min(left, budget, prefill)
             while not reserve(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 if victim is seq:
-                    return budget
+                    return budget, prefill
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+            prefill -= n if left > 1 else 0
             i += 1
-        return budget
+        return budget, prefill
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
