@@ -122,6 +122,10 @@ class Engine:
             raise InvalidRequestError(
                 "prompt", f"{len(ids)} tokens leave no room to generate within the "
                 f"model's {self.max_model_len}-token context; shorten the prompt", "too_long")
+        too_big = [t for t in params.logit_bias if t >= self.vocab_size]
+        if too_big:
+            raise InvalidRequestError("logit_bias", f"token ids must be below the vocabulary "
+                                      f"size {self.vocab_size}; got {too_big[:5]}")
         gen = None  # on CUDA the seed keys the sampler's noise instead (sample_kernel)
         if params.seed is not None and self.device.type != "cuda":
             gen = torch.Generator(self.device).manual_seed(params.seed)
@@ -198,12 +202,16 @@ class Engine:
     def _collect(self, launched) -> list[RequestOutput]:
         live = []
         seqs, steps = launched.batch.seqs, launched.batch.steps
-        for row, tokens in zip(launched.rows, launched.result()):
+        ids = launched.result()
+        logprobs = launched.token_logprobs(ids)
+        for k, (row, tokens) in enumerate(zip(launched.rows, ids)):
             seq = seqs[row]
             seq.pending -= steps
             if seq.status is Status.FINISHED:
                 continue  # finished while this step was in flight: drop its tokens
             self._append(seq, tokens)
+            if k in logprobs and len(seq.token_ids) > seq.num_prompt_tokens + seq.num_emitted:
+                seq.logprobs.append(logprobs[k])  # its one token was taken
             live.append(seq)
         return [self._emit(seq) for seq in live]
 
@@ -241,7 +249,8 @@ class Engine:
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         final = seq.finish_reason is not None
         new_text = seq.detok.release(final) if seq.detok is not None else ""
-        return RequestOutput(seq.request_id, new_ids, new_text, final, seq.finish_reason, seq)
+        lps = seq.logprobs[len(seq.logprobs) - len(new_ids):] if seq.logprobs is not None else None
+        return RequestOutput(seq.request_id, new_ids, new_text, final, seq.finish_reason, seq, lps)
 
 
 def settle_heap() -> None:

@@ -20,7 +20,7 @@ class Sequence:
     __slots__ = ("request_id", "params", "token_ids", "num_prompt_tokens", "num_computed",
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
                  "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
-                 "row", "synced", "sample_words")
+                 "row", "synced", "sample_words", "logprobs")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
@@ -45,6 +45,8 @@ class Sequence:
         self.row = -1                  # device block-table row while it holds blocks
         self.synced = 0                # entries of block_table already on the device
         self.sample_words = words(params)  # written after the table entries when it gets a row
+        # One TokenLogprob per id generated here (not for resumed ids), if asked for.
+        self.logprobs: Optional[list] = [] if params.logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ import torch
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
 from roseinfer.core.cuda_graphs import StepGraphs
 from roseinfer.core.kv_cache import KVCache, SlotBatch
+from roseinfer.core.logits import LogitsWork, TokenLogprob, to_host
 from roseinfer.core.sample_kernel import WORDS, sample
 from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
@@ -28,12 +29,20 @@ class LaunchedStep:
     rows: list[int]                  # batch rows that sample a token
     tokens: torch.Tensor             # host [window step, row]: the sampled ids arrive here
     done: Optional[torch.cuda.Event]
+    logprobs: Optional[tuple] = None  # LogitsWork.logprobs of a one-step batch
 
     def result(self) -> list[list[int]]:
         """Each sampling row's ids, one per window step."""
         if self.done is not None:
             self.done.synchronize()
         return self.tokens[:self.batch.steps, :len(self.rows)].T.tolist()
+
+    def token_logprobs(self, ids: list[list[int]]) -> dict[int, TokenLogprob]:
+        """Log probabilities by sampling row, for the rows that asked (after result())."""
+        if self.logprobs is None:
+            return {}
+        seqs = [self.batch.seqs[r] for r in self.rows]
+        return to_host(self.logprobs, seqs, [t[0] for t in ids])
 
 
 class ModelRunner:
@@ -70,6 +79,7 @@ class ModelRunner:
         self.landing = [torch.zeros(decode_steps, max_num_seqs + 1, dtype=torch.int32, pin_memory=pin)
                         for _ in range(2)]
         self.launches = 0
+        self.logits_work = LogitsWork(max_num_seqs + 1, model.head.vocab_size, device)
         self.graphs = None
         self.mixed_graph_tokens = min(mixed_graph_tokens, tokens)
         if cuda_graphs and device.type == "cuda":
@@ -102,10 +112,16 @@ class ModelRunner:
         """Launch the batch's step (or window of decode steps) without waiting for it."""
         seqs, num_tokens = batch.seqs, batch.num_tokens
         n_tok, n_seq = sum(num_tokens), len(seqs)
+        processed = any(s.params.processed for s in seqs)
         layout = self.graphs.layout(n_tok, n_seq) if self.graphs else None
+        if processed and layout is not None and layout.mixed:
+            layout = None  # a mixed graph samples inside: no logits work there
         host = self.stager.host_views(*(layout[:2] if layout else (n_tok, n_seq)))
+        fresh = [s for s in seqs if s.row < 0 and s.params.penalized]
         rows, upd_idx, upd_val, greedy = fill(host, seqs, num_tokens, self.block_size,
                                               self.rows, self.kv_cache.scratch_block, batch.steps)
+        for seq in fresh:
+            self.logits_work.start(seq)
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
         if layout is not None:
@@ -114,16 +130,25 @@ class ModelRunner:
             inp, run = self._eager(host, num_tokens, len(rows))
         # A graph samples and advances its inputs itself (capture_step,
         # capture_mixed), which is all a batch whose every row samples needs.
-        if layout is not None and (layout.mixed or len(rows) == n_seq):
+        if layout is not None and not processed and (layout.mixed or len(rows) == n_seq):
             self.graphs.run_window(batch.steps)
             return self._land(batch, rows)
+        found = None
         for step in range(batch.steps):
             if step and layout is None:
                 advance(inp, self.tables, self.block_size, self.identity)
             logits = run(step)
-            if rows:
-                self._record(step, self._sample(batch, rows, logits, inp, greedy))
-        return self._land(batch, rows)
+            if not rows:
+                continue
+            if processed:  # one step: the scheduler makes no windows of these
+                picked, seq_rows = [seqs[r] for r in rows], inp.sample_seq_rows[:len(rows)]
+                logits = self.logits_work.apply(logits, picked, seq_rows)
+            tokens = self._sample(batch, rows, logits, inp, greedy)
+            if processed:
+                self.logits_work.record(tokens, picked, seq_rows)
+                found = self.logits_work.logprobs(logits, tokens, picked)
+            self._record(step, tokens)
+        return self._land(batch, rows, found)
 
     def _sample(self, batch, rows, logits, inp, greedy: bool) -> torch.Tensor:
         if self.device.type == "cuda":  # the graphs' sampler: same tokens either way
@@ -156,7 +181,7 @@ class ModelRunner:
         logits = self.forward(ctx, inp, inp.sample_idx)
         self._record(0, sample(logits, inp, self.seq_state, self.max_blocks))
 
-    def _land(self, batch, rows) -> LaunchedStep:
+    def _land(self, batch, rows, logprobs=None) -> LaunchedStep:
         """Start the window's ids on their way to the host."""
         landing = self.landing[self.launches % 2]
         self.launches += 1
@@ -167,7 +192,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(batch, rows, landing, done)
+        return LaunchedStep(batch, rows, landing, done, logprobs)
 
     def to_device(self, host: PackedInputs) -> PackedInputs:
         """Copy the packed inputs over and apply the block-table updates they carry."""

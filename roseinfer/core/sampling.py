@@ -7,6 +7,9 @@ from typing import Optional
 
 from roseinfer.core.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20       # OpenAI's top_logprobs limit
+MAX_LOGIT_BIAS = 300    # OpenAI's limit on logit_bias entries
+
 
 @dataclass
 class SamplingParams:
@@ -19,6 +22,15 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Log probabilities of each generated token and of the top `logprobs`
+    # alternatives (0-20; None = off), from the distribution it was sampled
+    # from: after the bias, the penalties and the temperature, before top-k,
+    # top-p and min-p (core/logits.py).
+    logprobs: Optional[int] = None
+    repetition_penalty: float = 1.0   # transformers' meaning: > 1 discourages repeats
+    frequency_penalty: float = 0.0    # OpenAI's meanings: subtracted per occurrence
+    presence_penalty: float = 0.0     # ... and once per token that occurred
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -47,6 +59,39 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        if self.logprobs is not None and not (is_int(self.logprobs)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                f"got {self.logprobs!r}")
+        if not is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            bad("repetition_penalty", f"must be in (0, 10] (1 = off), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not is_number(v) or not -2 <= v <= 2:
+                bad(name, f"must be in [-2, 2] (0 = off), got {v!r}")
+        self._validate_bias()
+
+    def _validate_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                "logit_bias", f"must be a map of at most {MAX_LOGIT_BIAS} token ids to biases")
+        for token, b in bias.items():
+            if not (is_int(token) and token >= 0 and is_number(b) and -100 <= b <= 100):
+                raise InvalidRequestError(
+                    "logit_bias", f"maps token ids (integers >= 0) to numbers in [-100, 100]; "
+                    f"got {str(token)[:20]!r}: {str(b)[:20]!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits need work before sampling (core/logits.py)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0 or bool(self.logit_bias))
+
+    @property
+    def processed(self) -> bool:
+        """Whether its steps go through core/logits.py (not inside a CUDA graph)."""
+        return self.penalized or self.logprobs is not None
 
     @property
     def greedy(self) -> bool:
