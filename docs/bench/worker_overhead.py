@@ -38,6 +38,7 @@ class _Out:
     finish_reason: object
     prompt_token_ids: list
     token_ids: list
+    new_logprobs: object = None
 
 
 @dataclass

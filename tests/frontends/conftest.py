@@ -70,6 +70,7 @@ class FakeOutput:
     new_text: str
     finished: bool
     finish_reason: object
+    new_logprobs: object = None
 
 
 @dataclass

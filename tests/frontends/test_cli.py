@@ -32,7 +32,7 @@ def stop(proc, sig=signal.SIGTERM):
     return proc.returncode, out, err
 
 
-def test_worker_and_submit_processes(tiny_gpt2_dir, expected, redis_server, prefix):
+def test_worker_and_submit_processes(tiny_gpt2_dir, tiny_llm, expected, redis_server, prefix):
     worker = subprocess.Popen(roseinfer("worker", "--redis-url", redis_server.url, "--prefix", prefix,
                                         *engine_flags(tiny_gpt2_dir)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -45,6 +45,9 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, expected, redis_server, pref
         streamed = subprocess.run(roseinfer(*submit), capture_output=True, text=True, timeout=60)
         whole = subprocess.run(roseinfer(*submit, "--no-stream"), capture_output=True, text=True, timeout=60)
         bad = subprocess.run(roseinfer(*submit, "--top-p", "2"), capture_output=True, text=True, timeout=60)
+        scored = subprocess.run(roseinfer(*submit, "--no-stream", "--logprobs", "2",
+                                          "--repetition-penalty", "1.3", "--logit-bias", "13:2"),
+                                capture_output=True, text=True, timeout=60)
         status = subprocess.run(roseinfer("status", "--redis-url", redis_server.url, "--prefix", prefix,
                                           "--json"), capture_output=True, text=True, timeout=60)
     finally:
@@ -54,6 +57,14 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, expected, redis_server, pref
     assert streamed.stderr.endswith(f"[{expected.finish_reason}: 5 prompt + "
                                     f"{len(expected.token_ids)} generated tokens]\n")
     assert bad.returncode == 1 and "error (bad_request): top_p: must be in (0, 1]" in bad.stderr
+    (ref,) = tiny_llm.generate([PROMPT], SamplingParams(
+        max_tokens=10, temperature=0, logprobs=2, repetition_penalty=1.3, logit_bias={13: 2.0}))
+    text, *lines = scored.stdout.split("\n")[:-1]
+    assert text == ref.text and len(lines) == len(ref.token_ids)
+    for line, token, lp in zip(lines, ref.token_ids, ref.logprobs):
+        got = json.loads(line)
+        assert got["token_id"] == token and abs(got["logprob"] - lp.logprob) < 1e-5
+        assert len(got["top_logprobs"]) == 2
     assert code == 0, log
     assert "rejected" in log and "stopped" in log
     found = json.loads(status.stdout)

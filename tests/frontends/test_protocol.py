@@ -84,6 +84,15 @@ BAD = [
     (as_redis({"prompt": "x", "max_tokens": "abc"}), "max_tokens"),
     (as_redis({"prompt": "x", "ignore_eos": "maybe"}), "ignore_eos"),
     (as_redis({"prompt_token_ids": "1,x"}), "prompt_token_ids"),
+    (entry({"prompt": "x", "logprobs": 21}), "logprobs"),
+    (entry({"prompt": "x", "repetition_penalty": 0}), "repetition_penalty"),
+    (entry({"prompt": "x", "frequency_penalty": 3}), "frequency_penalty"),
+    (entry({"prompt": "x", "presence_penalty": "a"}), "presence_penalty"),
+    (entry({"prompt": "x", "logit_bias": [1]}), "logit_bias"),
+    (entry({"prompt": "x", "logit_bias": {"a": 1}}), "logit_bias"),
+    (entry({"prompt": "x", "logit_bias": {"5": 200}}), "logit_bias"),
+    (entry({"prompt": "x", "logit_bias": {5: 1}}), "body"),   # integer map keys
+    (as_redis({"prompt": "x", "logit_bias": "5"}), "logit_bias"),
     ({b"prompt": b"\xff\xfe"}, "prompt"),                      # not UTF-8
 ]
 
@@ -94,6 +103,23 @@ def test_bad_entries_name_the_field(fields, field):
         decode_request("1-0", fields)
     assert e.value.field == field and e.value.code == "bad_request"
     assert str(e.value).startswith(f"{field}: ")
+
+
+def test_logits_fields_in_both_forms():
+    """logit_bias keys are strings of digits, as JSON writes them; the client converts."""
+    body = {"prompt": "x", "logprobs": 3, "repetition_penalty": 1.2, "frequency_penalty": 0.5,
+            "presence_penalty": -0.5, "logit_bias": {"5": 1.5, "7": -100}}
+    p = decode_request("1-0", entry(body)).params
+    assert decode_request("1-0", as_redis(encode_request("x", logit_bias={5: 1.5, 7: -100}))) \
+        .params.logit_bias == {5: 1.5, 7: -100}
+    assert (p.logprobs, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+            p.logit_bias) == (3, 1.2, 0.5, -0.5, {5: 1.5, 7: -100})
+    shell = as_redis({"prompt": "x", "logprobs": "2", "logit_bias": "5:1.5,7:-100",
+                      "presence_penalty": "0.25"})
+    p = decode_request("1-0", shell).params
+    assert (p.logprobs, p.logit_bias, p.presence_penalty) == (2, {5: 1.5, 7: -100.0}, 0.25)
+    chunk = Chunk("r", 0, [4], "a", logprobs=[{"logprob": -0.5, "top_logprobs": [[4, -0.5]]}])
+    assert decode_chunk(as_redis(encode_chunk(chunk))) == chunk
 
 
 def test_reply_rid_falls_back_to_the_entry_id():

@@ -53,6 +53,35 @@ def test_concurrent_mixed_requests_match_llm_generate(tiny_llm, start_worker, re
                                 "completion_tokens": len(ref.token_ids)}
 
 
+def test_logprobs_and_penalties_through_redis(tiny_llm, start_worker, redis_server, prefix):
+    """Chunks carry one logprob entry per id, equal to the engine's own; penalized and
+    plain requests share the worker's batches."""
+    worker = start_worker(tiny_llm.engine)
+    asks = [dict(logprobs=3, repetition_penalty=1.4, logit_bias={262: 5.0}, stream_interval=3),
+            dict(logprobs=0, frequency_penalty=1.0, presence_penalty=0.5), {}]
+    prompts = ["Once upon a time", "The sea", "A cat"]
+
+    async def run_all():
+        async with AsyncClient(redis_server.url, prefix) as client:
+            return await asyncio.gather(*(client.generate(p, timeout=30, max_tokens=9,
+                                                          temperature=0, **kw)
+                                          for p, kw in zip(prompts, asks)))
+    results = asyncio.run(run_all())
+    worker.stop()  # the references below use the same engine
+    for result, prompt, kw in zip(results, prompts, asks):
+        engine_kw = {k: v for k, v in kw.items() if k != "stream_interval"}
+        (ref,) = tiny_llm.generate([prompt], SamplingParams(max_tokens=9, temperature=0,
+                                                            **engine_kw))
+        assert result.token_ids == ref.token_ids
+        if "logprobs" not in kw:
+            assert result.logprobs is None
+            continue
+        assert len(result.logprobs) == len(result.token_ids)
+        for got, want in zip(result.logprobs, ref.logprobs):
+            assert abs(got["logprob"] - want.logprob) < 1e-5
+            assert [t for t, _ in got["top_logprobs"]] == [t for t, _ in want.top]
+
+
 def test_cancel_mid_generation_aborts_and_frees_the_slot(tiny_llm, start_worker, real_redis, prefix, redis_server):
     start_worker(tiny_llm.engine)
     client = Client(redis_server.url, prefix)

@@ -32,6 +32,7 @@ class Result:
     token_ids: list[int]
     finish_reason: str
     usage: dict
+    logprobs: Optional[list[dict]] = None   # one per id, if asked for (protocol Chunk)
 
 
 class RequestFailed(Exception):
@@ -168,13 +169,15 @@ def _unwrap(item) -> list[Chunk]:
 
 
 def _result(rid: str, chunks: Iterable[Chunk]) -> Result:
-    text, ids = [], []
+    text, ids, logprobs = [], [], None
     for c in chunks:
         text.append(c.text)
         ids += c.token_ids
+        if c.logprobs is not None:
+            logprobs = (logprobs or []) + c.logprobs
     if c.error is not None:
         raise RequestFailed(rid, c.error["code"], c.error["message"])
-    return Result(rid, "".join(text), ids, c.finish_reason, c.usage)
+    return Result(rid, "".join(text), ids, c.finish_reason, c.usage, logprobs)
 
 
 class Client:

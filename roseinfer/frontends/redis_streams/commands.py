@@ -85,6 +85,14 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     submit.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     submit.add_argument("--ignore-eos", action="store_true", default=None)
     submit.add_argument("--stream-interval", type=int, default=None, help="tokens per chunk")
+    submit.add_argument("--logprobs", type=int, default=None, metavar="K",
+                        help="after the text, one JSON line per token: its log probability "
+                             "and the K most likely alternatives (0-20)")
+    submit.add_argument("--repetition-penalty", type=float, default=None, help="1 = off")
+    submit.add_argument("--frequency-penalty", type=float, default=None, help="0 = off")
+    submit.add_argument("--presence-penalty", type=float, default=None, help="0 = off")
+    submit.add_argument("--logit-bias", action="append", default=None, metavar="ID:BIAS",
+                        type=_bias_pair, help="add BIAS to token ID's logit (repeatable)")
     submit.add_argument("--rid", default=None, help="request id (default: the entry ID)")
     submit.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print the text once it is complete")
@@ -236,9 +244,20 @@ def _show_worker_logs() -> None:
         log.setLevel(logging.INFO)
 
 
+def _bias_pair(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition(":")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ID:BIAS, e.g. 50256:-100") from None
+
+
 def submit_command(args: argparse.Namespace) -> int:
     params = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                                             "seed", "stop", "ignore_eos", "stream_interval")}
+                                             "seed", "stop", "ignore_eos", "stream_interval",
+                                             "logprobs", "repetition_penalty",
+                                             "frequency_penalty", "presence_penalty")}
+    params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     client = Client(prefix=args.prefix, redis_client=_connect(args.redis_url))
     rid = client.submit(args.prompt, rid=args.rid, **params)
     chunks = []
@@ -258,6 +277,9 @@ def submit_command(args: argparse.Namespace) -> int:
         print(f"error ({final.error['code']}): {final.error['message']}", file=sys.stderr)
         return 1
     print("" if args.stream else "".join(c.text for c in chunks))
+    for c in chunks:
+        for token, lp in zip(c.token_ids, c.logprobs or []):
+            print(json.dumps({"token_id": token, **lp}))
     usage = final.usage
     print(f"[{final.finish_reason}: {usage['prompt_tokens']} prompt + "
           f"{usage['completion_tokens']} generated tokens]", file=sys.stderr)

@@ -25,6 +25,7 @@ class InFlight:
     seq: int = 0                    # of the next chunk
     held_ids: list[int] = field(default_factory=list)
     held_text: str = ""
+    held_logprobs: Optional[list[dict]] = None   # for requests that asked
     last_token_at: Optional[float] = None
     # When this worker last knew the entry its own: admitted after Redis delivered it.
     refreshed_at: float = field(default_factory=time.monotonic)
@@ -38,11 +39,17 @@ class InFlight:
         final one always, else one per stream_interval tokens."""
         self.held_ids += out.new_token_ids
         self.held_text += out.new_text
+        if out.new_logprobs is not None:
+            self.held_logprobs = (self.held_logprobs or []) + [
+                {"logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top]}
+                for lp in out.new_logprobs]
         due = self.held_ids and (self.seq == 0 or len(self.held_ids) >= self.stream_interval)
         if not (due or out.finished):
             return None
-        chunk = Chunk(self.rid, self.seq, self.held_ids, self.held_text)
+        chunk = Chunk(self.rid, self.seq, self.held_ids, self.held_text,
+                      logprobs=self.held_logprobs)
         self.seq, self.held_ids, self.held_text = self.seq + 1, [], ""
+        self.held_logprobs = None
         if out.finished:
             chunk.finish_reason = out.finish_reason
             chunk.usage = {"prompt_tokens": len(out.prompt_token_ids),

@@ -19,7 +19,8 @@ DEFAULT_PREFIX = "roseinfer"
 DEFAULT_GROUP = "workers"
 RID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                 "stop", "stop_token_ids", "ignore_eos")
+                 "stop", "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty", "logit_bias")
 PARAM_KEYS = SAMPLING_KEYS + ("stream_interval", "raw")
 ROLES = ("system", "user", "assistant")
 
@@ -99,6 +100,9 @@ class Chunk:
     finish_reason: Optional[str] = None
     usage: Optional[dict] = None   # final chunk only: prompt_tokens, completion_tokens
     error: Optional[dict] = None   # "error" chunk only: code, message
+    # Requests that asked: one map per id in token_ids, {"logprob": float,
+    # "top_logprobs": [[id, logprob], ...]} (most likely first).
+    logprobs: Optional[list[dict]] = None
 
     @property
     def finished(self) -> bool:
@@ -120,6 +124,8 @@ def encode_request(prompt: Prompt, rid: Optional[str] = None, **params) -> dict:
     else:
         body = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt}
     body.update((k, v) for k, v in params.items() if v is not None)
+    if "logit_bias" in body:
+        body["logit_bias"] = {str(t): b for t, b in body["logit_bias"].items()}
     fields = {"v": VERSION, "body": msgpack.packb(body)}
     if rid is not None:
         fields["rid"] = rid
@@ -165,6 +171,8 @@ def decode_request(entry_id: str, fields: dict, limits: Limits = Limits()) -> Re
         if key in body and not isinstance(body[key], (list, str) if key == "stop" else list):
             raise InvalidRequestError(key, f"must be a list, got {_short(body[key])}")
     _check_stop_sizes(body, limits)
+    if "logit_bias" in body:
+        body["logit_bias"] = _logit_bias(body["logit_bias"])
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise InvalidRequestError("raw", f"must be true or false, got {_short(raw)}")
@@ -219,6 +227,21 @@ def _chat(messages, limits: Limits) -> Chat:
     return Chat([{"role": m["role"], "content": m["content"]} for m in messages])
 
 
+def _logit_bias(bias) -> dict:
+    """Token ids come as strings of digits, as JSON writes them: msgpack maps with
+    integer keys are refused while decoding (colliding integer keys would make one
+    entry's map cost quadratic time to build)."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias", f"must be a map of token ids to biases, "
+                                  f"got {_short(bias)}")
+    out = {}
+    for token, b in bias.items():
+        if isinstance(token, str) and token.isdigit() and len(token) < 12:
+            token = int(token)
+        out[token] = b
+    return out
+
+
 def _check_chars(name: str, chars: int, limits: Limits) -> None:
     if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
         raise InvalidRequestError(
@@ -257,13 +280,20 @@ def _bool(s: str) -> bool:
     return {"true": True, "1": True, "false": False, "0": False}[s.lower()]
 
 
+def _bias(s: str) -> dict[int, float]:
+    pairs = (p.split(":") for p in s.replace(",", " ").split())
+    return {int(token): float(b) for token, b in pairs}
+
+
 _SHELL_PARSERS = {
     "prompt": str, "prompt_token_ids": _ids, "max_tokens": int, "temperature": float,
     "top_p": float, "top_k": int, "min_p": float, "seed": int, "stop": lambda s: [s],
     "stop_token_ids": _ids, "ignore_eos": _bool, "stream_interval": int, "raw": _bool,
+    "logprobs": int, "repetition_penalty": float, "frequency_penalty": float,
+    "presence_penalty": float, "logit_bias": _bias,
 }
 _SHELL_KINDS = {int: "an integer", float: "a number", _ids: "integers separated by commas",
-                _bool: "true or false"}
+                _bool: "true or false", _bias: "id:bias pairs separated by commas"}
 
 
 def _shell_body(fields: dict) -> dict:
@@ -302,6 +332,8 @@ def chunk_body(chunk: Chunk) -> bytes:
             "text": chunk.text, "finish_reason": chunk.finish_reason}
     if chunk.usage is not None:
         body["usage"] = chunk.usage
+    if chunk.logprobs is not None:
+        body["logprobs"] = chunk.logprobs
     if chunk.error is not None:
         body["error"] = chunk.error
     return msgpack.packb(body)
@@ -310,7 +342,8 @@ def chunk_body(chunk: Chunk) -> bytes:
 def decode_chunk(fields: dict) -> Chunk:
     body = msgpack.unpackb(fields[b"body"], raw=False)
     return Chunk(body["rid"], body["seq"], body["token_ids"], body["text"],
-                 body["finish_reason"], body.get("usage"), body.get("error"))
+                 body["finish_reason"], body.get("usage"), body.get("error"),
+                 body.get("logprobs"))
 
 
 def error_chunk(rid: str, code: str, message: str, seq: int = 0,
