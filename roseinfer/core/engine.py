@@ -203,7 +203,7 @@ class Engine:
         live = []
         seqs, steps = launched.batch.seqs, launched.batch.steps
         ids = launched.result()
-        logprobs = launched.token_logprobs(ids)
+        logprobs = launched.token_logprobs(ids, self.tokenizer)
         for k, (row, tokens) in enumerate(zip(launched.rows, ids)):
             seq = seqs[row]
             seq.pending -= steps

@@ -20,6 +20,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]   # the most likely ids, most likely first
+    # Each id's text alone (the token, then the top ids'), when there is a tokenizer.
+    texts: list[str] | None = None
 
 
 class LogitsWork:
@@ -92,12 +94,14 @@ class LogitsWork:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
 
-def to_host(found, seqs, tokens: list[int]) -> dict[int, TokenLogprob]:
+def to_host(found, seqs, tokens: list[int], tokenizer=None) -> dict[int, TokenLogprob]:
     """``LogitsWork.logprobs`` output as TokenLogprob per sampling row."""
     want, chosen, top_vals, top_ids = found
     chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
     out = {}
     for j, i in enumerate(want):
         k = seqs[i].params.logprobs
-        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j][:k], top_vals[j][:k])))
+        ids = top_ids[j][:k]
+        texts = None if tokenizer is None else [tokenizer.decode([t]) for t in [tokens[i], *ids]]
+        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(ids, top_vals[j][:k])), texts)
     return out

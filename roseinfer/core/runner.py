@@ -37,12 +37,12 @@ class LaunchedStep:
             self.done.synchronize()
         return self.tokens[:self.batch.steps, :len(self.rows)].T.tolist()
 
-    def token_logprobs(self, ids: list[list[int]]) -> dict[int, TokenLogprob]:
+    def token_logprobs(self, ids: list[list[int]], tokenizer=None) -> dict[int, TokenLogprob]:
         """Log probabilities by sampling row, for the rows that asked (after result())."""
         if self.logprobs is None:
             return {}
         seqs = [self.batch.seqs[r] for r in self.rows]
-        return to_host(self.logprobs, seqs, [t[0] for t in ids])
+        return to_host(self.logprobs, seqs, [t[0] for t in ids], tokenizer)
 
 
 class ModelRunner:

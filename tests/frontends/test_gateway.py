@@ -91,6 +91,54 @@ def test_completions_and_chat_equal_llm_generate(chat_llm, start_worker, gateway
     assert "roseinfer:gateway_requests_in_flight 0.0" in metrics
 
 
+def test_logprobs_penalties_and_bias_through_the_gateway(chat_llm, start_worker, gateway):
+    """OpenAI's logprobs shapes (chat and completions, whole and streamed) carry the
+    engine's numbers and token texts; penalties and logit_bias reach the engine."""
+    tok = chat_llm.engine.tokenizer
+    prompt = "The capital of France is"
+    scored = SamplingParams(max_tokens=8, temperature=0, logprobs=2, frequency_penalty=0.5,
+                            presence_penalty=0.3, logit_bias={13: 3.0})
+    raw = chat_llm.generate([prompt], scored)[0]
+    templated = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    chat = chat_llm.generate([templated], SamplingParams(max_tokens=8, temperature=0,
+                                                         logprobs=3))[0]
+    start_worker(chat_llm.engine)
+    api = client(gateway())
+
+    done = api.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                  logprobs=2, frequency_penalty=0.5, presence_penalty=0.3,
+                                  logit_bias={"13": 3})
+    lp = done.choices[0].logprobs
+    assert done.choices[0].text == raw.text
+    assert lp.tokens == [tok.decode([t]) for t in raw.token_ids]
+    assert max(abs(a - b.logprob) for a, b in zip(lp.token_logprobs, raw.logprobs)) < 1e-5
+    assert [list(d) for d in lp.top_logprobs] == [[tok.decode([t]) for t, _ in e.top]
+                                                  for e in raw.logprobs]
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+
+    reply = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,
+                                        temperature=0, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert [c.token for c in content] == [tok.decode([t]) for t in chat.token_ids]
+    assert [len(c.top_logprobs) for c in content] == [3] * 8
+    assert abs(content[0].logprob - chat.logprobs[0].logprob) < 1e-5
+
+    parts = list(api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,
+                                             temperature=0, logprobs=True, top_logprobs=3,
+                                             stream=True))
+    streamed = [c for p in parts if p.choices and p.choices[0].logprobs
+                for c in p.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    plain = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="tiny", messages=MESSAGES, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the worker
+        api.completions.create(model="tiny", prompt=prompt, frequency_penalty=3)
+    assert e.value.body["param"] == "frequency_penalty"
+
+
 def test_errors_are_shaped_as_openais(chat_llm, start_worker, gateway):
     start_worker(chat_llm.engine)
     api = client(gateway())

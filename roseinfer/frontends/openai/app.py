@@ -148,11 +148,14 @@ class Gateway:
     async def _events(self, call: Call, head: dict, first, chunks, ended) -> AsyncIterator[dict]:
         status = 499  # unless it ends: the client went away
         try:
-            chunk, opening, made = first, True, 0
+            chunk, opening, made, sent = first, True, 0, 0
             while chunk is not None:
                 made += len(chunk.token_ids)
-                if chunk.text or opening or chunk.finished or call.continuous_usage:
-                    obj = mapping.piece(call, head, chunk.text, chunk.finish_reason, opening)
+                if chunk.text or opening or chunk.finished or call.continuous_usage \
+                        or chunk.logprobs:
+                    obj = mapping.piece(call, head, chunk.text, chunk.finish_reason, opening,
+                                        chunk.logprobs, sent)
+                    sent += len(chunk.text)
                     if call.continuous_usage:  # prompt tokens are known at the end only
                         obj["usage"] = mapping.usage(chunk.usage or {"completion_tokens": made})
                     yield {"data": json.dumps(obj)}
@@ -173,12 +176,13 @@ class Gateway:
 
     async def _whole(self, request: Request, call: Call, rid: str, first, chunks) -> Response:
         async def collect():
-            parts, last = [first.text], first
+            parts, last, entries = [first.text], first, list(first.logprobs or [])
             async for chunk in chunks:
                 parts.append(chunk.text)
+                entries += chunk.logprobs or []
                 last = chunk
             return mapping.whole(call, rid, self.config.model_name, "".join(parts),
-                                 last.finish_reason, last.usage)
+                                 last.finish_reason, last.usage, entries)
 
         task = asyncio.create_task(collect())
         while not task.done():

@@ -42,20 +42,21 @@ class Call:
     chat: bool
     continuous_usage: bool = False  # usage in every streamed chunk (vLLM's extension)
 
+    @property
+    def logprobs(self) -> bool:
+        return "logprobs" in self.params
+
 
 # Fields accepted only at their default (value, or None meaning "absent or null").
-_DEFAULTS = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logprobs": None,
-             "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0,
-             "logit_bias": None, "tools": None, "tool_choice": None, "functions": None,
-             "function_call": None}
+_DEFAULTS = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tools": None,
+             "tool_choice": None, "functions": None, "function_call": None}
 _LATER = "is not supported by this server yet"
 
 
 def _check_defaults(body: dict) -> None:
     for name, default in _DEFAULTS.items():
         value = body.get(name)
-        if value is None or value == default or (name == "logprobs" and value is False) \
-                or (name == "logit_bias" and value == {}):
+        if value is None or value == default:
             continue
         raise bad(name, f"{name}={value!r} {_LATER}; leave it out or use {default!r}")
     fmt = body.get("response_format")
@@ -69,10 +70,19 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
     params = {"max_tokens": max_tokens_default if max_tokens is None else max_tokens,
               "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
               "seed": body.get("seed"), "stop": [stop] if isinstance(stop, str) else stop,
+              "frequency_penalty": body.get("frequency_penalty"),
+              "presence_penalty": body.get("presence_penalty"),
+              "logit_bias": body.get("logit_bias") or None,
               # Extensions that vLLM's server takes too: not in OpenAI's API.
               "top_k": body.get("top_k"), "min_p": body.get("min_p"),
-              "ignore_eos": body.get("ignore_eos")}
+              "ignore_eos": body.get("ignore_eos"),
+              "repetition_penalty": body.get("repetition_penalty")}
+    optional_number = lambda v: v is None or is_number(v)  # noqa: E731
     for name, ok in (("max_tokens", is_int), ("temperature", is_number), ("top_p", is_number),
+                     ("frequency_penalty", optional_number),
+                     ("presence_penalty", optional_number),
+                     ("repetition_penalty", optional_number),
+                     ("logit_bias", lambda v: v is None or isinstance(v, dict)),
                      ("top_k", lambda v: v is None or is_int(v)),
                      ("min_p", lambda v: v is None or is_number(v)),
                      ("ignore_eos", lambda v: v is None or isinstance(v, bool)),
@@ -94,6 +104,11 @@ def completion_call(body: dict) -> Call:
         raise bad("prompt", "prompt must be a string or a list of token ids (one prompt "
                   "per request: batches are not supported)")
     params = {**_sampling(body, 16), "raw": True}
+    k = body.get("logprobs")
+    if k is not None:  # completions: the number of alternatives, up to 5
+        if not is_int(k) or not 0 <= k <= 5:
+            raise bad("logprobs", f"logprobs must be an integer in [0, 5], got {k!r}")
+        params["logprobs"] = k
     return Call(prompt, params, *_stream(body), chat=False, continuous_usage=_continuous(body))
 
 
@@ -103,8 +118,16 @@ def chat_call(body: dict) -> Call:
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list")
     chat = Chat([_message(m, i) for i, m in enumerate(messages)])
-    return Call(chat, _sampling(body, CHAT_DEFAULT_MAX_TOKENS), *_stream(body), chat=True,
-                continuous_usage=_continuous(body))
+    params = _sampling(body, CHAT_DEFAULT_MAX_TOKENS)
+    wanted, k = body.get("logprobs"), body.get("top_logprobs")
+    if wanted not in (None, True, False):
+        raise bad("logprobs", f"logprobs must be true or false, got {wanted!r}")
+    if k is not None and (not is_int(k) or not 0 <= k <= 20 or not wanted):
+        raise bad("top_logprobs", "top_logprobs must be an integer in [0, 20], with "
+                  "logprobs set to true")
+    if wanted:
+        params["logprobs"] = k or 0
+    return Call(chat, params, *_stream(body), chat=True, continuous_usage=_continuous(body))
 
 
 def _message(m, i: int) -> dict:
@@ -169,8 +192,37 @@ def envelope(call: Call, rid: str, model: str, created: int) -> dict:
             "created": created, "model": model}
 
 
-def whole(call: Call, rid: str, model: str, text: str, reason: str, u: dict) -> dict:
-    choice = {"index": 0, "logprobs": None, "finish_reason": finish(reason)}
+def logprobs(call: Call, entries: Optional[list[dict]], offset: int = 0) -> Optional[dict]:
+    """Protocol-v1 logprob entries in OpenAI's shape: chat's ``content`` list, or the
+    completions API's parallel lists (``text_offset`` counted from ``offset``)."""
+    if not call.logprobs:
+        return None
+    entries = entries or []
+    if call.chat:
+        return {"content": [{"token": e.get("token", ""), "logprob": e["logprob"],
+                             "bytes": list(e.get("token", "").encode()),
+                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                                              for t, (_, lp) in _top(e)]}
+                            for e in entries]}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.get("token", ""))
+    return {"tokens": [e.get("token", "") for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: lp for t, (_, lp) in _top(e)} for e in entries],
+            "text_offset": offsets}
+
+
+def _top(entry: dict):
+    """(text, (id, logprob)) of an entry's alternatives; ids stand in without a tokenizer."""
+    texts = entry.get("top_tokens") or [str(t) for t, _ in entry["top_logprobs"]]
+    return zip(texts, entry["top_logprobs"])
+
+
+def whole(call: Call, rid: str, model: str, text: str, reason: str, u: dict,
+          entries: Optional[list[dict]] = None) -> dict:
+    choice = {"index": 0, "logprobs": logprobs(call, entries), "finish_reason": finish(reason)}
     if call.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -179,9 +231,10 @@ def whole(call: Call, rid: str, model: str, text: str, reason: str, u: dict) -> 
 
 
 def piece(call: Call, head: dict, text: Optional[str], reason: Optional[str],
-          first: bool = False) -> dict:
+          first: bool = False, entries: Optional[list[dict]] = None, offset: int = 0) -> dict:
     """One streamed chunk; text None means no content in it."""
-    choice = {"index": 0, "logprobs": None, "finish_reason": finish(reason)}
+    choice = {"index": 0, "logprobs": logprobs(call, entries, offset),
+              "finish_reason": finish(reason)}
     if call.chat:
         delta = {"role": "assistant", "content": ""} if first else {}
         if text:

@@ -41,8 +41,7 @@ class InFlight:
         self.held_text += out.new_text
         if out.new_logprobs is not None:
             self.held_logprobs = (self.held_logprobs or []) + [
-                {"logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top]}
-                for lp in out.new_logprobs]
+                _logprob_map(lp) for lp in out.new_logprobs]
         due = self.held_ids and (self.seq == 0 or len(self.held_ids) >= self.stream_interval)
         if not (due or out.finished):
             return None
@@ -71,3 +70,11 @@ class InFlight:
             metrics.itl.observe(now - self.last_token_at)
         self.last_token_at = now
         return n
+
+
+def _logprob_map(lp) -> dict:
+    """A TokenLogprob as protocol v1 sends it (docs/protocol.md)."""
+    entry = {"logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top]}
+    if lp.texts is not None:
+        entry["token"], entry["top_tokens"] = lp.texts[0], lp.texts[1:]
+    return entry

@@ -101,7 +101,8 @@ class Chunk:
     usage: Optional[dict] = None   # final chunk only: prompt_tokens, completion_tokens
     error: Optional[dict] = None   # "error" chunk only: code, message
     # Requests that asked: one map per id in token_ids, {"logprob": float,
-    # "top_logprobs": [[id, logprob], ...]} (most likely first).
+    # "top_logprobs": [[id, logprob], ...]} (most likely first), plus "token" and
+    # "top_tokens" (each id's text alone) when the worker's model has a tokenizer.
     logprobs: Optional[list[dict]] = None
 
     @property
