@@ -12,6 +12,7 @@ import { createClient, RESP_TYPES } from "redis";
 import { decode, encode } from "@msgpack/msgpack";
 
 const USAGE = 'usage: node client.mjs "prompt" [--max-tokens N] [--temperature T (0 = greedy)] ' +
+  "[--logprobs K] [--repetition-penalty R] [--logit-bias ID:BIAS ...] " +
   "[--redis-url URL] [--prefix P] [--timeout SECONDS]";
 const { values: opts, positionals } = parseArgs({
   allowPositionals: true,
@@ -20,6 +21,9 @@ const { values: opts, positionals } = parseArgs({
     prefix: { type: "string", default: "roseinfer" },
     "max-tokens": { type: "string", default: "128" },
     temperature: { type: "string", default: "0" },
+    logprobs: { type: "string" },
+    "repetition-penalty": { type: "string" },
+    "logit-bias": { type: "string", multiple: true },
     timeout: { type: "string", default: "120" },
   },
 });
@@ -33,6 +37,17 @@ const body = {
   max_tokens: Number(opts["max-tokens"]),
   temperature: Number(opts.temperature), // 0 = greedy
 };
+// Each chunk then carries one {logprob, top_logprobs, token, top_tokens} per token id.
+if (opts.logprobs !== undefined) body.logprobs = Number(opts.logprobs);
+if (opts["repetition-penalty"] !== undefined) body.repetition_penalty = Number(opts["repetition-penalty"]);
+if (opts["logit-bias"] !== undefined) {
+  // Token ids are map keys written as strings, as in JSON.
+  body.logit_bias = Object.fromEntries(opts["logit-bias"].map((pair) => {
+    const [id, bias] = pair.split(":");
+    return [id, Number(bias)];
+  }));
+}
+const scored = []; // [token id, logprob entry] in order, printed after the text
 
 const client = await createClient({ url: opts["redis-url"] }).connect();
 // Reply bodies are binary msgpack: read bulk strings as Buffers, not as UTF-8 text.
@@ -51,6 +66,9 @@ process.on("SIGINT", async () => {
 
 const final = await readReplies(`${opts.prefix}:out:{${rid}}`);
 process.stdout.write("\n");
+for (const [tokenId, entry] of scored) {
+  process.stdout.write(JSON.stringify({ token_id: tokenId, ...entry }) + "\n");
+}
 await client.quit();
 if (final.finish_reason === "error") {
   console.error(`error (${final.error.code}): ${final.error.message}`);
@@ -76,6 +94,7 @@ async function readReplies(key) {
       if (chunk.seq < nextSeq) continue; // delivery is at-least-once: skip duplicates
       nextSeq = chunk.seq + 1;
       process.stdout.write(chunk.text);
+      (chunk.logprobs ?? []).forEach((entry, i) => scored.push([chunk.token_ids[i], entry]));
       if (chunk.finish_reason !== null) return chunk;
     }
   }

@@ -1,4 +1,5 @@
 """The Node.js example client (examples/node) against a real Redis and a worker."""
+import json
 import os
 import shutil
 import subprocess
@@ -26,7 +27,18 @@ def test_node_client_streams_the_greedy_text(tiny_llm, start_worker, redis_serve
     done = node_client(redis_server, prefix, "The capital of France is", "--max-tokens", "12",
                        "--temperature", "0")
     refused = node_client(redis_server, prefix, "word " * 300)
+    scored = node_client(redis_server, prefix, "The capital of France is", "--max-tokens", "6",
+                         "--logprobs", "2", "--repetition-penalty", "1.3", "--logit-bias", "13:2")
     worker.stop()
+    (ref,) = tiny_llm.generate(["The capital of France is"], SamplingParams(
+        max_tokens=6, temperature=0, logprobs=2, repetition_penalty=1.3, logit_bias={13: 2.0}))
+    text, *lines = scored.stdout.split("\n")[:-1]
+    assert scored.returncode == 0, scored.stderr
+    assert text == ref.text and len(lines) == 6
+    for line, token, lp in zip(lines, ref.token_ids, ref.logprobs):
+        got = json.loads(line)
+        assert got["token_id"] == token and abs(got["logprob"] - lp.logprob) < 1e-5
+        assert [t for t, _ in got["top_logprobs"]] == [t for t, _ in lp.top]
     (expected,) = tiny_llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0))
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected.text + "\n"
