@@ -20,8 +20,16 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]   # the most likely ids, most likely first
-    # Each id's text alone (the token, then the top ids'), when there is a tokenizer.
-    texts: list[str] | None = None
+    tokenizer: object = None
+
+    @property
+    def texts(self) -> list[str] | None:
+        """Each id's text alone (the token's, then the top ids'), if there is a
+        tokenizer. Decoded on access, off the engine's step (the Redis worker
+        reads it on its sender thread)."""
+        if self.tokenizer is None:
+            return None
+        return [self.tokenizer.decode([t]) for t in [self.token_id, *(t for t, _ in self.top)]]
 
 
 class LogitsWork:
@@ -39,31 +47,34 @@ class LogitsWork:
         counts, seen = self.counts[seq.row], self.seen[seq.row]
         counts.zero_()
         seen.zero_()
-        out = torch.tensor(seq.output_ids, dtype=torch.long, device=self.device)
+        out = self._tensor(seq.output_ids)
         counts.index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        seen[torch.tensor(seq.token_ids, dtype=torch.long, device=self.device)] = True
+        seen[self._tensor(seq.token_ids)] = True
 
     def apply(self, logits: torch.Tensor, seqs, rows: torch.Tensor) -> torch.Tensor:
         """Bias and penalties on ``logits`` [R, V] of the sampling ``seqs``
-        (device rows ``rows``); returns new float32 logits."""
-        logits = logits.float().clone()
+        (device rows ``rows``); returns new logits, or ``logits`` itself when
+        no row asks for either."""
         bias = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias.items()]
+        pen = [i for i, s in enumerate(seqs) if s.params.penalized]
+        if not pen:
+            return logits
+        logits = logits.clone()
         if bias:
             i, t, b = zip(*bias)
             logits.index_put_((self._tensor(i), self._tensor(t)),
-                              self._tensor(b, torch.float32), accumulate=True)
-        pen = [i for i, s in enumerate(seqs) if s.params.penalized]
-        if pen and self.counts is not None:
+                              self._tensor(b, logits.dtype), accumulate=True)
+        if self.counts is not None:
             idx = self._tensor(pen)
             params = [seqs[i].params for i in pen]
             rep = self._tensor([p.repetition_penalty for p in params], torch.float32)[:, None]
             freq = self._tensor([p.frequency_penalty for p in params], torch.float32)[:, None]
             pres = self._tensor([p.presence_penalty for p in params], torch.float32)[:, None]
             counts, seen = self.counts[rows[idx].long()], self.seen[rows[idx].long()]
-            part = logits[idx]
+            part = logits[idx].float()
             part = torch.where(seen, torch.where(part > 0, part / rep, part * rep), part)
             part -= freq * counts + pres * (counts > 0)
-            logits[idx] = part
+            logits[idx] = part.to(logits.dtype)
         return logits
 
     def record(self, tokens: torch.Tensor, seqs, rows: torch.Tensor) -> None:
@@ -91,7 +102,10 @@ class LogitsWork:
         return want, chosen, top_vals, top_ids
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        """A small host list on the device without waiting for the GPU: a
+        plain copy from pageable memory would wait for every queued step."""
+        pin = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=pin)
 
 
 def to_host(found, seqs, tokens: list[int], tokenizer=None) -> dict[int, TokenLogprob]:
@@ -101,7 +115,6 @@ def to_host(found, seqs, tokens: list[int], tokenizer=None) -> dict[int, TokenLo
     out = {}
     for j, i in enumerate(want):
         k = seqs[i].params.logprobs
-        ids = top_ids[j][:k]
-        texts = None if tokenizer is None else [tokenizer.decode([t]) for t in [tokens[i], *ids]]
-        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(ids, top_vals[j][:k])), texts)
+        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j][:k], top_vals[j][:k])),
+                              tokenizer)
     return out

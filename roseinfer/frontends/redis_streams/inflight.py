@@ -75,6 +75,7 @@ class InFlight:
 def _logprob_map(lp) -> dict:
     """A TokenLogprob as protocol v1 sends it (docs/protocol.md)."""
     entry = {"logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top]}
-    if lp.texts is not None:
-        entry["token"], entry["top_tokens"] = lp.texts[0], lp.texts[1:]
+    texts = lp.texts
+    if texts is not None:
+        entry["token"], entry["top_tokens"] = texts[0], texts[1:]
     return entry
