@@ -77,6 +77,38 @@ def test_deltas_carry_one_logprob_per_new_id(gpt2_model):
     assert seen == {"a": 10, "b": 10}
 
 
+def test_logprobs_in_decode_windows(gpt2_model):
+    """Windows of 4 steps: one logprob per id, each id's own."""
+    prompts = mixed_prompts(4, seed=11)
+    llm = llm_for(gpt2_model, decode_steps=4, decode_steps_min_seqs=2)
+    outs = llm.generate(prompts, greedy(logprobs=1, repetition_penalty=1.2))
+    for prompt, out in zip(prompts, outs):
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        ref = reference_greedy(gpt2_model, prompt, 10,
+                               lambda logits, ids: _repetition(logits, ids, 1.2))
+        assert out.token_ids == ref
+
+
+def _repetition(logits, ids, penalty):
+    seen = torch.tensor(sorted(set(ids)))
+    picked = logits[seen]
+    logits = logits.clone()
+    logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the GPU sampler; the CPU's uses torch generators")
+def test_seeded_sampling_with_logits_work_is_the_same_with_and_without_graphs(gpt2_model):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=21,
+                            ignore_eos=True, logprobs=2, presence_penalty=0.5)
+    prompts = mixed_prompts(8, seed=12)
+
+    def run(**config):
+        llm = llm_for(gpt2_model, decode_steps=4, decode_steps_min_seqs=2, **config)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+    assert run(cuda_graphs=True) == run(cuda_graphs=False)
+
+
 @pytest.mark.parametrize("penalty", [1.5, 0.7])
 def test_repetition_penalty_equals_transformers(penalty, llama_model):
     outs = llm_for(llama_model).generate(PROMPTS, greedy(repetition_penalty=penalty))

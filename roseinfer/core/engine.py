@@ -209,9 +209,10 @@ class Engine:
             seq.pending -= steps
             if seq.status is Status.FINISHED:
                 continue  # finished while this step was in flight: drop its tokens
+            before = len(seq.token_ids)
             self._append(seq, tokens)
-            if k in logprobs and len(seq.token_ids) > seq.num_prompt_tokens + seq.num_emitted:
-                seq.logprobs.append(logprobs[k])  # its one token was taken
+            if k in logprobs:  # one per token taken
+                seq.logprobs += logprobs[k][:len(seq.token_ids) - before]
             live.append(seq)
         return [self._emit(seq) for seq in live]
 

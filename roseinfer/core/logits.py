@@ -5,8 +5,9 @@ Penalties count each sequence's tokens, the one of the step still in flight
 included, which the host has not seen yet: so the counts live on the
 device, one row per sequence row (as runner.seq_state), and each step adds
 its samples there. They are allocated when the first penalized request
-starts. Steps of such requests run outside the CUDA graphs and one at a
-time (no decode windows); every other step is untouched.
+starts. A step with such a request samples after its CUDA graph (or eager
+forward) instead of inside it; decode windows still apply, each of their
+steps doing this work in turn. Steps without such requests are untouched.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ class LaunchedStep:
     rows: list[int]                  # batch rows that sample a token
     tokens: torch.Tensor             # host [window step, row]: the sampled ids arrive here
     done: Optional[torch.cuda.Event]
-    logprobs: Optional[tuple] = None  # LogitsWork.logprobs of a one-step batch
+    logprobs: Optional[list] = None  # LogitsWork.logprobs of each window step
 
     def result(self) -> list[list[int]]:
         """Each sampling row's ids, one per window step."""
@@ -37,12 +37,16 @@ class LaunchedStep:
             self.done.synchronize()
         return self.tokens[:self.batch.steps, :len(self.rows)].T.tolist()
 
-    def token_logprobs(self, ids: list[list[int]], tokenizer=None) -> dict[int, TokenLogprob]:
-        """Log probabilities by sampling row, for the rows that asked (after result())."""
-        if self.logprobs is None:
-            return {}
+    def token_logprobs(self, ids: list[list[int]],
+                       tokenizer=None) -> dict[int, list[TokenLogprob]]:
+        """Log probabilities by sampling row, one per window step, for the rows
+        that asked (after result())."""
+        out: dict[int, list[TokenLogprob]] = {}
         seqs = [self.batch.seqs[r] for r in self.rows]
-        return to_host(self.logprobs, seqs, [t[0] for t in ids], tokenizer)
+        for step, found in enumerate(self.logprobs or []):
+            for k, lp in to_host(found, seqs, [t[step] for t in ids], tokenizer).items():
+                out.setdefault(k, []).append(lp)
+        return out
 
 
 class ModelRunner:
@@ -133,26 +137,29 @@ class ModelRunner:
         if layout is not None and not processed and (layout.mixed or len(rows) == n_seq):
             self.graphs.run_window(batch.steps)
             return self._land(batch, rows)
-        found = None
+        found = []
         for step in range(batch.steps):
             if step and layout is None:
                 advance(inp, self.tables, self.block_size, self.identity)
             logits = run(step)
             if not rows:
                 continue
-            if processed:  # one step: the scheduler makes no windows of these
+            if processed:
                 picked, seq_rows = [seqs[r] for r in rows], inp.sample_seq_rows[:len(rows)]
                 logits = self.logits_work.apply(logits, picked, seq_rows)
-            tokens = self._sample(batch, rows, logits, inp, greedy)
+            tokens = self._sample(batch, rows, logits, inp, greedy, layout is not None)
             if processed:
                 self.logits_work.record(tokens, picked, seq_rows)
-                found = self.logits_work.logprobs(logits, tokens, picked)
+                found.append(self.logits_work.logprobs(logits, tokens, picked))
+            # In a decode graph the step sampled and advanced by itself; the ids
+            # written here replace the ones it sampled, for the next step to read.
             self._record(step, tokens)
-        return self._land(batch, rows, found)
+        return self._land(batch, rows, [f for f in found if f is not None] or None)
 
-    def _sample(self, batch, rows, logits, inp, greedy: bool) -> torch.Tensor:
+    def _sample(self, batch, rows, logits, inp, greedy: bool, replayed: bool) -> torch.Tensor:
+        """``replayed``: a decode graph ran the step and moved the positions on."""
         if self.device.type == "cuda":  # the graphs' sampler: same tokens either way
-            return sample(logits, inp, self.seq_state, self.max_blocks)
+            return sample(logits, inp, self.seq_state, self.max_blocks, -1 if replayed else 0)
         if greedy:
             return logits.argmax(dim=-1)
         picked = [batch.seqs[r] for r in rows]

@@ -175,22 +175,24 @@ def sample_row(row_ptr, vocab, params_ptr, position):
 
 @_kernel
 def _sample_kernel(logits_ptr, s_logits, vocab, out_ptr, seq_state_ptr, s_state, params_col,
-                   sample_seq_rows_ptr, sample_idx_ptr, positions_ptr):
+                   sample_seq_rows_ptr, sample_idx_ptr, positions_ptr, position_shift):
     k = tl.program_id(0)
     params = (seq_state_ptr + tl.load(sample_seq_rows_ptr + k).to(tl.int64) * s_state
               + params_col)
-    position = tl.load(positions_ptr + tl.load(sample_idx_ptr + k))
+    position = tl.load(positions_ptr + tl.load(sample_idx_ptr + k)) + position_shift
     token = sample_row(logits_ptr + k.to(tl.int64) * s_logits, vocab, params, position)
     tl.store(out_ptr + k, token)
 
 
-def sample(logits: torch.Tensor, inp, seq_state: torch.Tensor, params_col: int) -> torch.Tensor:
+def sample(logits: torch.Tensor, inp, seq_state: torch.Tensor, params_col: int,
+           position_shift: int = 0) -> torch.Tensor:
     """Row k of ``logits`` sampled under the words of sequence row
-    ``inp.sample_seq_rows[k]``, keyed by the position of token ``inp.sample_idx[k]``."""
+    ``inp.sample_seq_rows[k]``, keyed by the position of token ``inp.sample_idx[k]``
+    (plus ``position_shift``: -1 after a decode graph has moved the inputs on)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     out = torch.empty(rows, dtype=torch.int32, device=logits.device)
     _sample_kernel[(rows,)](logits, logits.stride(0), vocab, out, seq_state, seq_state.stride(0),
                             params_col, inp.sample_seq_rows, inp.sample_idx, inp.positions,
-                            num_warps=SAMPLE["num_warps"])
+                            position_shift, num_warps=SAMPLE["num_warps"])
     return out

@@ -59,8 +59,6 @@ class Scheduler:
         the free blocks allow. A stop token mid-window wastes the rest of it."""
         if any(n != 1 for n in batch.num_tokens):
             return  # a prefill chunk: new sequences join between windows
-        if any(s.params.processed for s in batch.seqs):
-            return  # logits work runs on the host's schedule (core/logits.py)
         steps = min(self.decode_steps,
                     min(s.max_len - len(s.token_ids) - s.pending for s in batch.seqs))
         reserve = self.blocks.reserve
