@@ -100,8 +100,8 @@ class StepGraphs:
         # Largest first: later graphs reuse its memory pool.
         for size in reversed(self.token_sizes):
             ctx, inp = self._dummy(Layout(size, self.mixed_seqs, True))
-            ctx.slots.shared_offset = None
-            self.mixed_backend = self.runner.kv_cache.select(ctx.slots)
+            ctx.slots.shared_offset = None  # mixed steps' offsets differ
+            self.mixed_backend = self.mixed_backend or self.runner.kv_cache.select(ctx.slots)
             self._capture_mixed(size, ctx, inp)
         for size in reversed(self.sizes):
             for name in sorted(self._variants(self._dummy(Layout(size, size, False))[0])):
@@ -122,26 +122,30 @@ class StepGraphs:
         return r.context(inp, 2 if layout.mixed else 1, r.max_model_len), inp
 
     def _capture_decode(self, size, name, ctx, inp) -> None:
-        r = self.runner
-        r.kv_cache.force(name)
-        try:
-            r.capture_step(ctx, inp)  # warm-up: compiles kernels outside the capture
-            torch.cuda.synchronize()
-            if self.window_len > 1:
-                self.windows[size, name] = self._graph(r.capture_step, ctx, inp, self.window_len)[0]
-            self.graphs[size, name], self.logits[size, name] = self._graph(r.capture_step, ctx, inp, 1)
-        finally:
-            r.kv_cache.force(None)
+        step = self.runner.capture_step
+        if self.window_len > 1:
+            window, one = self._capture(step, name, ctx, inp, (self.window_len, 1))
+            self.windows[size, name] = window[0]
+        else:
+            (one,) = self._capture(step, name, ctx, inp, (1,))
+        self.graphs[size, name], self.logits[size, name] = one
 
     def _capture_mixed(self, size, ctx, inp) -> None:
-        r, name = self.runner, self.mixed_backend
-        r.kv_cache.force(name)
+        name = self.mixed_backend
+        ((self.mixed[size, name], _),) = self._capture(self.runner.capture_mixed, name, ctx, inp, (1,))
+
+    def _capture(self, step, name, ctx, inp, lengths):
+        """Graphs of ``step`` repeated each of ``lengths`` times, with the KV-append
+        backend ``name``, after one warm-up call (it compiles kernels outside the
+        capture)."""
+        cache = self.runner.kv_cache
+        cache.force(name)
         try:
-            r.capture_mixed(ctx, inp)
+            step(ctx, inp)
             torch.cuda.synchronize()
-            self.mixed[size, name] = self._graph(r.capture_mixed, ctx, inp, 1)[0]
+            return [self._graph(step, ctx, inp, n) for n in lengths]
         finally:
-            r.kv_cache.force(None)
+            cache.force(None)
 
     def _graph(self, step, ctx, inp, steps: int):
         """A graph of ``steps`` calls of ``step``; returns it and the last call's result."""

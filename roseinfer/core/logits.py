@@ -52,61 +52,78 @@ class LogitsWork:
         counts.index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         seen[self._tensor(seq.token_ids)] = True
 
-    def apply(self, logits: torch.Tensor, seqs, rows: torch.Tensor) -> torch.Tensor:
-        """Bias and penalties on ``logits`` [R, V] of the sampling ``seqs``
-        (device rows ``rows``); returns new logits, or ``logits`` itself when
-        no row asks for either."""
-        bias = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias.items()]
-        pen = [i for i, s in enumerate(seqs) if s.params.penalized]
-        if not pen:
-            return logits
-        logits = logits.clone()
-        if bias:
-            i, t, b = zip(*bias)
-            logits.index_put_((self._tensor(i), self._tensor(t)),
-                              self._tensor(b, logits.dtype), accumulate=True)
-        if self.counts is not None:
-            idx = self._tensor(pen)
-            params = [seqs[i].params for i in pen]
-            rep = self._tensor([p.repetition_penalty for p in params], torch.float32)[:, None]
-            freq = self._tensor([p.frequency_penalty for p in params], torch.float32)[:, None]
-            pres = self._tensor([p.presence_penalty for p in params], torch.float32)[:, None]
-            counts, seen = self.counts[rows[idx].long()], self.seen[rows[idx].long()]
-            part = logits[idx].float()
-            part = torch.where(seen, torch.where(part > 0, part / rep, part * rep), part)
-            part -= freq * counts + pres * (counts > 0)
-            logits[idx] = part.to(logits.dtype)
-        return logits
-
-    def record(self, tokens: torch.Tensor, seqs, rows: torch.Tensor) -> None:
-        """This step's samples into the penalized sequences' counts."""
-        pen = [i for i, s in enumerate(seqs) if s.params.penalized]
-        if not pen or self.counts is None:
-            return
-        idx = self._tensor(pen)
-        r, t = rows[idx].long(), tokens[idx].long()
-        self.counts.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
-        self.seen[r, t] = True
-
-    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, seqs):
-        """Device tensors for the rows that asked: (row indices, chosen log
-        probabilities, top values, top ids), or None."""
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not want:
-            return None
-        idx = self._tensor(want)
-        temps = self._tensor([seqs[i].params.temperature or 1.0 for i in want], torch.float32)
-        lp = torch.log_softmax(logits[idx].float() / temps[:, None], dim=-1)
-        chosen = lp.gather(1, tokens[idx].long()[:, None]).squeeze(1)
-        k = max(seqs[i].params.logprobs for i in want)
-        top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-        return want, chosen, top_vals, top_ids
+    def batch(self, seqs, rows: torch.Tensor) -> "BatchWork":
+        """The work of one launch's sampling ``seqs`` (device rows ``rows``)."""
+        return BatchWork(self, seqs, rows)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         """A small host list on the device without waiting for the GPU: a
         plain copy from pageable memory would wait for every queued step."""
         pin = self.device.type == "cuda"
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=pin)
+
+
+class BatchWork:
+    """One launch's logits work, its per-row parameters on the device: built
+    once, used by every step of a decode window."""
+
+    def __init__(self, work: LogitsWork, seqs, rows: torch.Tensor):
+        self.work, self.seqs = work, seqs
+        tensor = work._tensor
+        pen = [i for i, s in enumerate(seqs) if s.params.penalized]
+        self.pen = tensor(pen) if pen else None
+        if pen:
+            params = [seqs[i].params for i in pen]
+            self.pen_rows = rows[self.pen].long()
+            self.rep, self.freq, self.pres = (
+                tensor([getattr(p, name) for p in params], torch.float32)[:, None]
+                for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+            bias = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias.items()]
+            self.bias = None
+            if bias:
+                i, t, b = zip(*bias)
+                self.bias = (tensor(i), tensor(t)), tensor(b, torch.float32)
+        self.want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if self.want:
+            self.want_idx = tensor(self.want)
+            self.temps = tensor([seqs[i].params.temperature or 1.0 for i in self.want],
+                                torch.float32)[:, None]
+            self.k = max(seqs[i].params.logprobs for i in self.want)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Bias and penalties on ``logits`` [R, V]; new logits, or ``logits``
+        itself when no row asks for either."""
+        if self.pen is None:
+            return logits
+        logits = logits.clone()
+        if self.bias is not None:
+            index, values = self.bias
+            logits.index_put_(index, values.to(logits.dtype), accumulate=True)
+        counts, seen = self.work.counts[self.pen_rows], self.work.seen[self.pen_rows]
+        part = logits[self.pen].float()
+        part = torch.where(seen, torch.where(part > 0, part / self.rep, part * self.rep), part)
+        part -= self.freq * counts + self.pres * (counts > 0)
+        logits[self.pen] = part.to(logits.dtype)
+        return logits
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """This step's samples into the penalized sequences' counts."""
+        if self.pen is None:
+            return
+        t = tokens[self.pen].long()
+        self.work.counts.index_put_((self.pen_rows, t), torch.ones_like(t, dtype=torch.int32),
+                                    accumulate=True)
+        self.work.seen[self.pen_rows, t] = True
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor):
+        """Device tensors for the rows that asked: (row indices, chosen log
+        probabilities, top values, top ids), or None."""
+        if not self.want:
+            return None
+        lp = torch.log_softmax(logits[self.want_idx].float() / self.temps, dim=-1)
+        chosen = lp.gather(1, tokens[self.want_idx].long()[:, None]).squeeze(1)
+        top_vals, top_ids = lp.topk(self.k, dim=-1) if self.k else (lp[:, :0], lp[:, :0].long())
+        return self.want, chosen, top_vals, top_ids
 
 
 def to_host(found, seqs, tokens: list[int], tokenizer=None) -> dict[int, TokenLogprob]:

@@ -121,7 +121,7 @@ class ModelRunner:
         if processed and layout is not None and layout.mixed:
             layout = None  # a mixed graph samples inside: no logits work there
         host = self.stager.host_views(*(layout[:2] if layout else (n_tok, n_seq)))
-        fresh = [s for s in seqs if s.row < 0 and s.params.penalized]
+        fresh = [s for s in seqs if s.row < 0 and s.params.penalized] if processed else []
         rows, upd_idx, upd_val, greedy = fill(host, seqs, num_tokens, self.block_size,
                                               self.rows, self.kv_cache.scratch_block, batch.steps)
         for seq in fresh:
@@ -138,19 +138,21 @@ class ModelRunner:
             self.graphs.run_window(batch.steps)
             return self._land(batch, rows)
         found = []
+        work = None
+        if processed and rows:
+            work = self.logits_work.batch([seqs[r] for r in rows], inp.sample_seq_rows[:len(rows)])
         for step in range(batch.steps):
             if step and layout is None:
                 advance(inp, self.tables, self.block_size, self.identity)
             logits = run(step)
             if not rows:
                 continue
-            if processed:
-                picked, seq_rows = [seqs[r] for r in rows], inp.sample_seq_rows[:len(rows)]
-                logits = self.logits_work.apply(logits, picked, seq_rows)
+            if work is not None:
+                logits = work.apply(logits)
             tokens = self._sample(batch, rows, logits, inp, greedy, layout is not None)
-            if processed:
-                self.logits_work.record(tokens, picked, seq_rows)
-                found.append(self.logits_work.logprobs(logits, tokens, picked))
+            if work is not None:
+                work.record(tokens)
+                found.append(work.logprobs(logits, tokens))
             # In a decode graph the step sampled and advanced by itself; the ids
             # written here replace the ones it sampled, for the next step to read.
             self._record(step, tokens)

@@ -100,16 +100,8 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
     upd_idx, upd_val = [], []
     greedy = True
     for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
-        if seq.row < 0:
-            idx, val = rows.assign(seq)
-            upd_idx += idx
-            upd_val += val
+        _row_updates(seq, rows, upd_idx, upd_val)
         table = seq.block_table
-        if seq.synced < len(table):
-            base = seq.row * rows.width
-            upd_idx += range(base + seq.synced, base + len(table))
-            upd_val += table[seq.synced:]
-            seq.synced = len(table)
         start = seq.num_computed
         end = start + n
         if n == 1:
@@ -138,16 +130,36 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
     qs = f["query_start"]
     qs[0] = 0
     np.cumsum(num_tokens, out=qs[1:s + 1])
-    n_samp = len(sample_rows)
-    f["sample_idx"][:n_samp] = qs[1:][sample_rows] - 1
-    f["sample_seq_rows"][:n_samp] = f["seq_rows"][sample_rows]
-    # A graph samples every row it has: padding rows sample the last token, greedily.
-    f["sample_idx"][n_samp:] = host.n_tok - 1
-    f["sample_seq_rows"][n_samp:] = rows.pad_row
+    _samplers(host, sample_rows, rows.pad_row)
     f["window_step"][0] = 0
     _pad(host, t, s, rows.pad_row, scratch_block)
     np.remainder(f["positions"], block_size, out=f["offsets"])
     return sample_rows, upd_idx, upd_val, greedy
+
+
+def _row_updates(seq, rows: TableRows, upd_idx: list, upd_val: list) -> None:
+    """Device-row writes a sequence needs: a row and its sampling words when it
+    has none, and the block-table entries the device has not seen."""
+    if seq.row < 0:
+        idx, val = rows.assign(seq)
+        upd_idx += idx
+        upd_val += val
+    table = seq.block_table
+    if seq.synced < len(table):
+        base = seq.row * rows.width
+        upd_idx += range(base + seq.synced, base + len(table))
+        upd_val += table[seq.synced:]
+        seq.synced = len(table)
+
+
+def _samplers(host: PackedInputs, sample_rows: list[int], pad_row: int) -> None:
+    """Which token each sampling sequence samples from, and its device row. A
+    graph samples every row it has: padding rows sample the last token, greedily."""
+    n, f = len(sample_rows), host.fields
+    f["sample_idx"][:n] = f["query_start"][1:][sample_rows] - 1
+    f["sample_seq_rows"][:n] = f["seq_rows"][sample_rows]
+    f["sample_idx"][n:] = host.n_tok - 1
+    f["sample_seq_rows"][n:] = pad_row
 
 
 def _pad(host: PackedInputs, t: int, s: int, pad_row: int, scratch_block: int) -> None:
