@@ -3,7 +3,8 @@ others in its batches.
 
 GPT-2 small shape (random fp16 weights), 128 requests of 32 random ids, 256 new
 tokens each, greedy, all submitted at once (W2-like); completion tokens per second
-of one `generate` call after a warm-up call, for: no logits work; logprobs=5 on
+of one `generate` call after a warm-up call (and its fraction of the decode bytes
+floor, prefill included in the time), for: no logits work; logprobs=5 on
 every request; repetition_penalty=1.1 on every request; logprobs=5 on one request
 of the 128. Run from the repository root on a GPU:
     python3 docs/bench/logits_cost.py [--model gpt2-random] [--dtype float16]
@@ -14,6 +15,7 @@ import time
 import torch
 
 from roseinfer import LLM, SamplingParams
+from roseinfer.bench.floor import decode_floor
 
 
 def main():
@@ -40,7 +42,10 @@ def main():
             max_tokens=args.tokens, temperature=0, ignore_eos=True, logprobs=5)]
         + [plain] * (args.requests - 1),
     }
-    print(torch.cuda.get_device_name(), args.model, args.dtype)
+    floor = decode_floor(llm.engine, [32] * args.requests,
+                         [args.tokens] * args.requests)["output_throughput"]
+    print(torch.cuda.get_device_name(), args.model, args.dtype,
+          f"decode bytes floor {floor:,.0f} tok/s")
     base = None
     for name, params in cases.items():
         llm.generate(prompts, params)  # warm-up: compiles, allocates
@@ -50,7 +55,8 @@ def main():
         torch.cuda.synchronize()
         rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
         base = base or rate
-        print(f"{name:40s} {rate:10,.0f} tok/s  {rate / base:.2f}x", flush=True)
+        print(f"{name:40s} {rate:10,.0f} tok/s  {rate / base:.2f}x  "
+              f"{rate / floor:.0%} of the floor", flush=True)
 
 
 if __name__ == "__main__":
