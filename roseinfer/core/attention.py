@@ -7,7 +7,7 @@ and including its own. K/V of the step are appended to the cache first.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
@@ -22,6 +22,9 @@ class AttnMetadata:
     query_start: torch.Tensor    # int32 [S + 1]: cumulative query lengths
     max_query_len: int
     max_context_len: int
+    # What every layer of one forward derives alike (RoPE rows, gather indices),
+    # computed by the first: the runner clears it before each forward.
+    memo: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:

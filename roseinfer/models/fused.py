@@ -123,6 +123,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if _use_triton(use_triton, x):
         return _add_norm_triton(x, residual, weight, None, eps, is_rms=True)
     h = x if residual is None else x + residual
+    if h.dtype == torch.float32:  # nothing to round: one op (a batch-1 CPU step runs 61)
+        return F.rms_norm(h, (h.shape[-1],), weight, eps), h
     normed = F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype) * weight
     return normed.to(h.dtype), h
 
@@ -188,6 +190,27 @@ def _rope_kernel(
     _rotate_heads(k_ptr, row * s_k, num_kv_heads, head_dim, cos, sin, half, BLOCK_HK, BLOCK_HALF)
 
 
+def rope_rows(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([cos, cos], [-sin, sin])`` rows at ``positions``, [N, 1, R]: what
+    ``rotate_half_`` multiplies by. Every layer of a step can share them."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    return torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1)
+
+
+def rotate_half_(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> torch.Tensor:
+    """The plain-torch RoPE of ``x`` [N, heads*D], in place, by ``rope_rows``' rows:
+    ``x * cos + swap(x) * sin`` over the first R dims of each head, where swap
+    exchanges the two halves of those R."""
+    rot = x.view(x.shape[0], num_heads, -1)[..., :cos.shape[-1]]
+    x1, x2 = rot.chunk(2, dim=-1)
+    swapped = torch.cat((x2, x1), dim=-1)
+    if rot.dtype == torch.float32:  # nothing to round: 3 ops, not 4 (61 layers a step)
+        return rot.mul_(cos).addcmul_(swapped, sin)
+    return rot.copy_(torch.addcmul(rot.float() * cos, swapped.float(), sin))
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,11 +224,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     half, head_dim = cos.shape[1], q.shape[1] // num_heads
     assert k.shape[1] == num_kv_heads * head_dim and 2 * half <= head_dim
     if not _use_triton(use_triton, q):
-        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        for x, heads in ((q, num_heads), (k, num_kv_heads)):
-            rot = x.view(x.shape[0], heads, head_dim)[..., :2 * half]
-            x1, x2 = rot.float().chunk(2, dim=-1)
-            rot.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        rows = rope_rows(positions, cos, sin)
+        rotate_half_(q, num_heads, *rows)
+        rotate_half_(k, num_kv_heads, *rows)
         return q, k
     assert q.stride(1) == k.stride(1) == cos.stride(1) == 1 and sin.stride() == cos.stride()
     block_half = triton.next_power_of_2(half)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.models.fused import add_layer_norm
-from roseinfer.models.layers import LogitsHead, PagedAttention
+from roseinfer.models.layers import LogitsHead, PackedLinear, PagedAttention
 
 
 def layer_norm(ln: nn.LayerNorm, x, residual):
@@ -17,12 +17,14 @@ def layer_norm(ln: nn.LayerNorm, x, residual):
 def linear_gelu_tanh(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """GELU (tanh approximation, GPT-2's gelu_new) of a linear layer.
 
-    On CUDA the activation runs in the GEMM epilogue (cuBLASLt GELU_BIAS, which
-    is the tanh form): one kernel instead of two. The CPU version of that op
-    uses the erf form, so the CPU keeps the two-step path.
+    The activation runs in the GEMM epilogue, one kernel instead of two: on
+    CUDA cuBLASLt's GELU_BIAS (the tanh form), on the CPU oneDNN's through a
+    prepacked linear. ``_addmm_activation`` on the CPU uses the erf form.
     """
     if x.is_cuda and x.dim() == 2:
         return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
+    if isinstance(linear, PackedLinear):
+        return linear(x, "gelu", "tanh")
     return F.gelu(linear(x), approximate="tanh")
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.attention import get_context
-from roseinfer.models.fused import apply_rope
+from roseinfer.models.fused import apply_rope, rope_rows, rotate_half_
 
 
 class PagedAttention(nn.Module):
@@ -51,7 +51,27 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions, q, k, num_heads, num_kv_heads):
         """Rotates q and k in place (they may be column slices of a fused qkv)."""
-        return apply_rope(q, k, positions, self.cos, self.sin, num_heads, num_kv_heads)
+        if q.is_cuda:  # one kernel gathers and rotates
+            return apply_rope(q, k, positions, self.cos, self.sin, num_heads, num_kv_heads)
+        memo = get_context().attn.memo
+        if self not in memo:  # the first layer gathers the step's rows for all
+            memo[self] = rope_rows(positions, self.cos, self.sin)
+        qk = _joined(q, k)
+        if qk is not None:  # k follows q inside the fused qkv: one pass for both
+            rotate_half_(qk, num_heads + num_kv_heads, *memo[self])
+        else:
+            rotate_half_(q, num_heads, *memo[self])
+            rotate_half_(k, num_kv_heads, *memo[self])
+        return q, k
+
+
+def _joined(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """One [N, Q+K] view of q and k where k's columns follow q's in memory."""
+    if q.stride() != k.stride() or q.stride(1) != 1 or q.dtype != k.dtype:
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.element_size():
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride())
 
 
 class LogitsHead(nn.Module):
@@ -78,21 +98,30 @@ class LogitsHead(nn.Module):
         return self.linear(hidden)[:, :self.vocab_size]
 
 
-class PackedLinear(nn.Module):
-    """nn.Linear with its weight prepacked in oneDNN's layout (CPU, float32).
+BATCH_HINT = 16
 
-    At decode batch sizes it is 2-3x faster than the plain GEMM on the CPU
-    (GPT-2 layers at 16 rows: 0.56 -> 0.28 ms; its LM head: 22.7 -> 8.3 ms).
+
+class PackedLinear(nn.Module):
+    """nn.Linear with its weight prepacked in oneDNN's blocked layout (CPU, float32).
+
+    Input and output stay plain dense tensors (``mkldnn._linear_pointwise``, the
+    op Inductor emits on the CPU): converting activations to oneDNN's layout
+    and back cost ~0.1 ms a call, a tenth of a batch-1 step. The weight is
+    reordered for ``batch_hint`` rows; docs/benchmarks.md has the per-shape numbers.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT):
         super().__init__()
-        self.weight = linear.weight.detach().to_mkldnn()
-        self.bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()
+        self.out_features = linear.out_features
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias)
-        return out.to_dense()
+    def forward(self, x: torch.Tensor, activation: str = "none", algorithm: str = ""
+                ) -> torch.Tensor:
+        """``activation`` runs in the GEMM's epilogue: oneDNN's "gelu" with
+        algorithm "tanh" or "erf" (its "silu" is not offered here)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, activation, [],
+                                                  algorithm)
 
 
 def prepack_for_cpu(model: nn.Module) -> None:

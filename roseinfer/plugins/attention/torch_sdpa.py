@@ -6,13 +6,17 @@ from roseinfer.core.attention import AttnMetadata
 from roseinfer.core.hookspecs import hookimpl
 
 
-def gather_context(cache, block_tables, max_context_len):
-    """[blocks, H_kv, bs, D] through [S, MB] tables -> [S, H_kv, max_ctx, D]."""
+def context_index(block_tables, max_context_len, block_size):
+    """The block ids to gather: tables may be wider than the longest context."""
+    return block_tables[:, :-(-max_context_len // block_size)]
+
+
+def gather_context(cache, index, max_context_len):
+    """[blocks, H_kv, bs, D] through [S, MB] block ids -> [S, H_kv, max_ctx, D]."""
     _, h, bs, d = cache.shape
-    mb = -(-max_context_len // bs)  # tables may be wider than the longest context
-    s = block_tables.shape[0]
-    x = cache[block_tables[:, :mb].long()]              # [S, MB, H_kv, bs, D]
-    x = x.permute(0, 2, 1, 3, 4).reshape(s, h, mb * bs, d)
+    s, mb = index.shape
+    x = cache.index_select(0, index.flatten())  # 2-3x faster than cache[index] on the CPU
+    x = x.view(s, mb, h, bs, d).permute(0, 2, 1, 3, 4).reshape(s, h, mb * bs, d)
     return x[:, :, :max_context_len]
 
 
@@ -23,7 +27,7 @@ class TorchSDPAAttention:
     def forward(self, q, k_cache, v_cache, attn, scale):
         if attn.is_decode:
             return _decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-                           attn.max_context_len, scale)
+                           attn.max_context_len, scale, attn.memo)
         qlens = attn.query_start[1:] - attn.query_start[:-1]
         single = qlens == 1
         if not bool(single.any()):
@@ -37,7 +41,7 @@ class TorchSDPAAttention:
         dec_rows = attn.query_start[dec].long()
         ctx = attn.context_lens[dec]
         out[dec_rows] = _decode(q[dec_rows], k_cache, v_cache, attn.block_tables[dec], ctx,
-                                int(ctx.max()), scale)
+                                int(ctx.max()), scale, attn.memo)
         pre = (~single).nonzero().squeeze(1)
         pre_qlens = qlens[pre]
         starts = torch.zeros(len(pre) + 1, dtype=attn.query_start.dtype, device=q.device)
@@ -49,21 +53,34 @@ class TorchSDPAAttention:
         return out
 
 
-def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale):
-    """One query row per sequence: [S, H, D]."""
-    k = gather_context(k_cache, block_tables, max_context_len)
-    v = gather_context(v_cache, block_tables, max_context_len)
-    kpos = torch.arange(max_context_len, device=q.device)
-    mask = kpos[None, None, None, :] <= (context_lens - 1)[:, None, None, None]
+def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, memo):
+    """One query row per sequence: [S, H, D]. Every layer of a forward attends
+    through the same block ids and mask: the first computes them into ``memo``."""
+    if "decode" not in memo:
+        memo["decode"] = _decode_plan(block_tables, context_lens, max_context_len,
+                                      k_cache.shape[2])
+    index, mask = memo["decode"]
+    k = gather_context(k_cache, index, max_context_len)
+    v = gather_context(v_cache, index, max_context_len)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
+def _decode_plan(block_tables, context_lens, max_context_len, block_size):
+    """Block ids and the padding mask (none for one sequence: nothing is padded)."""
+    index = context_index(block_tables, max_context_len, block_size)
+    if block_tables.shape[0] == 1:
+        return index, None
+    kpos = torch.arange(max_context_len, device=block_tables.device)
+    return index, kpos[None, None, None, :] <= (context_lens - 1)[:, None, None, None]
+
+
 def _prefill(q, k_cache, v_cache, attn, qlens, scale):
     """Query chunks padded per sequence to the longest one."""
-    k = gather_context(k_cache, attn.block_tables, attn.max_context_len)
-    v = gather_context(v_cache, attn.block_tables, attn.max_context_len)
+    index = context_index(attn.block_tables, attn.max_context_len, k_cache.shape[2])
+    k = gather_context(k_cache, index, attn.max_context_len)
+    v = gather_context(v_cache, index, attn.max_context_len)
     kpos = torch.arange(attn.max_context_len, device=q.device)
     seq = torch.repeat_interleave(torch.arange(attn.num_seqs, device=q.device), qlens.long())
     local = torch.arange(q.shape[0], device=q.device) - attn.query_start[:-1].long()[seq]

@@ -9,7 +9,7 @@ class TorchIndexAppend:
     def append(self, k_cache, v_cache, key, value, slots) -> None:
         if slots.rows is not None:
             key, value = key[slots.rows], value[slots.rows]
-        b, o = slots.block_idx.long(), slots.offsets.long()
+        b, o = slots.block_idx, slots.offsets  # int32 indexes: a .long() copy costs more
         k_cache[b, :, o] = key
         v_cache[b, :, o] = value
 
