@@ -22,7 +22,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
         if isinstance(m, torch.nn.Embedding):
             continue
         tensors = [*m._parameters.values(), *vars(m).values()]
-        for t in tensors:  # also weights packed outside parameters (PackedLinear)
+        for t in tensors:  # also weights held outside parameters (CpuLinear)
             if not isinstance(t, torch.Tensor):
                 continue
             key = id(t) if t.is_mkldnn else t.data_ptr()

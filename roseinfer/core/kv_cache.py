@@ -4,6 +4,7 @@ Layout per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
 """
 from __future__ import annotations
 
+import mmap
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -48,8 +49,8 @@ class KVCache:
         # CUDA-graph padding rows write to.
         shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
         self.scratch_block = num_blocks
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.device = torch.device(device)
         self.block_size = block_size
         self.backends = backends
@@ -97,3 +98,13 @@ class KVCache:
         for k, v in zip(self.k, self.v):
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
+
+
+def _zeros(shape, dtype, device) -> torch.Tensor:
+    """A zeroed cache tensor. On the CPU, anonymous memory from the OS: zero
+    already, and faulted in as blocks are first written (torch.zeros writes
+    every page up front: 2.3 s for the default 2 GiB cache on a 2-core VM)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = max(torch.Size(shape).numel() * dtype.itemsize, 1)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.models.fused import add_layer_norm
-from roseinfer.models.layers import LogitsHead, PackedLinear, PagedAttention
+from roseinfer.models.cpu_linear import CpuLinear
+from roseinfer.models.layers import LogitsHead, PagedAttention
 
 
 def layer_norm(ln: nn.LayerNorm, x, residual):
@@ -18,13 +19,13 @@ def linear_gelu_tanh(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """GELU (tanh approximation, GPT-2's gelu_new) of a linear layer.
 
     The activation runs in the GEMM epilogue, one kernel instead of two: on
-    CUDA cuBLASLt's GELU_BIAS (the tanh form), on the CPU oneDNN's through a
-    prepacked linear. ``_addmm_activation`` on the CPU uses the erf form.
+    CUDA cuBLASLt's GELU_BIAS (the tanh form), on the CPU oneDNN's where a
+    CpuLinear runs its packed kernel. ``_addmm_activation`` on the CPU uses the erf form.
     """
     if x.is_cuda and x.dim() == 2:
         return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
-    if isinstance(linear, PackedLinear):
-        return linear(x, "gelu", "tanh")
+    if isinstance(linear, CpuLinear):
+        return linear(x, gelu="tanh")
     return F.gelu(linear(x), approximate="tanh")
 
 

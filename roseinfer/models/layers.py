@@ -96,37 +96,3 @@ class LogitsHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden)[:, :self.vocab_size]
-
-
-BATCH_HINT = 16
-
-
-class PackedLinear(nn.Module):
-    """nn.Linear with its weight prepacked in oneDNN's blocked layout (CPU, float32).
-
-    Input and output stay plain dense tensors (``mkldnn._linear_pointwise``, the
-    op Inductor emits on the CPU): converting activations to oneDNN's layout
-    and back cost ~0.1 ms a call, a tenth of a batch-1 step. The weight is
-    reordered for ``batch_hint`` rows; docs/benchmarks.md has the per-shape numbers.
-    """
-
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT):
-        super().__init__()
-        self.out_features = linear.out_features
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor, activation: str = "none", algorithm: str = ""
-                ) -> torch.Tensor:
-        """``activation`` runs in the GEMM's epilogue: oneDNN's "gelu" with
-        algorithm "tanh" or "erf" (its "silu" is not offered here)."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, activation, [],
-                                                  algorithm)
-
-
-def prepack_for_cpu(model: nn.Module) -> None:
-    """Swap every nn.Linear (the LM head's too) for a PackedLinear."""
-    linears = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    for parent, name, child in linears:
-        setattr(parent, name, PackedLinear(child))

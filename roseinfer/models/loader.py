@@ -12,7 +12,8 @@ import os
 import torch
 
 from roseinfer.models import model_class
-from roseinfer.models.layers import RotaryEmbedding, prepack_for_cpu
+from roseinfer.models.cpu_linear import choose_cpu_linears
+from roseinfer.models.layers import RotaryEmbedding
 from roseinfer.models.tokenizers import gpt2_tokenizer, package_dir
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0)
     model.bind_head()
     if torch.device(device).type == "cpu" and dtype == torch.float32 and \
             torch.backends.mkldnn.is_available():
-        prepack_for_cpu(model)
+        choose_cpu_linears(model)
     return model.eval().requires_grad_(False), hf_config, tok
 
 
@@ -98,10 +99,8 @@ def _random_init(model, seed: int) -> None:
 
 def _resolve(spec):
     """-> (hf_config, hf-style state dict, tokenizer or None)."""
-    from transformers import PreTrainedModel
-
-    if isinstance(spec, PreTrainedModel):
-        return spec.config, spec.state_dict(), None
+    if not isinstance(spec, (str, os.PathLike)):  # a model instance: transformers' modeling
+        return spec.config, spec.state_dict(), None  # code (5 s to import) is loaded already
     path = ALIASES[spec]() if spec in ALIASES else spec
     if str(path).endswith(".gguf"):
         path = _converted_gguf(path)

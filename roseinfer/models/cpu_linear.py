@@ -1,0 +1,113 @@
+"""Float32 linears on the CPU: per weight shape and batch size, the faster of two
+kernels on this machine, measured when the model loads.
+
+- ``plain``: ``F.linear`` on the weight as it is.
+- ``packed``: the weight reordered once into oneDNN's blocked layout, run by
+  ``mkldnn._linear_pointwise`` (the op Inductor emits on the CPU) on dense
+  inputs and outputs.
+
+Neither wins everywhere (docs/benchmarks.md): on a 2-core AMD EPYC (Zen 1, AVX2)
+packed is 1.5-5x faster from 4 rows up and about even at one row; on two cores
+of an Intel Xeon with AVX-512 and AMX plain is 1.15-1.5x faster at one row, and
+packed 1.2-1.9x faster on the LM head from 4 rows up.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("plain", "packed")
+ROWS = (1, 16)       # the batch sizes measured: one sequence decoding, and a batch
+SMALL_BELOW = 4      # rows under this run the 1-row choice, the rest the 16-row one
+SAMPLE_WEIGHTS = 16  # weights of a shape timed in turn: more bytes than the caches hold
+KEEP_BOTH_GAIN = 1.1  # hold both layouts (twice the memory) only for a >10% faster step
+
+
+class CpuLinear(nn.Module):
+    """nn.Linear running the kernel chosen for its batch size: ``kernels`` is
+    (the choice under ``SMALL_BELOW`` rows, the choice from there up)."""
+
+    def __init__(self, linear: nn.Linear, kernels: tuple[str, str]):
+        super().__init__()
+        weight = linear.weight.detach()
+        self.kernels = kernels
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.plain = weight if "plain" in kernels else None
+        self.packed = _pack(weight) if "packed" in kernels else None
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
+        """``gelu`` ("tanh" or "none"): the activation, fused into the packed
+        kernel's epilogue."""
+        small = x.numel() < SMALL_BELOW * self.in_features
+        if self.kernels[0 if small else 1] == "packed":
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.packed, self.bias, "none" if gelu is None else "gelu", [], gelu or "")
+        out = F.linear(x, self.plain, self.bias)
+        return out if gelu is None else F.gelu(out, approximate=gelu)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, ROWS[-1])
+
+
+def choose_cpu_linears(model: nn.Module) -> None:
+    """Swap every nn.Linear (the LM head's too) for a CpuLinear, timing both
+    kernels on each weight shape first. Adds ~0.5 s to a 135M model's load."""
+    linears = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    by_shape = defaultdict(list)
+    for entry in linears:
+        by_shape[tuple(entry[2].weight.shape)].append(entry)
+    for shape, entries in by_shape.items():
+        kernels = _choose(_time_kernels([e[2].weight.detach() for e in entries]))
+        log.info("CPU linear %s x %d: %s under %d rows, %s from there", shape, len(entries),
+                 kernels[0], SMALL_BELOW, kernels[1])
+        for parent, name, child in entries:
+            setattr(parent, name, CpuLinear(child, kernels))
+
+
+@torch.inference_mode()
+def _time_kernels(weights: list[torch.Tensor]) -> dict[str, dict[int, float]]:
+    """Seconds per call of each kernel at each of ROWS, the best of two passes over
+    up to SAMPLE_WEIGHTS of the weights (in turn, so they come from memory)."""
+    weights = weights[:SAMPLE_WEIGHTS]
+    forms = {"plain": weights, "packed": [_pack(w) for w in weights]}
+    times = {k: {} for k in KERNELS}
+    for rows in ROWS:
+        x = torch.randn(rows, weights[0].shape[1])
+        for kernel, ws in forms.items():
+            run = _runner(kernel, x, ws)
+            run()  # first calls create oneDNN primitives
+            times[kernel][rows] = min(_timed(run) for _ in range(2)) / len(ws)
+    return times
+
+
+def _runner(kernel, x, weights):
+    if kernel == "plain":
+        return lambda: [F.linear(x, w) for w in weights]
+    return lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                    for w in weights]
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _choose(times: dict[str, dict[int, float]]) -> tuple[str, str]:
+    """One kernel for every batch size when it is within KEEP_BOTH_GAIN of the
+    best at each; otherwise the best per batch size."""
+    best = {rows: min(times[k][rows] for k in KERNELS) for rows in ROWS}
+    for kernel in sorted(KERNELS, key=lambda k: sum(times[k].values())):
+        if all(times[kernel][rows] <= KEEP_BOTH_GAIN * best[rows] for rows in ROWS):
+            return kernel, kernel
+    return tuple(min(KERNELS, key=lambda k: times[k][rows]) for rows in ROWS)

@@ -1,0 +1,73 @@
+"""CpuLinear: both CPU float32 kernels against F.linear, and the choice between them."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roseinfer.models.cpu_linear import CpuLinear, _choose, choose_cpu_linears
+from roseinfer.models.gpt2 import linear_gelu_tanh
+
+KERNEL_PAIRS = [("plain", "plain"), ("packed", "packed"), ("plain", "packed"), ("packed", "plain")]
+
+
+def _pair(kernels, bias=True, in_f=96, out_f=200):
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f, bias=bias)
+    return lin, CpuLinear(lin, kernels)
+
+
+@pytest.mark.parametrize("kernels", KERNEL_PAIRS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 96), (16, 96), (3, 5, 96), (0, 96)])
+def test_matches_f_linear(kernels, bias, shape):
+    lin, cpu = _pair(kernels, bias)
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        out = cpu(x)
+    ref = F.linear(x, lin.weight, lin.bias)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", KERNEL_PAIRS)
+def test_strided_input_columns(kernels):
+    """Column slices of a fused activation, as the model passes them."""
+    lin, cpu = _pair(kernels)
+    x = torch.randn(7, 3 * 96)[:, 96:192]
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu(x), F.linear(x, lin.weight, lin.bias),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", KERNEL_PAIRS)
+@pytest.mark.parametrize("rows", [1, 16])
+def test_gelu_is_the_tanh_form(kernels, rows):
+    lin, cpu = _pair(kernels)
+    x = torch.randn(rows, 96) * 3  # wide enough that the tanh and erf forms differ
+    with torch.inference_mode():
+        out = linear_gelu_tanh(x, cpu).double()
+    pre = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    tanh, erf = F.gelu(pre, approximate="tanh"), F.gelu(pre)
+    assert (out - tanh).abs().max() < 1e-4
+    assert (out - tanh).abs().max() < (out - erf).abs().max() / 10
+
+
+def test_choose_one_kernel_unless_the_other_pays():
+    t = lambda p1, p16, k1, k16: {"plain": {1: p1, 16: p16}, "packed": {1: k1, 16: k16}}
+    assert _choose(t(1.0, 4.0, 1.05, 2.0)) == ("packed", "packed")  # within 10% at 1 row
+    assert _choose(t(1.0, 2.0, 1.5, 1.0)) == ("plain", "packed")    # each wins by more
+    assert _choose(t(1.0, 1.0, 2.0, 1.08)) == ("plain", "plain")
+
+
+def test_choose_cpu_linears_swaps_every_linear_and_keeps_outputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32, bias=False),
+                          nn.Linear(64, 32, bias=False))
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        ref = model[2](model[1](model[0](x)))
+        choose_cpu_linears(model)
+        out = model[2](model[1](model[0](x)))
+    assert all(not isinstance(m, nn.Linear) for m in model)
+    assert model[2].kernels == model[3].kernels  # one choice per weight shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
