@@ -211,6 +211,21 @@ def rotate_half_(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.
     return rot.copy_(torch.addcmul(rot.float() * cos, swapped.float(), sin))
 
 
+def rotate_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotate_half_`` of q and k, in one pass where k's columns follow q's in
+    memory (column slices of a fused qkv)."""
+    joined = q.stride() == k.stride() and q.stride(1) == 1 and q.dtype == k.dtype and \
+        k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size()
+    if joined:
+        qk = q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride())
+        rotate_half_(qk, num_heads + num_kv_heads, cos, sin)
+    else:
+        rotate_half_(q, num_heads, cos, sin)
+        rotate_half_(k, num_kv_heads, cos, sin)
+    return q, k
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,10 +239,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     half, head_dim = cos.shape[1], q.shape[1] // num_heads
     assert k.shape[1] == num_kv_heads * head_dim and 2 * half <= head_dim
     if not _use_triton(use_triton, q):
-        rows = rope_rows(positions, cos, sin)
-        rotate_half_(q, num_heads, *rows)
-        rotate_half_(k, num_kv_heads, *rows)
-        return q, k
+        return rotate_qk_(q, k, *rope_rows(positions, cos, sin), num_heads, num_kv_heads)
     assert q.stride(1) == k.stride(1) == cos.stride(1) == 1 and sin.stride() == cos.stride()
     block_half = triton.next_power_of_2(half)
     _rope_kernel[(q.shape[0],)](

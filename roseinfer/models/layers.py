@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.attention import get_context
-from roseinfer.models.fused import apply_rope, rope_rows, rotate_half_
+from roseinfer.models.fused import apply_rope, rope_rows, rotate_qk_
 
 
 class PagedAttention(nn.Module):
@@ -56,22 +56,7 @@ class RotaryEmbedding(nn.Module):
         memo = get_context().attn.memo
         if self not in memo:  # the first layer gathers the step's rows for all
             memo[self] = rope_rows(positions, self.cos, self.sin)
-        qk = _joined(q, k)
-        if qk is not None:  # k follows q inside the fused qkv: one pass for both
-            rotate_half_(qk, num_heads + num_kv_heads, *memo[self])
-        else:
-            rotate_half_(q, num_heads, *memo[self])
-            rotate_half_(k, num_kv_heads, *memo[self])
-        return q, k
-
-
-def _joined(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """One [N, Q+K] view of q and k where k's columns follow q's in memory."""
-    if q.stride() != k.stride() or q.stride(1) != 1 or q.dtype != k.dtype:
-        return None
-    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.element_size():
-        return None
-    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride())
+        return rotate_qk_(q, k, *memo[self], num_heads, num_kv_heads)
 
 
 class LogitsHead(nn.Module):
