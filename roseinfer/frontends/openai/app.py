@@ -226,27 +226,56 @@ def create_app(config: GatewayConfig) -> Starlette:
 
 
 class BackgroundGateway:
-    """The gateway served by uvicorn in a daemon thread (`roseinfer serve`, tests)."""
+    """The gateway served by uvicorn in a process of its own (`roseinfer serve`, the
+    bench, tests). In a thread of the worker's process its HTTP, JSON and SSE work
+    held the engine loop's interpreter lock: on an H100 that made TPOT 2.5x
+    (docs/gateway.md, "Overhead")."""
 
     def __init__(self, config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000):
-        import threading
-
-        import uvicorn
+        import multiprocessing
 
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
+        self.ready = ctx.Event()
+        self.process = ctx.Process(target=_serve_gateway, args=(config, host, port, self.ready),
+                                   name="roseinfer-gateway", daemon=True)
 
-    def start(self, timeout_s: float = 10.0) -> "BackgroundGateway":
-        self.thread.start()
+    def start(self, timeout_s: float = 60.0) -> "BackgroundGateway":
+        self.process.start()
         deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
+        while not self.ready.wait(0.05):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"the gateway did not start on {self.url} (port taken?)")
-            time.sleep(0.02)
         return self
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        """Finish open responses (uvicorn's shutdown on SIGTERM), then end the process."""
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def _serve_gateway(config: GatewayConfig, host: str, port: int, ready) -> None:
+    """A BackgroundGateway's process: serve until SIGTERM or until the parent is gone."""
+    import os
+    import threading
+
+    import uvicorn
+
+    parent = os.getppid()
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port,
+                                           log_level="warning"))
+
+    def watch() -> None:
+        while not server.should_exit:
+            if server.started:
+                ready.set()
+            if os.getppid() != parent:  # the worker died without stopping us
+                server.should_exit = True
+            time.sleep(0.05)
+    threading.Thread(target=watch, daemon=True).start()
+    server.run()

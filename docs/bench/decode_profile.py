@@ -1,0 +1,79 @@
+"""Where a decode step of a real shape spends its time, on CUDA.
+
+For each model and batch, once every prompt is in the cache: the engine's
+wall time per decode step (host and GPU overlapped; a decode window counts as
+its steps), the GPU's busy time per step, and every kernel with its time per
+step (torch.profiler sees the kernels a CUDA graph launches), against the
+bytes a step must read (weights once, each sequence's K/V) at 3.0 TB/s.
+
+    python3 docs/bench/decode_profile.py MODEL:BATCH[:CONTEXT] ...
+    e.g. llama3-1b-random:1 llama3-8b-random:1 llama3-1b-random:256:600
+"""
+import collections
+import gc
+import sys
+import time
+
+import torch
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.bench.floor import PEAK_BYTES_PER_S, kv_bytes_per_token, weight_bytes
+
+
+def steps(eng, n: int) -> int:
+    """Run ``n`` engine steps; returns the tokens they produced."""
+    return sum(len(out.new_token_ids) for _ in range(n) for out in eng.step())
+
+
+def kernel_table(eng, n: int):
+    """Kernels of ``n`` engine steps: (name, calls, summed us), and the tokens made."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tokens = steps(eng, n)
+        torch.cuda.synchronize()
+    total = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            total[ev.name][0] += 1
+            total[ev.name][1] += ev.device_time_total
+    return sorted(((k, c, us) for k, (c, us) in total.items()), key=lambda r: -r[2]), tokens
+
+
+def profile(model: str, batch: int, context: int) -> None:
+    llm = LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=batch,
+              enable_prefix_cache=False, max_model_len=max(2048, context + 512))
+    eng = llm.engine
+    weights = weight_bytes(eng.model)
+    for i in range(batch):
+        eng.add_request(str(i), [(7 * i + j) % 1000 + 1 for j in range(context)],
+                        SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    while any(s.num_computed < s.num_prompt_tokens for s in eng.seqs.values()):
+        eng.step()
+    steps(eng, 10)
+    context_at = [sum(len(s.token_ids) for s in eng.seqs.values()) / batch]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    tokens = steps(eng, 40)
+    torch.cuda.synchronize()
+    per_step = (time.perf_counter() - t) / (tokens / batch)
+    rows, profiled = kernel_table(eng, 20)
+    context_at.append(sum(len(s.token_ids) for s in eng.seqs.values()) / batch)
+    kv = batch * sum(context_at) / 2 * kv_bytes_per_token(eng.kv_cache)
+    floor = (weights + kv) / PEAK_BYTES_PER_S
+    n = profiled / batch  # decode steps profiled
+    gpu = sum(us for _, _, us in rows) / n / 1e6
+    print(f"\n== {model} batch {batch}, context {context_at[0]:.0f}-{context_at[1]:.0f}: weights {weights / 1e9:.2f} GB, "
+          f"K/V read {kv / 1e9:.3f} GB, floor {floor * 1e3:.3f} ms per decode step")
+    print(f"decode step {per_step * 1e3:.3f} ms ({floor / per_step:.0%} of floor); "
+          f"GPU busy {gpu * 1e3:.3f} ms of it ({floor / gpu:.0%}); "
+          f"{sum(c for _, c, _ in rows) / n:.0f} kernels per step")
+    for name, count, us in rows[:25]:
+        print(f"  {us / n:9.1f} us/step {count / n:6.1f}x  {us / count:7.2f} us each  {name[:100]}")
+
+
+if __name__ == "__main__":
+    for spec in sys.argv[1:] or ["llama3-1b-random:1"]:
+        model, batch, *ctx = spec.split(":")
+        profile(model, int(batch), int(ctx[0]) if ctx else 512)
+        gc.collect()
+        torch.cuda.empty_cache()
