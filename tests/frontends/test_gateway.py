@@ -196,3 +196,25 @@ def test_a_disconnect_cancels_the_request(start_worker, gateway, real_redis, pre
     chunks = raw_chunks(real_redis, prefix, rid)
     assert chunks[-1].finish_reason == "abort"
     assert sum(len(c.token_ids) for c in chunks) < 60
+
+
+def test_a_disconnect_before_the_first_event_cancels_the_request(start_worker, gateway,
+                                                                   real_redis, prefix):
+    """A client that leaves while the gateway still waits for the first token: the
+    event stream never starts, yet the request is cancelled and the call counted."""
+    start_worker(FakeEngine(step_s=0.2))
+    g = gateway()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 60, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{g.url}/v1/completions", json=body, headers={"X-Request-Id": "early"},
+                   timeout=httpx.Timeout(10, read=0.05))
+    wait_until(lambda: any(c.finished for c in raw_chunks(real_redis, prefix, "early")))
+    chunks = raw_chunks(real_redis, prefix, "early")
+    assert chunks[-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in chunks) < 60
+
+    def in_flight() -> float:
+        line = next(x for x in httpx.get(f"{g.url}/metrics").text.splitlines()
+                    if x.startswith("roseinfer:gateway_requests_in_flight"))
+        return float(line.split()[-1])
+    wait_until(lambda: in_flight() == 0.0)
