@@ -41,6 +41,7 @@ def test_builtins_are_registered_by_name():
         reg.names("kv_append"))
     assert {"slots", "arrays"} <= set(reg.names("metadata"))
     assert "torch_sdpa" in reg.names("attention")
+    assert {"gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3"} <= set(reg.names("model"))
 
 
 def test_outside_plugin_is_selected_and_called(gpt2_model):
@@ -78,5 +79,40 @@ def test_plugins_command_lists_everything(capsys):
 
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    for name in ("torch_index", "triton_full_batch", "slots", "arrays", "torch_sdpa"):
+    for name in ("torch_index", "triton_full_batch", "slots", "arrays", "torch_sdpa", "qwen3"):
         assert name in out
+
+
+def test_an_outside_model_architecture_serves_its_model_type(gpt2_model):
+    """A third-party family: its model_type picks its module, which runs the model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from roseinfer.models.gpt2 import GPT2ForCausalLM
+
+    class MyConfig(GPT2Config):
+        model_type = "my-gpt2"
+
+    class MyModel(GPT2ForCausalLM):
+        built = 0
+
+        def __init__(self, cfg):
+            MyModel.built += 1
+            super().__init__(cfg)
+
+    class Family:
+        @hookimpl
+        def roseinfer_register_model_architectures(self, register):
+            register("my-gpt2", MyModel)
+
+    fields = {k: v for k, v in gpt2_model.config.to_diff_dict().items() if k != "model_type"}
+    hf = GPT2LMHeadModel(MyConfig(**fields)).eval()
+    hf.load_state_dict(gpt2_model.state_dict())
+    with pytest.raises(ValueError, match="'my-gpt2' is not supported; supported: .*gpt2.*"
+                                         "roseinfer_register_model_architectures"):
+        LLM(hf, plugins=PluginRegistry(load_entry_points=False), device="cpu")
+    reg = PluginRegistry(load_entry_points=False)
+    reg.register(Family(), name="family")
+    llm = LLM(hf, plugins=reg, device="cpu", block_size=4, num_kv_blocks=64)
+    out = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert MyModel.built == 1
+    assert out[0].token_ids == hf_greedy(gpt2_model, [4, 5, 6], 5)

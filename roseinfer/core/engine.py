@@ -21,6 +21,7 @@ from roseinfer.core.runner import ModelRunner
 from roseinfer.core.sampling import SamplingParams
 from roseinfer.core.scheduler import Scheduler
 from roseinfer.models import loader
+from roseinfer.models.layers import PagedAttention
 from roseinfer.models.tokenizers import as_chat
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class Engine:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.model, self.hf_config, self.tokenizer = loader.load(
-            model, tokenizer, self.dtype, self.device, seed=config.seed or 0)
+            model, tokenizer, self.dtype, self.device, seed=config.seed or 0, plugins=plugins)
         self.vocab_size = self.hf_config.vocab_size
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
         self.kv_cache = self._build_kv_cache()
@@ -88,8 +89,8 @@ class Engine:
         return "triton_paged" if self.device.type == "cuda" else "torch_sdpa"
 
     def _build_kv_cache(self) -> KVCache:
-        cfg, hf = self.config, self.hf_config
-        layers, kv_heads, head_dim = _kv_shape(hf)
+        cfg = self.config
+        layers, kv_heads, head_dim = _kv_shape(self.model)
         names = self.plugins.names("kv_append")
         if cfg.kv_append_backend != "auto":
             self.plugins.get("kv_append", cfg.kv_append_backend)  # fail early, listing names
@@ -279,12 +280,14 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _kv_shape(hf) -> tuple[int, int, int]:
-    if hf.model_type == "gpt2":
-        return hf.n_layer, hf.n_head, hf.n_embd // hf.n_head
-    heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    return hf.num_hidden_layers, hf.num_key_value_heads or heads, head_dim
+def _kv_shape(model) -> tuple[int, int, int]:
+    """(layers, K/V heads, head dim) from the module's PagedAttention layers: any
+    family that attends through them gets its cache, whatever its config calls them."""
+    attn = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    if not attn:
+        raise ConfigError(f"{type(model).__name__} has no PagedAttention layer: a model "
+                          "module must attend through roseinfer.models.layers.PagedAttention")
+    return len(attn), attn[0].num_kv_heads, attn[0].head_dim
 
 
 def _context_len(hf) -> int:

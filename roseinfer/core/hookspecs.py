@@ -37,3 +37,16 @@ def roseinfer_register_attention_backends(register):
     ``forward(q, k_cache, v_cache, attn, scale) -> out``
     (see ``roseinfer.core.attention``).
     """
+
+
+@hookspec
+def roseinfer_register_model_architectures(register):
+    """Register model families by transformers ``model_type``: ``register(model_type, cls)``.
+
+    ``cls(hf_config)`` builds the module (on the meta device; the loader
+    materializes it). It has ``forward(input_ids, positions) -> hidden``,
+    ``compute_logits(hidden)``, ``bind_head()``, a ``head`` (``LogitsHead``)
+    and a static ``convert_hf_state_dict(state_dict, hf_config)``; it attends
+    through ``roseinfer.models.layers.PagedAttention``, whose layers size the
+    KV cache (see ``roseinfer.models.llama``).
+    """

@@ -17,12 +17,14 @@ BUILTIN_PLUGINS = (
     "roseinfer.plugins.metadata.arrays",
     "roseinfer.plugins.attention.torch_sdpa",
     "roseinfer.plugins.attention.triton_paged",
+    "roseinfer.plugins.models",
 )
 
 KINDS = {
     "kv_append": "roseinfer_register_kv_append_backends",
     "metadata": "roseinfer_register_metadata_stores",
     "attention": "roseinfer_register_attention_backends",
+    "model": "roseinfer_register_model_architectures",
 }
 
 

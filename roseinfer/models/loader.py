@@ -58,15 +58,16 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
 ALIASES = {"SmolLM2-135M-Instruct": _smollm2_gguf, "smollm2": _smollm2_gguf}
 
 
-def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0):
-    """Returns (module, hf_config, tokenizer)."""
+def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0, plugins=None):
+    """Returns (module, hf_config, tokenizer); ``plugins`` (a PluginRegistry) has the
+    model architectures (default: the default registry's)."""
     if isinstance(spec, str) and spec in RANDOM:
         hf_config, tok = RANDOM[spec]()
-        model = _empty_module(hf_config, dtype, device)
+        model = _empty_module(hf_config, dtype, device, plugins)
         _random_init(model, seed)
     else:
         hf_config, state_dict, tok = _resolve(spec)
-        model = _empty_module(hf_config, dtype, device)
+        model = _empty_module(hf_config, dtype, device, plugins)
         model.load_state_dict(type(model).convert_hf_state_dict(state_dict, hf_config), strict=True)
     if tokenizer is not None:
         tok = _load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -80,9 +81,9 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0)
     return model.eval().requires_grad_(False), hf_config, tok
 
 
-def _empty_module(hf_config, dtype, device):
+def _empty_module(hf_config, dtype, device, plugins=None):
     with torch.device("meta"):  # no time spent on an init we overwrite
-        model = model_class(hf_config)(hf_config)
+        model = model_class(hf_config, plugins)(hf_config)
     return model.to_empty(device=device).to(dtype)
 
 

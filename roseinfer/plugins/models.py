@@ -1,0 +1,13 @@
+"""Built-in model families by transformers ``model_type``. Mistral, Qwen2, Qwen3 and
+Phi-3 are Llama plus flags the config sets (roseinfer/models/llama.py)."""
+from roseinfer.core.hookspecs import hookimpl
+
+
+@hookimpl
+def roseinfer_register_model_architectures(register):
+    from roseinfer.models.gpt2 import GPT2ForCausalLM
+    from roseinfer.models.llama import LlamaForCausalLM
+
+    register("gpt2", GPT2ForCausalLM)
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
+        register(model_type, LlamaForCausalLM)
