@@ -52,6 +52,41 @@ def test_logprobs_equal_transformers_log_softmax(family, request):
             assert max(abs(v - r) for (_, v), r in zip(lp.top, top_vals.tolist())) < 1e-4
 
 
+def check_prompt_logprobs(hf, prompt, entries, k):
+    """One entry per prompt token, None first, each the log_softmax of transformers'
+    logits at the position before it."""
+    assert len(entries) == len(prompt) and entries[0] is None
+    ref = torch.log_softmax(hf_logits(hf, prompt), -1)
+    for i, lp in enumerate(entries[1:], start=1):
+        assert lp.token_id == prompt[i]
+        assert abs(lp.logprob - ref[i - 1, prompt[i]].item()) < 1e-4
+        top_vals, _ = ref[i - 1].topk(k)
+        assert len(lp.top) == k
+        assert all(abs(v - r) < 1e-4 for (_, v), r in zip(lp.top, top_vals.tolist()))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_prompt_logprobs_equal_transformers_log_softmax(family, request):
+    """Prompts in chunks of at most 8 tokens, beside a request that does not ask."""
+    hf = request.getfixturevalue(f"{family}_model")
+    prompts = PROMPTS + [list(range(50, 71))]
+    params = [greedy(prompt_logprobs=3)] * len(prompts) + [greedy()]
+    outs = llm_for(hf, max_num_batched_tokens=8).generate(prompts + [[3, 4, 5]], params)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 10)
+        check_prompt_logprobs(hf, prompt, out.prompt_logprobs, 3)
+    assert outs[-1].prompt_logprobs is None
+
+
+def test_prompt_logprobs_compute_a_cached_prefix_again(llama_model):
+    llm = llm_for(llama_model, enable_prefix_cache=True)
+    prompt = list(range(30, 51))
+    llm.generate([prompt], greedy())  # its full blocks are cached now
+    out = llm.generate([prompt], greedy(prompt_logprobs=0))[0]
+    check_prompt_logprobs(llama_model, prompt, out.prompt_logprobs, 0)
+    assert llm.generate([prompt], greedy())[0].token_ids == out.token_ids
+
+
 def test_sampled_logprobs_are_of_the_tempered_distribution(gpt2_model):
     params = SamplingParams(max_tokens=8, temperature=0.7, seed=3, ignore_eos=True, logprobs=0)
     out = llm_for(gpt2_model).generate([PROMPTS[1]], params)[0]
@@ -158,7 +193,8 @@ def test_penalized_and_plain_requests_share_batches(llama_model):
 
 @pytest.mark.parametrize("kwargs,field", [
     ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
-    ({"logprobs": True}, "logprobs"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logprobs": True}, "logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": float("nan")}, "repetition_penalty"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"presence_penalty": "1"}, "presence_penalty"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),

@@ -51,7 +51,7 @@ class BlockManager:
 
         At least one token is left to compute, so the step still yields logits.
         """
-        if not self.prefix_cache:
+        if not self.prefix_cache or seq.prompt_logprobs_due:  # every prompt token's logits
             return 0
         bs, parent = self.block_size, NO_HASH
         for i in range((seq.num_tokens - 1) // bs):

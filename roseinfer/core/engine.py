@@ -205,6 +205,10 @@ class Engine:
         seqs, steps = launched.batch.seqs, launched.batch.steps
         ids = launched.result()
         logprobs = launched.token_logprobs(ids, self.tokenizer)
+        for i, pos, lp in launched.prompt_logprobs(self.tokenizer):
+            plp = seqs[i].prompt_logprobs
+            if pos == len(plp):  # a recomputed chunk's positions are there already
+                plp.append(lp)
         for k, (row, tokens) in enumerate(zip(launched.rows, ids)):
             seq = seqs[row]
             seq.pending -= steps

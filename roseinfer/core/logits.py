@@ -126,6 +126,57 @@ class BatchWork:
         return self.want, chosen, top_vals, top_ids
 
 
+class PromptPlan:
+    """The prompt positions of one step whose log probabilities are due: the
+    step's token rows that predict them, the prompt tokens they predict, and
+    (sequence index, prompt position) for each. From the raw logits."""
+
+    ROWS_AT_ONCE = 512  # float32 log_softmax of 512 rows x 128k vocab: 256 MB
+
+    def __init__(self, seqs, rows, targets, where, device):
+        self.seqs, self.where = seqs, where
+        self.rows = torch.tensor(rows, dtype=torch.long).to(device)
+        self.targets = torch.tensor(targets, dtype=torch.long).to(device)[:, None]
+        self.k = max(seqs[i].params.prompt_logprobs for i, _ in where)
+
+    @classmethod
+    def of(cls, seqs, num_tokens, device) -> "PromptPlan | None":
+        """None when no sequence of the step has prompt positions due. A token at
+        position p predicts p + 1; launched steps have not moved num_computed on yet."""
+        rows, targets, where, flat = [], [], [], 0
+        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+            if seq.prompt_logprobs_due:
+                start = seq.num_computed
+                first = max(start, len(seq.prompt_logprobs) - 1)  # recomputed: already there
+                for p in range(first, min(start + n, seq.num_prompt_tokens - 1)):
+                    rows.append(flat + p - start)
+                    targets.append(seq.token_ids[p + 1])
+                    where.append((i, p + 1))
+            flat += n
+        return cls(seqs, rows, targets, where, device) if rows else None
+
+    def logprobs(self, logits: torch.Tensor):
+        """(chosen, top values, top ids) device tensors for the planned rows' logits."""
+        parts = []
+        for at in range(0, logits.shape[0], self.ROWS_AT_ONCE):
+            lp = torch.log_softmax(logits[at:at + self.ROWS_AT_ONCE].float(), dim=-1)
+            chosen = lp.gather(1, self.targets[at:at + self.ROWS_AT_ONCE]).squeeze(1)
+            parts.append((chosen, *lp.topk(self.k, dim=-1)))
+        return tuple(torch.cat(p) for p in zip(*parts))
+
+    def to_host(self, found, tokenizer=None) -> list[tuple[int, int, TokenLogprob]]:
+        """(sequence index, prompt position, its TokenLogprob) per planned row."""
+        chosen, top_vals, top_ids = (t.tolist() for t in found)
+        out = []
+        for j, (i, pos) in enumerate(self.where):
+            k = self.seqs[i].params.prompt_logprobs
+            token = self.seqs[i].token_ids[pos]
+            out.append((i, pos, TokenLogprob(token, chosen[j],
+                                             list(zip(top_ids[j][:k], top_vals[j][:k])),
+                                             tokenizer)))
+        return out
+
+
 def to_host(found, seqs, tokens: list[int], tokenizer=None) -> dict[int, TokenLogprob]:
     """``LogitsWork.logprobs`` output as TokenLogprob per sampling row."""
     want, chosen, top_vals, top_ids = found

@@ -34,6 +34,12 @@ class RequestOutput:
         return self.seq.logprobs
 
     @property
+    def prompt_logprobs(self) -> Optional[list[Optional[TokenLogprob]]]:
+        """One entry per prompt token (None for the first), if asked for; complete
+        from the first output that carries a generated id."""
+        return self.seq.prompt_logprobs
+
+    @property
     def text(self) -> str:
         """Generated text so far, stop strings cut off."""
         return self.seq.detok.text if self.seq.detok is not None else ""

@@ -20,7 +20,7 @@ class Sequence:
     __slots__ = ("request_id", "params", "token_ids", "num_prompt_tokens", "num_computed",
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
                  "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
-                 "row", "synced", "sample_words", "logprobs")
+                 "row", "synced", "sample_words", "logprobs", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
@@ -47,6 +47,10 @@ class Sequence:
         self.sample_words = words(params)  # written after the table entries when it gets a row
         # One TokenLogprob per id generated here (not for resumed ids), if asked for.
         self.logprobs: Optional[list] = [] if params.logprobs is not None else None
+        # One per prompt token, if asked for: None for the first (nothing predicts
+        # it), then a TokenLogprob per token, filled in as its chunk is computed.
+        self.prompt_logprobs: Optional[list] = \
+            [None] if params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +60,12 @@ class Sequence:
     def num_scheduled_tokens(self) -> int:
         """Length counting the token in flight: what the scheduler plans with."""
         return len(self.token_ids) + self.pending
+
+    @property
+    def prompt_logprobs_due(self) -> bool:
+        """Whether prompt log probabilities are asked for and not all computed yet."""
+        plp = self.prompt_logprobs
+        return plp is not None and len(plp) < self.num_prompt_tokens
 
     @property
     def output_ids(self) -> list[int]:

@@ -14,7 +14,7 @@ import torch
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
 from roseinfer.core.cuda_graphs import StepGraphs
 from roseinfer.core.kv_cache import KVCache, SlotBatch
-from roseinfer.core.logits import LogitsWork, TokenLogprob, to_host
+from roseinfer.core.logits import LogitsWork, PromptPlan, TokenLogprob, to_host
 from roseinfer.core.sample_kernel import WORDS, sample
 from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
@@ -30,6 +30,7 @@ class LaunchedStep:
     tokens: torch.Tensor             # host [window step, row]: the sampled ids arrive here
     done: Optional[torch.cuda.Event]
     logprobs: Optional[list] = None  # LogitsWork.logprobs of each window step
+    prompt: Optional[tuple] = None   # (PromptPlan, its device results), if any was due
 
     def result(self) -> list[list[int]]:
         """Each sampling row's ids, one per window step."""
@@ -47,6 +48,13 @@ class LaunchedStep:
             for k, lp in to_host(found, seqs, [t[step] for t in ids], tokenizer).items():
                 out.setdefault(k, []).append(lp)
         return out
+
+    def prompt_logprobs(self, tokenizer=None) -> list[tuple[int, int, TokenLogprob]]:
+        """(batch index, prompt position, TokenLogprob) computed by this step (after result())."""
+        if self.prompt is None:
+            return []
+        plan, found = self.prompt
+        return plan.to_host(found, tokenizer)
 
 
 class ModelRunner:
@@ -118,9 +126,10 @@ class ModelRunner:
         seqs, num_tokens = batch.seqs, batch.num_tokens
         n_tok, n_seq = sum(num_tokens), len(seqs)
         processed = any(s.params.processed for s in seqs)
+        plan = PromptPlan.of(seqs, num_tokens, self.device) if processed else None
         layout = self.graphs.layout(n_tok, n_seq) if self.graphs else None
-        if processed and layout is not None and layout.mixed:
-            layout = None  # a mixed graph samples inside: no logits work there
+        if processed and layout is not None and (layout.mixed or plan is not None):
+            layout = None  # graphs compute the sampling rows' logits only
         host = self.stager.host_views(*(layout[:2] if layout else (n_tok, n_seq)))
         fresh = [s for s in seqs if s.row < 0 and s.params.penalized] if processed else []
         rows, upd_idx, upd_val, greedy = fill(host, seqs, num_tokens, self.block_size,
@@ -132,13 +141,13 @@ class ModelRunner:
         if layout is not None:
             inp, run = self.graphs.prepare(layout, host, n_seq, len(rows))
         else:
-            inp, run = self._eager(host, num_tokens, len(rows))
+            inp, run = self._eager(host, num_tokens, len(rows), plan)
         # A graph samples and advances its inputs itself (capture_step,
         # capture_mixed), which is all a batch whose every row samples needs.
         if layout is not None and not processed and (layout.mixed or len(rows) == n_seq):
             self.graphs.run_window(batch.steps)
             return self._land(batch, rows)
-        found = []
+        found, prompt = [], None
         work = None
         if processed and rows:
             work = self.logits_work.batch([seqs[r] for r in rows], inp.sample_seq_rows[:len(rows)])
@@ -146,6 +155,9 @@ class ModelRunner:
             if step and layout is None:
                 advance(inp, self.tables, self.block_size, self.identity)
             logits = run(step)
+            if plan is not None:  # prefill chunks: one step, no window
+                logits, prompt_logits = logits[:len(rows)], logits[len(rows):]
+                prompt = plan, plan.logprobs(prompt_logits)
             if not rows:
                 continue
             if work is not None:
@@ -157,7 +169,7 @@ class ModelRunner:
             # In a decode graph the step sampled and advanced by itself; the ids
             # written here replace the ones it sampled, for the next step to read.
             self._record(step, tokens)
-        return self._land(batch, rows, [f for f in found if f is not None] or None)
+        return self._land(batch, rows, [f for f in found if f is not None] or None, prompt)
 
     def _sample(self, batch, rows, logits, inp, greedy: bool, replayed: bool) -> torch.Tensor:
         """``replayed``: a decode graph ran the step and moved the positions on."""
@@ -191,18 +203,18 @@ class ModelRunner:
         logits = self.forward(ctx, inp, inp.sample_idx)
         self._record(0, sample(logits, inp, self.seq_state, self.max_blocks))
 
-    def _land(self, batch, rows, logprobs=None) -> LaunchedStep:
+    def _land(self, batch, rows, logprobs=None, prompt=None) -> LaunchedStep:
         """Start the window's ids on their way to the host."""
         landing = self.landing[self.launches % 2]
         self.launches += 1
-        if not rows:
+        if not rows and prompt is None:
             return LaunchedStep(batch, rows, landing, None)
         landing[:batch.steps].copy_(self.window[:batch.steps], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(batch, rows, landing, done, logprobs)
+        return LaunchedStep(batch, rows, landing, done, logprobs, prompt)
 
     def to_device(self, host: PackedInputs) -> PackedInputs:
         """Copy the packed inputs over and apply the block-table updates they carry."""
@@ -211,8 +223,9 @@ class ModelRunner:
             self.seq_state.view(-1)[inp.table_idx.long()] = inp.table_val
         return inp
 
-    def _eager(self, host: PackedInputs, num_tokens, num_samples: int):
-        """Device inputs, and a function that runs window step ``i`` on them."""
+    def _eager(self, host: PackedInputs, num_tokens, num_samples: int, plan=None):
+        """Device inputs, and a function that runs window step ``i`` on them: the
+        sampling rows' logits, then those of ``plan``'s prompt rows."""
         shared = bool((host.offsets == host.offsets[0]).all())
         max_context_len = int(host.context_lens.max())
         inp = self.to_device(host)
@@ -220,7 +233,11 @@ class ModelRunner:
         if not shared:
             ctx.slots.shared_offset = None
 
+        rows = inp.sample_idx[:num_samples]
+        if plan is not None:
+            rows = torch.cat([rows.long(), plan.rows])
+
         def run(i: int) -> torch.Tensor:
             ctx.attn.max_context_len = max_context_len + i
-            return self.forward(ctx, inp, inp.sample_idx[:num_samples])
+            return self.forward(ctx, inp, rows)
         return inp, run

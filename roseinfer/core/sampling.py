@@ -27,6 +27,11 @@ class SamplingParams:
     # from: after the bias, the penalties and the temperature, before top-k,
     # top-p and min-p (core/logits.py).
     logprobs: Optional[int] = None
+    # Log probabilities of each prompt token after the first, and of the top
+    # `prompt_logprobs` alternatives at its position (0-20; None = off), from
+    # the model's raw logits (vLLM's meaning). The prompt is then computed
+    # whole: no prefix-cache hit skips any of it.
+    prompt_logprobs: Optional[int] = None
     repetition_penalty: float = 1.0   # transformers' meaning: > 1 discourages repeats
     frequency_penalty: float = 0.0    # OpenAI's meanings: subtracted per occurrence
     presence_penalty: float = 0.0     # ... and once per token that occurred
@@ -59,10 +64,10 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
-        if self.logprobs is not None and not (is_int(self.logprobs)
-                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, "
-                f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (is_int(v) and 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
         if not is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
             bad("repetition_penalty", f"must be in (0, 10] (1 = off), got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -91,7 +96,7 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Whether its steps go through core/logits.py (not inside a CUDA graph)."""
-        return self.penalized or self.logprobs is not None
+        return self.penalized or self.logprobs is not None or self.prompt_logprobs is not None
 
     @property
     def greedy(self) -> bool:
