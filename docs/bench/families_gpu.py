@@ -20,31 +20,19 @@ import transformers
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.bench.floor import decode_floor
+from roseinfer.models.loader import RANDOM
 
-SHAPES = {  # the shapes of Qwen2.5-1.5B, Qwen3-1.7B, Mistral-7B-v0.3 and Phi-3-mini
-    "qwen2": ("Qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                            num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                            tie_word_embeddings=True, rope_theta=1e6)),
-    "qwen3": ("Qwen3", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                            num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                            head_dim=128, tie_word_embeddings=True, rope_theta=1e6)),
-    "mistral": ("Mistral", dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336,
-                                num_hidden_layers=32, num_attention_heads=32,
-                                num_key_value_heads=8, sliding_window=None, rope_theta=1e6)),
-    "phi3": ("Phi3", dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192,
-                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                          pad_token_id=0, rope_theta=10000.0)),
-}
+ALIASES = {"qwen2": "qwen2.5-1.5b-random", "qwen3": "qwen3-1.7b-random",
+           "mistral": "mistral-7b-random", "phi3": "phi3-mini-random"}  # models/loader.py
 PROMPTS, NEW = 8, 32
 
 
 def build(family: str):
-    name, shape = SHAPES[family]
-    cfg = getattr(transformers, f"{name}Config")(max_position_embeddings=4096, **shape)
+    cfg, _ = RANDOM[ALIASES[family]]()
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     torch.set_default_dtype(torch.float32)
     return model
 
@@ -101,7 +89,7 @@ def main(family: str) -> None:
                                                          ignore_eos=True, logprobs=0))
     runs = {"transformers bf16": (hf_ids, [hf_lp[i, r[0]].item() for i, r in enumerate(hf_ids)]),
             "roseinfer bf16": ([o.token_ids for o in outs], [o.logprobs[0].logprob for o in outs])}
-    print(f"== {family} ({SHAPES[family][0]}, {sum(p.numel() for p in hf.parameters()) / 1e9:.2f}B"
+    print(f"== {family} ({ALIASES[family]}, {sum(p.numel() for p in hf.parameters()) / 1e9:.2f}B"
           f" parameters)\n  {agreement(runs, ref32)}", flush=True)
     del hf
     gc.collect()

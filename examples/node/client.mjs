@@ -12,7 +12,7 @@ import { createClient, RESP_TYPES } from "redis";
 import { decode, encode } from "@msgpack/msgpack";
 
 const USAGE = 'usage: node client.mjs "prompt" [--max-tokens N] [--temperature T (0 = greedy)] ' +
-  "[--logprobs K] [--repetition-penalty R] [--logit-bias ID:BIAS ...] " +
+  "[--logprobs K] [--prompt-logprobs K] [--repetition-penalty R] [--logit-bias ID:BIAS ...] " +
   "[--redis-url URL] [--prefix P] [--timeout SECONDS]";
 const { values: opts, positionals } = parseArgs({
   allowPositionals: true,
@@ -22,6 +22,7 @@ const { values: opts, positionals } = parseArgs({
     "max-tokens": { type: "string", default: "128" },
     temperature: { type: "string", default: "0" },
     logprobs: { type: "string" },
+    "prompt-logprobs": { type: "string" },
     "repetition-penalty": { type: "string" },
     "logit-bias": { type: "string", multiple: true },
     timeout: { type: "string", default: "120" },
@@ -39,6 +40,8 @@ const body = {
 };
 // Each chunk then carries one {logprob, top_logprobs, token, top_tokens} per token id.
 if (opts.logprobs !== undefined) body.logprobs = Number(opts.logprobs);
+// The first chunk then carries one entry per prompt token: null, then {logprob, ...}.
+if (opts["prompt-logprobs"] !== undefined) body.prompt_logprobs = Number(opts["prompt-logprobs"]);
 if (opts["repetition-penalty"] !== undefined) body.repetition_penalty = Number(opts["repetition-penalty"]);
 if (opts["logit-bias"] !== undefined) {
   // Token ids are map keys written as strings, as in JSON.
@@ -48,6 +51,7 @@ if (opts["logit-bias"] !== undefined) {
   }));
 }
 const scored = []; // [token id, logprob entry] in order, printed after the text
+let promptScored = null; // the first chunk's prompt_logprobs, if asked for
 
 const client = await createClient({ url: opts["redis-url"] }).connect();
 // Reply bodies are binary msgpack: read bulk strings as Buffers, not as UTF-8 text.
@@ -66,6 +70,7 @@ process.on("SIGINT", async () => {
 
 const final = await readReplies(`${opts.prefix}:out:{${rid}}`);
 process.stdout.write("\n");
+if (promptScored !== null) process.stdout.write(JSON.stringify({ prompt_logprobs: promptScored }) + "\n");
 for (const [tokenId, entry] of scored) {
   process.stdout.write(JSON.stringify({ token_id: tokenId, ...entry }) + "\n");
 }
@@ -94,6 +99,7 @@ async function readReplies(key) {
       if (chunk.seq < nextSeq) continue; // delivery is at-least-once: skip duplicates
       nextSeq = chunk.seq + 1;
       process.stdout.write(chunk.text);
+      promptScored ??= chunk.prompt_logprobs ?? null;
       (chunk.logprobs ?? []).forEach((entry, i) => scored.push([chunk.token_ids[i], entry]));
       if (chunk.finish_reason !== null) return chunk;
     }

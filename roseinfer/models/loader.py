@@ -50,11 +50,36 @@ def _random_llama3(layers: int, hidden: int, intermediate: int, heads: int, tied
     return config
 
 
+def _random_family(name: str, **shape):
+    """transformers' ``{name}Config`` (Qwen2, Qwen3, Mistral, Phi3) at a real shape."""
+    def config():
+        import transformers
+        return getattr(transformers, f"{name}Config")(max_position_embeddings=32768,
+                                                      **shape), None
+    return config
+
+
 # Random-weight models have the real shapes: speed is the same as trained weights. They
 # are made on the target device in the target dtype (an 8B shape in seconds, not minutes).
 RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
           "llama3-1b-random": _random_llama3(16, 2048, 8192, 32, tied=True),
-          "llama3-8b-random": _random_llama3(32, 4096, 14336, 32, tied=False)}
+          "llama3-8b-random": _random_llama3(32, 4096, 14336, 32, tied=False),
+          "qwen2.5-1.5b-random": _random_family(
+              "Qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+              num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+              tie_word_embeddings=True, rope_theta=1e6),
+          "qwen3-1.7b-random": _random_family(
+              "Qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+              num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+              tie_word_embeddings=True, rope_theta=1e6),
+          "mistral-7b-random": _random_family(
+              "Mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+              sliding_window=None, rope_theta=1e6),
+          "phi3-mini-random": _random_family(
+              "Phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+              pad_token_id=0, rope_theta=10000.0)}
 ALIASES = {"SmolLM2-135M-Instruct": _smollm2_gguf, "smollm2": _smollm2_gguf}
 
 

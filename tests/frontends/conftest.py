@@ -71,6 +71,7 @@ class FakeOutput:
     finished: bool
     finish_reason: object
     new_logprobs: object = None
+    prompt_logprobs: object = None
 
 
 @dataclass

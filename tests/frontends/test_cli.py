@@ -46,6 +46,7 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, tiny_llm, expected, redis_se
         whole = subprocess.run(roseinfer(*submit, "--no-stream"), capture_output=True, text=True, timeout=60)
         bad = subprocess.run(roseinfer(*submit, "--top-p", "2"), capture_output=True, text=True, timeout=60)
         scored = subprocess.run(roseinfer(*submit, "--no-stream", "--logprobs", "2",
+                                          "--prompt-logprobs", "1",
                                           "--repetition-penalty", "1.3", "--logit-bias", "13:2"),
                                 capture_output=True, text=True, timeout=60)
         status = subprocess.run(roseinfer("status", "--redis-url", redis_server.url, "--prefix", prefix,
@@ -58,9 +59,14 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, tiny_llm, expected, redis_se
                                     f"{len(expected.token_ids)} generated tokens]\n")
     assert bad.returncode == 1 and "error (bad_request): top_p: must be in (0, 1]" in bad.stderr
     (ref,) = tiny_llm.generate([PROMPT], SamplingParams(
-        max_tokens=10, temperature=0, logprobs=2, repetition_penalty=1.3, logit_bias={13: 2.0}))
-    text, *lines = scored.stdout.split("\n")[:-1]
+        max_tokens=10, temperature=0, logprobs=2, prompt_logprobs=1, repetition_penalty=1.3,
+        logit_bias={13: 2.0}))
+    text, prompt_line, *lines = scored.stdout.split("\n")[:-1]
     assert text == ref.text and len(lines) == len(ref.token_ids)
+    prompt_scored = json.loads(prompt_line)["prompt_logprobs"]
+    assert prompt_scored[0] is None and len(prompt_scored) == len(ref.prompt_logprobs)
+    assert all(abs(got["logprob"] - want.logprob) < 1e-5 and len(got["top_logprobs"]) == 1
+               for got, want in zip(prompt_scored[1:], ref.prompt_logprobs[1:]))
     for line, token, lp in zip(lines, ref.token_ids, ref.logprobs):
         got = json.loads(line)
         assert got["token_id"] == token and abs(got["logprob"] - lp.logprob) < 1e-5

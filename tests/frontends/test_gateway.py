@@ -139,6 +139,33 @@ def test_logprobs_penalties_and_bias_through_the_gateway(chat_llm, start_worker,
     assert e.value.body["param"] == "frequency_penalty"
 
 
+def test_prompt_logprobs_through_the_gateway(chat_llm, start_worker, gateway):
+    """vLLM's prompt_logprobs extension, whole and streamed: per prompt token None
+    first, then {id: {logprob, decoded_token}} for the token and its alternatives."""
+    tok = chat_llm.engine.tokenizer
+    prompt = "The capital of France is"
+    ref = chat_llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0,
+                                                     prompt_logprobs=1))[0]
+    start_worker(chat_llm.engine)
+    api = client(gateway())
+    done = api.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 1})
+    parts = list(api.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                        temperature=0, stream=True,
+                                        extra_body={"prompt_logprobs": 1}))
+    whole = done.choices[0].model_extra["prompt_logprobs"]
+    streamed = parts[0].choices[0].model_extra["prompt_logprobs"]
+    assert whole == streamed and whole[0] is None and len(whole) == len(ref.prompt_logprobs)
+    for got, want in zip(whole[1:], ref.prompt_logprobs[1:]):
+        entry = got[str(want.token_id)]
+        assert abs(entry["logprob"] - want.logprob) < 1e-5
+        assert entry["decoded_token"] == tok.decode([want.token_id])
+        assert all(str(t) in got for t, _ in want.top)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model="tiny", prompt=prompt, extra_body={"prompt_logprobs": 21})
+    assert e.value.body["param"] == "prompt_logprobs"
+
+
 def test_errors_are_shaped_as_openais(chat_llm, start_worker, gateway):
     start_worker(chat_llm.engine)
     api = client(gateway())

@@ -29,6 +29,8 @@ def test_node_client_streams_the_greedy_text(tiny_llm, start_worker, redis_serve
     refused = node_client(redis_server, prefix, "word " * 300)
     scored = node_client(redis_server, prefix, "The capital of France is", "--max-tokens", "6",
                          "--logprobs", "2", "--repetition-penalty", "1.3", "--logit-bias", "13:2")
+    prompt_scored = node_client(redis_server, prefix, "The capital of France is",
+                                "--max-tokens", "2", "--prompt-logprobs", "1")
     worker.stop()
     (ref,) = tiny_llm.generate(["The capital of France is"], SamplingParams(
         max_tokens=6, temperature=0, logprobs=2, repetition_penalty=1.3, logit_bias={13: 2.0}))
@@ -39,6 +41,14 @@ def test_node_client_streams_the_greedy_text(tiny_llm, start_worker, redis_serve
         got = json.loads(line)
         assert got["token_id"] == token and abs(got["logprob"] - lp.logprob) < 1e-5
         assert [t for t, _ in got["top_logprobs"]] == [t for t, _ in lp.top]
+    (ref,) = tiny_llm.generate(["The capital of France is"], SamplingParams(
+        max_tokens=2, temperature=0, prompt_logprobs=1))
+    assert prompt_scored.returncode == 0, prompt_scored.stderr
+    entries = json.loads(prompt_scored.stdout.split("\n")[1])["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ref.prompt_logprobs) == 5
+    for got, want in zip(entries[1:], ref.prompt_logprobs[1:]):
+        assert abs(got["logprob"] - want.logprob) < 1e-5
+        assert [t for t, _ in got["top_logprobs"]] == [t for t, _ in want.top]
     (expected,) = tiny_llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0))
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected.text + "\n"

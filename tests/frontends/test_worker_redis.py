@@ -82,6 +82,36 @@ def test_logprobs_and_penalties_through_redis(tiny_llm, start_worker, redis_serv
             assert [t for t, _ in got["top_logprobs"]] == [t for t, _ in want.top]
 
 
+def test_prompt_logprobs_through_redis(tiny_llm, start_worker, redis_server, prefix):
+    """The first chunk carries one entry per prompt token (nil first), equal to the
+    engine's own; asked for from Python and as a redis-cli string field."""
+    worker = start_worker(tiny_llm.engine)
+    prompt = "Once upon a time there was"
+    with Client(redis_server.url, prefix) as client:
+        result = client.generate(prompt, timeout=30, max_tokens=4, temperature=0,
+                                 prompt_logprobs=2, stream_interval=2)
+        plain = client.generate(prompt, timeout=30, max_tokens=4, temperature=0)
+        fields = {"prompt": prompt, "max_tokens": "4", "temperature": "0",
+                  "prompt_logprobs": "0"}
+        rid = client.redis.xadd(Keys(prefix).requests, fields).decode()
+        shell = [c.prompt_logprobs for c in client.stream(rid, timeout=30)]
+    worker.stop()  # the reference below uses the same engine
+    (ref,) = tiny_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
+                                                        prompt_logprobs=2))
+    assert plain.prompt_logprobs is None
+    assert all(c is None for c in shell[1:])  # the first chunk only
+    shell = shell[0]
+    assert result.prompt_logprobs[0] is None and shell[0] is None
+    assert len(result.prompt_logprobs) == len(ref.prompt_logprobs) == len(shell)
+    tok = tiny_llm.tokenizer
+    for got, short, want in zip(result.prompt_logprobs[1:], shell[1:],
+                                ref.prompt_logprobs[1:]):
+        assert abs(got["logprob"] - want.logprob) < 1e-5
+        assert abs(short["logprob"] - want.logprob) < 1e-5 and short["top_logprobs"] == []
+        assert [t for t, _ in got["top_logprobs"]] == [t for t, _ in want.top]
+        assert got["token"] == tok.decode([want.token_id])
+
+
 def test_cancel_mid_generation_aborts_and_frees_the_slot(tiny_llm, start_worker, real_redis, prefix, redis_server):
     start_worker(tiny_llm.engine)
     client = Client(redis_server.url, prefix)

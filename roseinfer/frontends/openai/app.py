@@ -154,7 +154,7 @@ class Gateway:
                 if chunk.text or opening or chunk.finished or call.continuous_usage \
                         or chunk.logprobs:
                     obj = mapping.piece(call, head, chunk.text, chunk.finish_reason, opening,
-                                        chunk.logprobs, sent)
+                                        chunk.logprobs, sent, chunk.prompt_logprobs)
                     sent += len(chunk.text)
                     if call.continuous_usage:  # prompt tokens are known at the end only
                         obj["usage"] = mapping.usage(chunk.usage or {"completion_tokens": made})
@@ -182,7 +182,7 @@ class Gateway:
                 entries += chunk.logprobs or []
                 last = chunk
             return mapping.whole(call, rid, self.config.model_name, "".join(parts),
-                                 last.finish_reason, last.usage, entries)
+                                 last.finish_reason, last.usage, entries, first.prompt_logprobs)
 
         task = asyncio.create_task(collect())
         while not task.done():

@@ -76,7 +76,8 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
               # Extensions that vLLM's server takes too: not in OpenAI's API.
               "top_k": body.get("top_k"), "min_p": body.get("min_p"),
               "ignore_eos": body.get("ignore_eos"),
-              "repetition_penalty": body.get("repetition_penalty")}
+              "repetition_penalty": body.get("repetition_penalty"),
+              "prompt_logprobs": body.get("prompt_logprobs")}
     optional_number = lambda v: v is None or is_number(v)  # noqa: E731
     for name, ok in (("max_tokens", is_int), ("temperature", is_number), ("top_p", is_number),
                      ("frequency_penalty", optional_number),
@@ -84,6 +85,7 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
                      ("repetition_penalty", optional_number),
                      ("logit_bias", lambda v: v is None or isinstance(v, dict)),
                      ("top_k", lambda v: v is None or is_int(v)),
+                     ("prompt_logprobs", lambda v: v is None or is_int(v)),
                      ("min_p", lambda v: v is None or is_number(v)),
                      ("ignore_eos", lambda v: v is None or isinstance(v, bool)),
                      ("seed", lambda v: v is None or is_int(v)),
@@ -214,6 +216,17 @@ def logprobs(call: Call, entries: Optional[list[dict]], offset: int = 0) -> Opti
             "text_offset": offsets}
 
 
+def prompt_logprobs(entries: list[Optional[dict]]) -> list[Optional[dict]]:
+    """Protocol-v1 prompt entries in vLLM's shape: per prompt token None (the first)
+    or {token id: {"logprob", "decoded_token"}} for the token and its alternatives."""
+    def one(e):
+        texts = [e.get("token"), *(e.get("top_tokens") or [None] * len(e["top_logprobs"]))]
+        pairs = [(e["token_id"], e["logprob"]), *e["top_logprobs"]]
+        return {str(t): {"logprob": lp, "decoded_token": text}
+                for (t, lp), text in zip(pairs, texts)}
+    return [None if e is None else one(e) for e in entries]
+
+
 def _top(entry: dict):
     """(text, (id, logprob)) of an entry's alternatives; ids stand in without a tokenizer."""
     texts = entry.get("top_tokens") or [str(t) for t, _ in entry["top_logprobs"]]
@@ -221,8 +234,10 @@ def _top(entry: dict):
 
 
 def whole(call: Call, rid: str, model: str, text: str, reason: str, u: dict,
-          entries: Optional[list[dict]] = None) -> dict:
+          entries: Optional[list[dict]] = None, prompt_entries: Optional[list] = None) -> dict:
     choice = {"index": 0, "logprobs": logprobs(call, entries), "finish_reason": finish(reason)}
+    if prompt_entries is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(prompt_entries)
     if call.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -231,10 +246,13 @@ def whole(call: Call, rid: str, model: str, text: str, reason: str, u: dict,
 
 
 def piece(call: Call, head: dict, text: Optional[str], reason: Optional[str],
-          first: bool = False, entries: Optional[list[dict]] = None, offset: int = 0) -> dict:
+          first: bool = False, entries: Optional[list[dict]] = None, offset: int = 0,
+          prompt_entries: Optional[list] = None) -> dict:
     """One streamed chunk; text None means no content in it."""
     choice = {"index": 0, "logprobs": logprobs(call, entries, offset),
               "finish_reason": finish(reason)}
+    if prompt_entries is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(prompt_entries)
     if call.chat:
         delta = {"role": "assistant", "content": ""} if first else {}
         if text:

@@ -33,6 +33,7 @@ class Result:
     finish_reason: str
     usage: dict
     logprobs: Optional[list[dict]] = None   # one per id, if asked for (protocol Chunk)
+    prompt_logprobs: Optional[list[Optional[dict]]] = None  # one per prompt token, if asked
 
 
 class RequestFailed(Exception):
@@ -169,15 +170,16 @@ def _unwrap(item) -> list[Chunk]:
 
 
 def _result(rid: str, chunks: Iterable[Chunk]) -> Result:
-    text, ids, logprobs = [], [], None
+    text, ids, logprobs, prompt_logprobs = [], [], None, None
     for c in chunks:
         text.append(c.text)
         ids += c.token_ids
         if c.logprobs is not None:
             logprobs = (logprobs or []) + c.logprobs
+        prompt_logprobs = prompt_logprobs or c.prompt_logprobs
     if c.error is not None:
         raise RequestFailed(rid, c.error["code"], c.error["message"])
-    return Result(rid, "".join(text), ids, c.finish_reason, c.usage, logprobs)
+    return Result(rid, "".join(text), ids, c.finish_reason, c.usage, logprobs, prompt_logprobs)
 
 
 class Client:

@@ -88,6 +88,9 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     submit.add_argument("--logprobs", type=int, default=None, metavar="K",
                         help="after the text, one JSON line per token: its log probability "
                              "and the K most likely alternatives (0-20)")
+    submit.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                        help="after the text, a JSON line with each prompt token's log "
+                             "probability and the K most likely alternatives (0-20)")
     submit.add_argument("--repetition-penalty", type=float, default=None, help="1 = off")
     submit.add_argument("--frequency-penalty", type=float, default=None, help="0 = off")
     submit.add_argument("--presence-penalty", type=float, default=None, help="0 = off")
@@ -255,7 +258,7 @@ def _bias_pair(text: str) -> tuple[int, float]:
 def submit_command(args: argparse.Namespace) -> int:
     params = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                                              "seed", "stop", "ignore_eos", "stream_interval",
-                                             "logprobs", "repetition_penalty",
+                                             "logprobs", "prompt_logprobs", "repetition_penalty",
                                              "frequency_penalty", "presence_penalty")}
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     client = Client(prefix=args.prefix, redis_client=_connect(args.redis_url))
@@ -277,6 +280,8 @@ def submit_command(args: argparse.Namespace) -> int:
         print(f"error ({final.error['code']}): {final.error['message']}", file=sys.stderr)
         return 1
     print("" if args.stream else "".join(c.text for c in chunks))
+    if chunks[0].prompt_logprobs is not None:
+        print(json.dumps({"prompt_logprobs": chunks[0].prompt_logprobs}))
     for c in chunks:
         for token, lp in zip(c.token_ids, c.logprobs or []):
             print(json.dumps({"token_id": token, **lp}))

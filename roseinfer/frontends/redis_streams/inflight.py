@@ -47,6 +47,9 @@ class InFlight:
             return None
         chunk = Chunk(self.rid, self.seq, self.held_ids, self.held_text,
                       logprobs=self.held_logprobs)
+        if self.seq == 0 and out.prompt_logprobs is not None:
+            chunk.prompt_logprobs = [None] + [{"token_id": lp.token_id, **_logprob_map(lp)}
+                                              for lp in out.prompt_logprobs[1:]]
         self.seq, self.held_ids, self.held_text = self.seq + 1, [], ""
         self.held_logprobs = None
         if out.finished:

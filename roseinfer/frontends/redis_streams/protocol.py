@@ -19,8 +19,8 @@ DEFAULT_PREFIX = "roseinfer"
 DEFAULT_GROUP = "workers"
 RID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                 "stop", "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty",
-                 "frequency_penalty", "presence_penalty", "logit_bias")
+                 "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs",
+                 "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
 PARAM_KEYS = SAMPLING_KEYS + ("stream_interval", "raw")
 ROLES = ("system", "user", "assistant")
 
@@ -104,6 +104,9 @@ class Chunk:
     # "top_logprobs": [[id, logprob], ...]} (most likely first), plus "token" and
     # "top_tokens" (each id's text alone) when the worker's model has a tokenizer.
     logprobs: Optional[list[dict]] = None
+    # Requests that asked, first chunk only: one entry per prompt token, nil for
+    # the first, then a map as in ``logprobs``.
+    prompt_logprobs: Optional[list[Optional[dict]]] = None
 
     @property
     def finished(self) -> bool:
@@ -290,7 +293,7 @@ _SHELL_PARSERS = {
     "prompt": str, "prompt_token_ids": _ids, "max_tokens": int, "temperature": float,
     "top_p": float, "top_k": int, "min_p": float, "seed": int, "stop": lambda s: [s],
     "stop_token_ids": _ids, "ignore_eos": _bool, "stream_interval": int, "raw": _bool,
-    "logprobs": int, "repetition_penalty": float, "frequency_penalty": float,
+    "logprobs": int, "prompt_logprobs": int, "repetition_penalty": float, "frequency_penalty": float,
     "presence_penalty": float, "logit_bias": _bias,
 }
 _SHELL_KINDS = {int: "an integer", float: "a number", _ids: "integers separated by commas",
@@ -335,6 +338,8 @@ def chunk_body(chunk: Chunk) -> bytes:
         body["usage"] = chunk.usage
     if chunk.logprobs is not None:
         body["logprobs"] = chunk.logprobs
+    if chunk.prompt_logprobs is not None:
+        body["prompt_logprobs"] = chunk.prompt_logprobs
     if chunk.error is not None:
         body["error"] = chunk.error
     return msgpack.packb(body)
@@ -344,7 +349,7 @@ def decode_chunk(fields: dict) -> Chunk:
     body = msgpack.unpackb(fields[b"body"], raw=False)
     return Chunk(body["rid"], body["seq"], body["token_ids"], body["text"],
                  body["finish_reason"], body.get("usage"), body.get("error"),
-                 body.get("logprobs"))
+                 body.get("logprobs"), body.get("prompt_logprobs"))
 
 
 def error_chunk(rid: str, code: str, message: str, seq: int = 0,
