@@ -126,13 +126,14 @@ def test_long_decode(request, backend_name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("heads", [(6, 2), (9, 3), (4, 4), (16, 2)], ids=["h6kv2", "h9kv3", "h4kv4", "h16kv2"])
 @pytest.mark.parametrize("seqs", [BATCHES["decode"], LONG_DECODE], ids=["short", "long"])
-def test_decode_on_tensor_cores(request, monkeypatch, seqs, heads, dtype):
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_decode_on_tensor_cores(request, monkeypatch, seqs, heads, dtype, head_dim):
     """triton_paged's other decode tile (tensor-core dots over the padded group)."""
     triton_paged = pytest.importorskip("roseinfer.plugins.attention.triton_paged")
     monkeypatch.setattr(triton_paged, "DECODE_TUNING", {})
     monkeypatch.setitem(triton_paged.TUNING, "decode", {
         "block_n": 32, "num_warps": 4, "num_stages": 3, "dot": True, "programs_per_sm": 8})
-    check(request, "triton_paged", seqs, *heads, 64, 16, dtype)
+    check(request, "triton_paged", seqs, *heads, head_dim, 16, dtype)
 
 
 def test_long_decode_is_split():

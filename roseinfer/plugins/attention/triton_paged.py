@@ -39,6 +39,7 @@ TUNING = {"decode": {"block_n": 16, "num_warps": 1, "num_stages": 2, "dot": Fals
 _TC = {"block_n": 64, "num_warps": 4, "num_stages": 2, "dot": True, "programs_per_sm": 4}
 DECODE_TUNING: dict[tuple[int, int], dict] = {
     (64, 4): _TC, (64, 8): _TC, (128, 4): _TC, (128, 8): dict(_TC, num_stages=3),
+    (128, 6): _TC,  # Qwen2.5-1.5B: 1.2-1.3x its decode (docs/kernels.md)
 }
 MIN_SPLIT_LEN = 64     # context bound per split below which splitting only adds merging
 MAX_SPLITS = 16
