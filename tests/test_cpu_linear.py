@@ -1,4 +1,6 @@
 """CpuLinear: both CPU float32 kernels against F.linear, and the choice between them."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,3 +73,27 @@ def test_choose_cpu_linears_swaps_every_linear_and_keeps_outputs():
     assert all(not isinstance(m, nn.Linear) for m in model)
     assert model[2].kernels == model[3].kernels  # one choice per weight shape
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_timings_are_cached_per_machine_and_shape(tmp_path, monkeypatch):
+    """A second load reads the timings instead of measuring; a damaged file is
+    measured again and rewritten."""
+    from roseinfer.models import cpu_linear
+
+    cache = tmp_path / "timings.json"
+    make = lambda: nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))  # noqa: E731
+    first = make()
+    choose_cpu_linears(first, str(cache))
+    assert len(json.loads(cache.read_text())) == 2  # one entry per weight shape
+
+    def no_timing(weights):
+        raise AssertionError("timed again despite the cache")
+    monkeypatch.setattr(cpu_linear, "_time_kernels", no_timing)
+    second = make()
+    choose_cpu_linears(second, str(cache))
+    assert [m.kernels for m in second] == [m.kernels for m in first]
+
+    cache.write_text("{not json")
+    monkeypatch.undo()
+    choose_cpu_linears(make(), str(cache))
+    assert len(json.loads(cache.read_text())) == 2

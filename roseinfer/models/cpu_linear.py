@@ -13,7 +13,10 @@ packed 1.2-1.9x faster on the LM head from 4 rows up.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import platform
 import time
 from collections import defaultdict
 
@@ -58,16 +61,23 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, ROWS[-1])
 
 
-def choose_cpu_linears(model: nn.Module) -> None:
+def choose_cpu_linears(model: nn.Module, cache: str | None = None) -> None:
     """Swap every nn.Linear (the LM head's too) for a CpuLinear, timing both
-    kernels on each weight shape first (about 1 s of a 135M model's load on 2 cores)."""
+    kernels on each weight shape first (about 1 s of a 135M model's load on 2
+    cores). ``cache``: a JSON file of earlier timings on this machine, read and
+    updated, so that later loads skip the timing."""
     linears = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     by_shape = defaultdict(list)
     for entry in linears:
         by_shape[tuple(entry[2].weight.shape)].append(entry)
+    known = _read_timings(cache)
     for shape, entries in by_shape.items():
-        kernels = _choose(_time_kernels([e[2].weight.detach() for e in entries]))
+        key = _timing_key(shape)
+        if key not in known:
+            known[key] = _time_kernels([e[2].weight.detach() for e in entries])
+            _write_timings(cache, known)
+        kernels = _choose(known[key])
         log.info("CPU linear %s x %d: %s under %d rows, %s from there", shape, len(entries),
                  kernels[0], SMALL_BELOW, kernels[1])
         for parent, name, child in entries:
@@ -88,6 +98,47 @@ def _time_kernels(weights: list[torch.Tensor]) -> dict[str, dict[int, float]]:
             run()  # first calls create oneDNN primitives
             times[kernel][rows] = min(_timed(run) for _ in range(2)) / len(ws)
     return times
+
+
+def _timing_key(shape: tuple[int, int]) -> str:
+    """Timings hold for one CPU model, thread count and torch build."""
+    return (f"{_cpu_model()}|{torch.get_num_threads()} threads|torch {torch.__version__}|"
+            f"{shape[0]}x{shape[1]}")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _read_timings(path: str | None) -> dict:
+    """{key: {kernel: {rows: seconds}}}; an unreadable file counts as empty."""
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            found = json.load(f)
+        return {key: {k: {int(r): float(s) for r, s in t[k].items()} for k in KERNELS}
+                for key, t in found.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _write_timings(path: str | None, timings: dict) -> None:
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(timings, f, indent=1)
+        os.replace(tmp, path)  # atomic: a concurrent load reads the old file or this one
+    except OSError as e:  # a read-only home: time again next load
+        log.info("cannot cache CPU linear timings in %s: %s", path, e)
 
 
 def _runner(kernel, x, weights):

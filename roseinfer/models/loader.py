@@ -102,7 +102,7 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
     model.bind_head()
     if torch.device(device).type == "cpu" and dtype == torch.float32 and \
             torch.backends.mkldnn.is_available():
-        choose_cpu_linears(model)
+        choose_cpu_linears(model, os.path.join(CACHE_DIR, "cpu_linear_timings.json"))
     return model.eval().requires_grad_(False), hf_config, tok
 
 
