@@ -39,3 +39,27 @@ def test_cli_generate_prints_answer(capsys):
     assert main(["generate", "What is the capital of France?", "--max-tokens", "30",
                  "--device", "cpu", "--num-kv-blocks", "128"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_loads_without_transformers_model_modules(llm):
+    """The converted copy keeps its whole config, which loads as a plain
+    PretrainedConfig with AutoConfig's values: neither LlamaConfig's module nor
+    torch._dynamo (seconds of imports) is loaded for the default model."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    from roseinfer.models.loader import ALIASES, _config, _converted_gguf
+
+    path = _converted_gguf(ALIASES["SmolLM2-135M-Instruct"]())
+    plain, auto = _config(path), AutoConfig.from_pretrained(path).to_dict()
+    auto.pop("use_cache")  # generation's, not the model's
+    fields = {**plain.to_dict(), "model_type": plain.model_type}  # to_dict takes the class's
+    assert {k: fields.get(k, "missing") for k in auto} == auto
+    code = ("import sys; from roseinfer import LLM; LLM('SmolLM2-135M-Instruct', "
+            "num_kv_blocks=64); print([m for m in ('transformers.models.llama."
+            "configuration_llama', 'torch._dynamo') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]

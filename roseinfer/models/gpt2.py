@@ -7,7 +7,7 @@ from torch import nn
 
 from roseinfer.models.fused import add_layer_norm
 from roseinfer.models.cpu_linear import CpuLinear
-from roseinfer.models.layers import LogitsHead, PagedAttention
+from roseinfer.models.layers import LogitsHead, PagedAttention, embedding
 
 
 def layer_norm(ln: nn.LayerNorm, x, residual):
@@ -54,8 +54,8 @@ class GPT2Block(nn.Module):
 class GPT2ForCausalLM(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.wte = embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.head = LogitsHead(cfg.vocab_size)

@@ -9,6 +9,12 @@ from roseinfer.core.attention import get_context
 from roseinfer.models.fused import apply_rope, rope_rows, rotate_qk_
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """An uninitialized nn.Embedding: the loader fills every weight. Its default
+    normal_ init on the meta device would import torch._dynamo (2.3 s on 2 cores)."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class PagedAttention(nn.Module):
     """Appends this step's K/V to the paged cache, then attends through it."""
 

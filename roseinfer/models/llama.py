@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from roseinfer.models.fused import add_rms_norm, silu_and_mul
-from roseinfer.models.layers import LogitsHead, PagedAttention, RotaryEmbedding
+from roseinfer.models.layers import LogitsHead, PagedAttention, RotaryEmbedding, embedding
 
 
 def rope_params(cfg) -> tuple[torch.Tensor, float]:
@@ -78,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         inv_freq, scaling = rope_params(cfg)
         rotary = RotaryEmbedding(inv_freq, cfg.max_position_embeddings, scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))

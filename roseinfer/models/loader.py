@@ -6,6 +6,7 @@ a hub id, or an alias from ``ALIASES``.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 
@@ -18,6 +19,10 @@ from roseinfer.models.tokenizers import gpt2_tokenizer, package_dir
 
 log = logging.getLogger(__name__)
 CACHE_DIR = os.environ.get("ROSEINFER_CACHE", os.path.expanduser("~/.cache/roseinfer"))
+# A converted model's whole config (not config.json's diff from the defaults): it loads
+# as a plain PretrainedConfig, without the import chain of transformers' LlamaConfig
+# module (2.5-3.6 s on 2 cores, docs/benchmarks.md).
+FULL_CONFIG = "roseinfer_config.json"
 
 
 def _smollm2_gguf() -> str:
@@ -166,7 +171,6 @@ def hf_model(spec, seed: int = 0):
 
 def _from_dir(path):
     from safetensors.torch import load_file
-    from transformers import AutoConfig
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -175,7 +179,8 @@ def _from_dir(path):
     state = {}
     for f in files:
         state.update(load_file(f))
-    return AutoConfig.from_pretrained(path), state, _load_tokenizer(path)
+    config = _config(path)
+    return config, state, _load_tokenizer(path, config)
 
 
 def _from_hub(spec):
@@ -193,14 +198,16 @@ def _from_hub(spec):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def _load_tokenizer(path):
+def _load_tokenizer(path, config=None):
+    """``config``: the model's, already loaded (AutoTokenizer would load it again,
+    through AutoConfig)."""
     from transformers import AutoTokenizer
 
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
                                        for f in TOKENIZER_FILES):
         return None  # transformers would build an empty tokenizer instead of failing
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, config=config)
     except (OSError, ValueError) as e:
         log.warning("no tokenizer at %s (%s); prompts must be token ids", path, e)
         return None
@@ -212,6 +219,9 @@ def _converted_gguf(gguf_path: str) -> str:
     stamp = f"{os.path.getsize(gguf_path)}-{int(os.path.getmtime(gguf_path))}"
     out = os.path.join(CACHE_DIR, f"{name}-{stamp}")
     if os.path.exists(os.path.join(out, "config.json")):
+        if not os.path.exists(os.path.join(out, FULL_CONFIG)):  # converted by an older version
+            from transformers import AutoConfig
+            _write_full_config(AutoConfig.from_pretrained(out), out)
         return out
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -228,6 +238,26 @@ def _converted_gguf(gguf_path: str) -> str:
                if not (tied and k == "lm_head.weight")},
               os.path.join(tmp, "model.safetensors"))
     model.config.save_pretrained(tmp)
+    _write_full_config(model.config, tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, out)
     return out
+
+
+def _write_full_config(config, folder: str) -> None:
+    tmp = os.path.join(folder, f"{FULL_CONFIG}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(config.to_dict(), f, indent=1)
+    os.replace(tmp, os.path.join(folder, FULL_CONFIG))
+
+
+def _config(path: str):
+    """The directory's transformers config: its whole config if roseinfer kept one
+    (converted models), else AutoConfig's."""
+    full = os.path.join(path, FULL_CONFIG)
+    if os.path.exists(full):
+        from transformers.configuration_utils import PretrainedConfig
+        with open(full) as f:
+            return PretrainedConfig(**json.load(f))
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
