@@ -10,8 +10,9 @@ def tiny_gpt2(vocab=512, **overrides):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=256, vocab_size=vocab,
-                     initializer_range=0.2, bos_token_id=0, eos_token_id=1, **overrides)
+    cfg = GPT2Config(**{**dict(n_layer=2, n_embd=64, n_head=4, n_positions=256, vocab_size=vocab,
+                               initializer_range=0.2, bos_token_id=0, eos_token_id=1),
+                        **overrides})
     return GPT2LMHeadModel(cfg).eval()
 
 

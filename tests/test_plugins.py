@@ -42,6 +42,7 @@ def test_builtins_are_registered_by_name():
     assert {"slots", "arrays"} <= set(reg.names("metadata"))
     assert "torch_sdpa" in reg.names("attention")
     assert {"gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3"} <= set(reg.names("model"))
+    assert "xgrammar" in reg.names("logits_processor")
 
 
 def test_outside_plugin_is_selected_and_called(gpt2_model):

@@ -47,6 +47,9 @@ class EngineConfig:
     # 128-token chunk made a GPT-2 step 4x a decode step (docs/benchmarks.md,
     # "Decoding while maximum-size prompts arrive").
     max_mixed_prefill_tokens: Optional[int] = None
+    # The logits processor (a plugin name) that enforces a request's
+    # response_format: JSON schema, any JSON object, or a regex.
+    structured_output: str = "xgrammar"
     seed: Optional[int] = None
 
     def __post_init__(self):

@@ -16,6 +16,7 @@ from roseinfer.core.errors import ConfigError, InvalidRequestError
 from roseinfer.core.kv_cache import KVCache
 from roseinfer.core.outputs import RequestOutput
 from roseinfer.core.plugins import PluginRegistry, default_registry
+from roseinfer.core.processors import ProcessorContext, Processors, accept
 from roseinfer.core.request import Sequence, Status
 from roseinfer.core.runner import ModelRunner
 from roseinfer.core.sampling import SamplingParams
@@ -73,6 +74,11 @@ class Engine:
                                   config.max_num_batched_tokens if mixed_tokens is None
                                   else mixed_tokens)
         self.blocks.on_free_seq = self.runner.rows.release
+        plugins.get("logits_processor", config.structured_output)  # fail early, listing names
+        self.processors = Processors(plugins, ProcessorContext(
+            self.tokenizer, self.model.head.vocab_size, frozenset(self.eos_ids), self.device),
+            config.structured_output)
+        self.num_constrained = 0  # unfinished requests with logits processors
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._in_flight = None
@@ -132,6 +138,10 @@ class Engine:
             gen = torch.Generator(self.device).manual_seed(params.seed)
         max_len = min(self.max_model_len, len(ids) + params.max_tokens)
         seq = Sequence(request_id, ids, params, max_len, time.monotonic(), gen)
+        if params.constrained:
+            seq.constraints = self.processors.start(params, ids)
+            accept(seq, emitted)
+            self.num_constrained += 1
         seq.token_ids += emitted
         seq.num_emitted = len(emitted)
         if self.tokenizer is not None:
@@ -188,10 +198,13 @@ class Engine:
         """
         outputs = [self._output(seq, []) for seq in self._aborted]
         for seq in self._aborted:
-            self.seqs.pop(seq.request_id, None)
+            self._forget(seq)
         self._aborted.clear()
-        batch = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
+        if previous is not None and self.num_constrained:  # core/processors.py says why
+            outputs += self._collect(previous)
+            previous = None
+        batch = self.scheduler.schedule()
         if batch.seqs:
             self._in_flight = self.runner.launch(batch)
             for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -241,16 +254,22 @@ class Engine:
                 tokens, reason = tokens[:taken], "stop"
         seq.token_ids += tokens
         seq.finish_reason = reason
+        if seq.constraints:
+            accept(seq, tokens)
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         if self.blocks.prefix_cache:
             self.blocks.commit(seq)
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
-            del self.seqs[seq.request_id]
+            self._forget(seq)
         new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted:]
         seq.num_emitted += len(new_ids)
         return self._output(seq, new_ids)
+
+    def _forget(self, seq: Sequence) -> None:
+        if self.seqs.pop(seq.request_id, None) is not None and seq.constraints:
+            self.num_constrained -= 1
 
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         final = seq.finish_reason is not None

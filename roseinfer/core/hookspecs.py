@@ -50,3 +50,20 @@ def roseinfer_register_model_architectures(register):
     through ``roseinfer.models.layers.PagedAttention``, whose layers size the
     KV cache (see ``roseinfer.models.llama``).
     """
+
+
+@hookspec
+def roseinfer_register_logits_processors(register):
+    """Register logits processors: ``register(name, factory)``. A request picks
+    them by name (``SamplingParams.logits_processors``: name -> args); the
+    config names the one behind ``response_format`` (``structured_output``).
+
+    ``factory(ctx)`` builds the processor, once per engine on first use;
+    ``ctx`` (``roseinfer.core.processors.ProcessorContext``) has the
+    tokenizer, vocabulary size, EOS ids and device. The processor has
+    ``start(args, prompt_ids) -> state`` (raise ``ValueError`` on bad args:
+    the request is refused with its message) and ``apply(logits, rows,
+    states)``, which changes rows ``rows`` of ``logits`` [R, V] in place,
+    ``states[i]`` being row ``rows[i]``'s; ``state.accept(token_ids)`` sees
+    every token its sequence takes (see ``roseinfer.core.processors``).
+    """

@@ -1,5 +1,6 @@
 """Work on the logits before sampling, for the requests that ask for it:
-logit bias, repetition / frequency / presence penalties, log probabilities.
+logit bias, repetition / frequency / presence penalties, logits processors
+(core/processors.py), log probabilities.
 
 Penalties count each sequence's tokens, the one of the step still in flight
 included, which the host has not seen yet: so the counts live on the
@@ -11,9 +12,12 @@ steps doing this work in turn. Steps without such requests are untouched.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from roseinfer.core import processors
 
 
 @dataclass(slots=True)
@@ -69,6 +73,7 @@ class BatchWork:
 
     def __init__(self, work: LogitsWork, seqs, rows: torch.Tensor):
         self.work, self.seqs = work, seqs
+        self.constrained = any(s.constraints for s in seqs)
         tensor = work._tensor
         pen = [i for i, s in enumerate(seqs) if s.params.penalized]
         self.pen = tensor(pen) if pen else None
@@ -91,10 +96,15 @@ class BatchWork:
             self.k = max(seqs[i].params.logprobs for i in self.want)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Bias and penalties on ``logits`` [R, V]; new logits, or ``logits``
-        itself when no row asks for either."""
-        if self.pen is None:
-            return logits
+        """Bias, penalties and logits processors on ``logits`` [R, V]: new logits,
+        or ``logits`` itself, changed in place by the processors if any."""
+        if self.pen is not None:
+            logits = self._penalize(logits)
+        if self.constrained:
+            processors.apply(logits, self.seqs)
+        return logits
+
+    def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()
         if self.bias is not None:
             index, values = self.bias
@@ -178,12 +188,13 @@ class PromptPlan:
 
 
 def to_host(found, seqs, tokens: list[int], tokenizer=None) -> dict[int, TokenLogprob]:
-    """``LogitsWork.logprobs`` output as TokenLogprob per sampling row."""
+    """``LogitsWork.logprobs`` output as TokenLogprob per sampling row. Ids a logits
+    processor ruled out (log probability -inf) are no alternatives: they are left out."""
     want, chosen, top_vals, top_ids = found
     chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
     out = {}
     for j, i in enumerate(want):
         k = seqs[i].params.logprobs
-        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j][:k], top_vals[j][:k])),
-                              tokenizer)
+        top = [(t, v) for t, v in zip(top_ids[j][:k], top_vals[j][:k]) if v != -math.inf]
+        out[i] = TokenLogprob(tokens[i], chosen[j], top, tokenizer)
     return out

@@ -18,6 +18,7 @@ BUILTIN_PLUGINS = (
     "roseinfer.plugins.attention.torch_sdpa",
     "roseinfer.plugins.attention.triton_paged",
     "roseinfer.plugins.models",
+    "roseinfer.plugins.structured_output",
 )
 
 KINDS = {
@@ -25,6 +26,7 @@ KINDS = {
     "metadata": "roseinfer_register_metadata_stores",
     "attention": "roseinfer_register_attention_backends",
     "model": "roseinfer_register_model_architectures",
+    "logits_processor": "roseinfer_register_logits_processors",
 }
 
 

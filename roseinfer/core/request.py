@@ -20,7 +20,8 @@ class Sequence:
     __slots__ = ("request_id", "params", "token_ids", "num_prompt_tokens", "num_computed",
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
                  "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
-                 "row", "synced", "sample_words", "logprobs", "prompt_logprobs")
+                 "row", "synced", "sample_words", "logprobs", "prompt_logprobs",
+                 "constraints")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
@@ -51,6 +52,8 @@ class Sequence:
         # it), then a TokenLogprob per token, filled in as its chunk is computed.
         self.prompt_logprobs: Optional[list] = \
             [None] if params.prompt_logprobs is not None else None
+        # (logits processor, its state for this sequence) pairs (core/processors.py).
+        self.constraints: list = []
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from roseinfer.core.errors import InvalidRequestError
 
@@ -36,11 +36,20 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # OpenAI's meanings: subtracted per occurrence
     presence_penalty: float = 0.0     # ... and once per token that occurred
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # The output's shape, enforced token by token: {"type": "json_schema",
+    # "json_schema": {"name": ..., "schema": {...}}} (OpenAI's form),
+    # {"type": "json_object"}, {"type": "regex", "pattern": "..."}, or
+    # {"type": "text"} (= None: free text).
+    response_format: Optional[dict] = None
+    # Logits-processor plugins by name, each with its arguments (core/processors.py).
+    logits_processors: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
+        if self.response_format == {"type": "text"}:
+            self.response_format = None
 
     def validate(self) -> None:
         def bad(name, why):
@@ -75,6 +84,10 @@ class SamplingParams:
             if not is_number(v) or not -2 <= v <= 2:
                 bad(name, f"must be in [-2, 2] (0 = off), got {v!r}")
         self._validate_bias()
+        _validate_format(self.response_format)
+        procs = self.logits_processors
+        if not (isinstance(procs, dict) and all(isinstance(k, str) and k for k in procs)):
+            bad("logits_processors", "must be a map of plugin names to their arguments")
 
     def _validate_bias(self) -> None:
         bias = self.logit_bias
@@ -94,13 +107,40 @@ class SamplingParams:
                 or self.presence_penalty != 0.0 or bool(self.logit_bias))
 
     @property
+    def constrained(self) -> bool:
+        """Whether logits processors work on its logits (core/processors.py)."""
+        return self.response_format is not None or bool(self.logits_processors)
+
+    @property
     def processed(self) -> bool:
         """Whether its steps go through core/logits.py (not inside a CUDA graph)."""
-        return self.penalized or self.logprobs is not None or self.prompt_logprobs is not None
+        return (self.penalized or self.constrained or self.logprobs is not None
+                or self.prompt_logprobs is not None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+FORMAT_TYPES = ("text", "json_object", "json_schema", "regex")
+
+
+def _validate_format(fmt) -> None:
+    """The shape of a response_format; whether its schema or pattern compiles is
+    the structured-output processor's to say."""
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in FORMAT_TYPES:
+        raise InvalidRequestError("response_format", "must be a map whose type is one of "
+                                  f"{', '.join(FORMAT_TYPES)}; got {str(fmt)[:60]!r}")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
+            raise InvalidRequestError("response_format", 'json_schema must be a map holding '
+                                      'the schema under "schema", as OpenAI\'s API has it')
+    if kind == "regex" and not (isinstance(fmt.get("pattern"), str) and fmt["pattern"]):
+        raise InvalidRequestError("response_format", "regex needs a non-empty pattern")
 
 
 def is_int(x) -> bool:

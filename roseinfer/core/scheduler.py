@@ -59,6 +59,8 @@ class Scheduler:
         the free blocks allow. A stop token mid-window wastes the rest of it."""
         if any(n != 1 for n in batch.num_tokens):
             return  # a prefill chunk: new sequences join between windows
+        if any(s.constraints for s in batch.seqs):
+            return  # each step's mask needs the previous step's token (core/processors.py)
         steps = min(self.decode_steps,
                     min(s.max_len - len(s.token_ids) - s.pending for s in batch.seqs))
         reserve = self.blocks.reserve

@@ -1,0 +1,84 @@
+"""Logits processors: plugins that change a request's logits before it samples.
+
+A request names the ones it wants (``SamplingParams.logits_processors``,
+name -> args; ``response_format`` names the config's ``structured_output``
+one). Each processor is built once per engine, on first use; it starts one
+state per request, is applied once per step to all its rows together, and
+its states see every token their sequence takes.
+
+Such a request's next mask depends on the token it sampled last, which the
+host must have seen: while one runs, the engine collects each step before it
+schedules the next (engine.step) and runs no decode windows. The processor's
+host work then overlaps the step's forward, which is already queued.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.plugins import PluginRegistry, UnknownPluginError
+
+
+@dataclass(frozen=True)
+class ProcessorContext:
+    """What a processor's factory gets."""
+    tokenizer: Any           # None for a model without one
+    vocab_size: int          # the logits' width
+    eos_ids: frozenset[int]
+    device: torch.device
+
+
+class Processors:
+    """The engine's logits processors, built by name on first use."""
+
+    def __init__(self, plugins: PluginRegistry, context: ProcessorContext,
+                 structured_output: str):
+        self.plugins, self.context = plugins, context
+        self.structured_output = structured_output
+        self.built: dict[str, Any] = {}
+
+    def start(self, params, prompt_ids: list[int]) -> list[tuple[Any, Any]]:
+        """(processor, state) for each processor ``params`` names; raises
+        InvalidRequestError for an unknown name or args the processor refuses."""
+        wanted = dict(params.logits_processors)
+        if params.response_format is not None:
+            wanted[self.structured_output] = params.response_format
+        started = []
+        for name, args in wanted.items():
+            field = "response_format" if name == self.structured_output else "logits_processors"
+            processor = self._get(name, field)
+            try:
+                started.append((processor, processor.start(args, prompt_ids)))
+            except ValueError as e:
+                raise InvalidRequestError(field, str(e)) from None
+        return started
+
+    def _get(self, name: str, field: str):
+        if name not in self.built:
+            try:
+                factory = self.plugins.get("logits_processor", name).factory
+            except UnknownPluginError as e:
+                raise InvalidRequestError(field, str(e)) from None
+            self.built[name] = factory(self.context)
+        return self.built[name]
+
+
+def apply(logits: torch.Tensor, seqs) -> None:
+    """Every processor of ``seqs`` (row i of ``logits`` is seqs[i]) on its rows, in place."""
+    groups: dict[int, tuple[Any, list[int], list[Any]]] = {}
+    for row, seq in enumerate(seqs):
+        for processor, state in seq.constraints:
+            _, rows, states = groups.setdefault(id(processor), (processor, [], []))
+            rows.append(row)
+            states.append(state)
+    for processor, rows, states in groups.values():
+        processor.apply(logits, rows, states)
+
+
+def accept(seq, token_ids: list[int]) -> None:
+    """Tokens ``seq`` took, to each of its processors' states."""
+    for _, state in seq.constraints:
+        state.accept(token_ids)
