@@ -13,6 +13,7 @@ import { decode, encode } from "@msgpack/msgpack";
 
 const USAGE = 'usage: node client.mjs "prompt" [--max-tokens N] [--temperature T (0 = greedy)] ' +
   "[--logprobs K] [--prompt-logprobs K] [--repetition-penalty R] [--logit-bias ID:BIAS ...] " +
+  "[--response-format JSON] " +
   "[--redis-url URL] [--prefix P] [--timeout SECONDS]";
 const { values: opts, positionals } = parseArgs({
   allowPositionals: true,
@@ -25,6 +26,7 @@ const { values: opts, positionals } = parseArgs({
     "prompt-logprobs": { type: "string" },
     "repetition-penalty": { type: "string" },
     "logit-bias": { type: "string", multiple: true },
+    "response-format": { type: "string" },
     timeout: { type: "string", default: "120" },
   },
 });
@@ -50,6 +52,8 @@ if (opts["logit-bias"] !== undefined) {
     return [id, Number(bias)];
   }));
 }
+// The output's shape: '{"type": "json_object"}', a json_schema or a regex (docs/protocol.md).
+if (opts["response-format"] !== undefined) body.response_format = JSON.parse(opts["response-format"]);
 const scored = []; // [token id, logprob entry] in order, printed after the text
 let promptScored = null; // the first chunk's prompt_logprobs, if asked for
 

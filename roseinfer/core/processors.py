@@ -6,6 +6,11 @@ one). Each processor is built once per engine, on first use; it starts one
 state per request, is applied once per step to all its rows together, and
 its states see every token their sequence takes.
 
+A processor may also have ``prepare(args)``: the work that grows with the
+args (compiling a grammar: seconds for some small hostile patterns), which
+frontends run off the step loop before they add the request (the Redis
+worker's reader thread), so that ``start`` is quick after it.
+
 Such a request's next mask depends on the token it sampled last, which the
 host must have seen: while one runs, the engine collects each step before it
 schedules the next (engine.step) and runs no decode windows. The processor's
@@ -13,6 +18,7 @@ host work then overlaps the step's forward, which is already queued.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,31 +45,44 @@ class Processors:
         self.plugins, self.context = plugins, context
         self.structured_output = structured_output
         self.built: dict[str, Any] = {}
+        self.lock = threading.Lock()  # prepare() runs on frontends' threads
+
+    def prepare(self, params) -> None:
+        """Each named processor's ``prepare``, where it has one; raises as ``start``."""
+        for processor, args, field in self._wanted(params):
+            if hasattr(processor, "prepare"):
+                _refuse_bad_args(field, processor.prepare, args)
 
     def start(self, params, prompt_ids: list[int]) -> list[tuple[Any, Any]]:
         """(processor, state) for each processor ``params`` names; raises
         InvalidRequestError for an unknown name or args the processor refuses."""
+        return [(processor, _refuse_bad_args(field, processor.start, args, prompt_ids))
+                for processor, args, field in self._wanted(params)]
+
+    def _wanted(self, params):
         wanted = dict(params.logits_processors)
         if params.response_format is not None:
             wanted[self.structured_output] = params.response_format
-        started = []
         for name, args in wanted.items():
             field = "response_format" if name == self.structured_output else "logits_processors"
-            processor = self._get(name, field)
-            try:
-                started.append((processor, processor.start(args, prompt_ids)))
-            except ValueError as e:
-                raise InvalidRequestError(field, str(e)) from None
-        return started
+            yield self._get(name, field), args, field
 
     def _get(self, name: str, field: str):
-        if name not in self.built:
-            try:
-                factory = self.plugins.get("logits_processor", name).factory
-            except UnknownPluginError as e:
-                raise InvalidRequestError(field, str(e)) from None
-            self.built[name] = factory(self.context)
-        return self.built[name]
+        with self.lock:
+            if name not in self.built:
+                try:
+                    factory = self.plugins.get("logits_processor", name).factory
+                except UnknownPluginError as e:
+                    raise InvalidRequestError(field, str(e)) from None
+                self.built[name] = factory(self.context)
+            return self.built[name]
+
+
+def _refuse_bad_args(field: str, call, *args):
+    try:
+        return call(*args)
+    except ValueError as e:
+        raise InvalidRequestError(field, str(e)) from None
 
 
 def apply(logits: torch.Tensor, seqs) -> None:

@@ -10,6 +10,8 @@ import torch
 
 from roseinfer.core.hookspecs import hookimpl
 
+CACHE_BYTES = 256 << 20
+
 
 @hookimpl
 def roseinfer_register_logits_processors(register):
@@ -25,15 +27,20 @@ class XGrammarOutput:
         if ctx.tokenizer is not None:
             info = xgr.TokenizerInfo.from_huggingface(
                 ctx.tokenizer, vocab_size=ctx.vocab_size, stop_token_ids=sorted(ctx.eos_ids))
-            self.compiler = xgr.GrammarCompiler(info)  # it caches compiled grammars
+            # It caches compiled grammars (least recently used out past the limit):
+            # prepare() compiles, start() finds it there.
+            self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
         self.mask = None  # host bitmask, one row per logits row, grown as batches grow
 
+    def prepare(self, response_format: dict) -> None:
+        self._compile(response_format)
+
     def start(self, response_format: dict, prompt_ids) -> "GrammarState":
-        if self.compiler is None:
-            raise ValueError("this model has no tokenizer, which structured output needs")
         return GrammarState(self.xgr.GrammarMatcher(self._compile(response_format)))
 
     def _compile(self, fmt: dict):
+        if self.compiler is None:
+            raise ValueError("this model has no tokenizer, which structured output needs")
         kind = fmt["type"]
         try:
             if kind == "json_schema":

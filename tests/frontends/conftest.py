@@ -243,6 +243,9 @@ def tiny_gpt2_dir(tmp_path_factory):
     return str(path)
 
 
+# A response_format every tiny model's output can satisfy within a few tokens.
+CODE = {"type": "regex", "pattern": "[a-z]{3}-[0-9]{2}"}
+
 # 8 sequences of up to 256 tokens fit in 128 blocks of 16; more would only cost start-up time.
 TINY_ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 8, "num_kv_blocks": 160,
                "cuda_graphs": False}

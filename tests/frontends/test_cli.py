@@ -1,5 +1,6 @@
 """`roseinfer worker`, `submit`, `status` and `serve` as real processes."""
 import json
+import re
 import shlex
 import signal
 import socket
@@ -11,7 +12,7 @@ from roseinfer import SamplingParams
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.server import free_port
 
-from .conftest import engine_flags, roseinfer_cmd as roseinfer
+from .conftest import CODE, engine_flags, roseinfer_cmd as roseinfer
 
 PROMPT = "The capital of France is"
 
@@ -49,6 +50,8 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, tiny_llm, expected, redis_se
                                           "--prompt-logprobs", "1",
                                           "--repetition-penalty", "1.3", "--logit-bias", "13:2"),
                                 capture_output=True, text=True, timeout=60)
+        shaped = subprocess.run(roseinfer(*submit, "--response-format", json.dumps(CODE)),
+                                capture_output=True, text=True, timeout=60)
         status = subprocess.run(roseinfer("status", "--redis-url", redis_server.url, "--prefix", prefix,
                                           "--json"), capture_output=True, text=True, timeout=60)
     finally:
@@ -71,6 +74,10 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, tiny_llm, expected, redis_se
         got = json.loads(line)
         assert got["token_id"] == token and abs(got["logprob"] - lp.logprob) < 1e-5
         assert len(got["top_logprobs"]) == 2
+    (ref,) = tiny_llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0,
+                                                        response_format=CODE))
+    assert shaped.returncode == 0, shaped.stderr
+    assert re.fullmatch(CODE["pattern"], ref.text) and shaped.stdout == ref.text + "\n"
     assert code == 0, log
     assert "rejected" in log and "stopped" in log
     found = json.loads(status.stdout)

@@ -178,9 +178,34 @@ def test_errors_are_shaped_as_openais(chat_llm, start_worker, gateway):
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}])
     assert e.value.body["param"] == "messages[0].role"
-    with pytest.raises(openai.BadRequestError):
-        api.chat.completions.create(model="tiny", messages=MESSAGES,
-                                    response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError) as e:  # its schema missing
+        api.chat.completions.create(model="tiny", messages=MESSAGES, response_format={
+            "type": "json_schema", "json_schema": {"name": "answer"}})
+    assert e.value.body["param"] == "response_format"
+
+
+def test_structured_output_through_the_gateway(chat_llm, start_worker, gateway):
+    """OpenAI's json_schema response_format, whole and streamed: the content parses,
+    fits the schema, and equals the engine's own constrained output."""
+    schema = {"type": "object", "properties": {"capital": {"enum": ["Paris", "Lyon"]},
+                                               "sure": {"type": "boolean"}},
+              "required": ["capital", "sure"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    templated = chat_llm.engine.tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True)
+    (ref,) = chat_llm.generate([templated], SamplingParams(max_tokens=30, temperature=0,
+                                                           response_format=fmt))
+    start_worker(chat_llm.engine)
+    api = client(gateway())
+    reply = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30,
+                                        temperature=0, response_format=fmt)
+    answer = json.loads(reply.choices[0].message.content)
+    assert answer["capital"] in ("Paris", "Lyon") and isinstance(answer["sure"], bool)
+    assert reply.choices[0].message.content == ref.text
+    assert reply.choices[0].finish_reason == "stop"
+    parts = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30,
+                                        temperature=0, response_format=fmt, stream=True)
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == ref.text
 
 
 def test_api_keys(gateway, redis_server):

@@ -1,12 +1,15 @@
 """The Node.js example client (examples/node) against a real Redis and a worker."""
 import json
 import os
+import re
 import shutil
 import subprocess
 
 import pytest
 
 from roseinfer import SamplingParams
+
+from .conftest import CODE
 
 NODE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "node")
 
@@ -31,7 +34,13 @@ def test_node_client_streams_the_greedy_text(tiny_llm, start_worker, redis_serve
                          "--logprobs", "2", "--repetition-penalty", "1.3", "--logit-bias", "13:2")
     prompt_scored = node_client(redis_server, prefix, "The capital of France is",
                                 "--max-tokens", "2", "--prompt-logprobs", "1")
+    shaped = node_client(redis_server, prefix, "The capital of France is", "--max-tokens", "10",
+                         "--response-format", json.dumps(CODE))
     worker.stop()
+    (ref,) = tiny_llm.generate(["The capital of France is"], SamplingParams(
+        max_tokens=10, temperature=0, response_format=CODE))
+    assert shaped.returncode == 0, shaped.stderr
+    assert re.fullmatch(CODE["pattern"], ref.text) and shaped.stdout == ref.text + "\n"
     (ref,) = tiny_llm.generate(["The capital of France is"], SamplingParams(
         max_tokens=6, temperature=0, logprobs=2, repetition_penalty=1.3, logit_bias={13: 2.0}))
     text, *lines = scored.stdout.split("\n")[:-1]

@@ -5,12 +5,13 @@ import random
 import time
 
 import msgpack
+import pytest
 
 from roseinfer import SamplingParams
-from roseinfer.frontends.redis_streams.client import AsyncClient, Client
+from roseinfer.frontends.redis_streams.client import AsyncClient, Client, RequestFailed
 from roseinfer.frontends.redis_streams.protocol import Keys
 
-from .conftest import WORDS, assert_well_formed, raw_chunks, wait_until
+from .conftest import CODE, WORDS, assert_well_formed, raw_chunks, wait_until
 
 
 def mixed_requests(n, rng):
@@ -110,6 +111,29 @@ def test_prompt_logprobs_through_redis(tiny_llm, start_worker, redis_server, pre
         assert abs(short["logprob"] - want.logprob) < 1e-5 and short["top_logprobs"] == []
         assert [t for t, _ in got["top_logprobs"]] == [t for t, _ in want.top]
         assert got["token"] == tok.decode([want.token_id])
+
+
+def test_structured_output_through_redis(tiny_llm, start_worker, redis_server, prefix):
+    """response_format from Python (a msgpack map) and redis-cli (a JSON string field)
+    gives the engine's own constrained output; a pattern that does not compile is a
+    bad_request naming the field."""
+    import json
+    import re
+
+    fmt = CODE
+    start_worker(tiny_llm.engine)
+    with Client(redis_server.url, prefix) as client:
+        result = client.generate("Your code:", timeout=30, max_tokens=20, temperature=0,
+                                 response_format=fmt)
+        rid = client.redis.xadd(Keys(prefix).requests, {
+            "prompt": "Your code:", "max_tokens": "20", "temperature": "0",
+            "response_format": json.dumps(fmt)}).decode()
+        shell = "".join(c.text for c in client.stream(rid, timeout=30))
+        with pytest.raises(RequestFailed, match="response_format") as bad:
+            client.generate("x", timeout=30, response_format={"type": "regex", "pattern": "(a"})
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", result.text) and shell == result.text
+    assert result.finish_reason == "stop"
+    assert bad.value.code == "bad_request"
 
 
 def test_cancel_mid_generation_aborts_and_frees_the_slot(tiny_llm, start_worker, real_redis, prefix, redis_server):

@@ -59,9 +59,6 @@ def _check_defaults(body: dict) -> None:
         if value is None or value == default:
             continue
         raise bad(name, f"{name}={value!r} {_LATER}; leave it out or use {default!r}")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format", f"response_format {fmt!r} {_LATER}; use {{'type': 'text'}}")
 
 
 def _sampling(body: dict, max_tokens_default: int) -> dict:
@@ -73,6 +70,7 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
               "frequency_penalty": body.get("frequency_penalty"),
               "presence_penalty": body.get("presence_penalty"),
               "logit_bias": body.get("logit_bias") or None,
+              "response_format": body.get("response_format"),
               # Extensions that vLLM's server takes too: not in OpenAI's API.
               "top_k": body.get("top_k"), "min_p": body.get("min_p"),
               "ignore_eos": body.get("ignore_eos"),
@@ -84,6 +82,7 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
                      ("presence_penalty", optional_number),
                      ("repetition_penalty", optional_number),
                      ("logit_bias", lambda v: v is None or isinstance(v, dict)),
+                     ("response_format", lambda v: v is None or isinstance(v, dict)),
                      ("top_k", lambda v: v is None or is_int(v)),
                      ("prompt_logprobs", lambda v: v is None or is_int(v)),
                      ("min_p", lambda v: v is None or is_number(v)),

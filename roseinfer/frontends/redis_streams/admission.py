@@ -1,9 +1,11 @@
 """From a raw request entry to what the engine takes, off the step loop.
 
-Everything here grows with the entry (decoding, the chat template, tokenization), so the
-worker's reader thread does it, and the loop only hands the result to the engine. Sizes
-are checked first, against limits that come from the model and the worker's flags, so a
-hostile entry costs at most a length check (docs/protocol.md, "Limits").
+Everything here grows with the entry (decoding, the chat template, tokenization, compiling
+a response_format's grammar), so the worker's reader thread does it, and the loop only
+hands the result to the engine. Sizes are checked first, against limits that come from
+the model and the worker's flags, so a hostile entry costs at most a length check
+(docs/protocol.md, "Limits"); a grammar's compile time is not bounded by its size, but
+it leaves the step loop running (xgrammar releases the GIL while it compiles).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class Admission:
         self.chat_template = chat_template and self.has_template
         context = getattr(engine, "max_model_len", None)
         self.limits = Limits(max_entry_bytes, context, _max_prompt_chars(self.tokenizer, context))
+        self.processors = getattr(engine, "processors", None)
 
     def __call__(self, entry_id: str, fields: dict) -> Request:
         """The entry as a request whose text prompt is already token ids; raises
@@ -35,6 +38,8 @@ class Admission:
         elif isinstance(req.prompt, str) and self.tokenizer is not None:
             text = req.prompt if req.raw else self.templated(req.prompt)
             req.prompt = self.tokenizer.encode(text)
+        if req.params.constrained and self.processors is not None:
+            self.processors.prepare(req.params)  # a grammar compiles here, not in the loop
         return req
 
     def templated(self, text: str) -> str:

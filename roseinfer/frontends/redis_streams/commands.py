@@ -96,6 +96,10 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     submit.add_argument("--presence-penalty", type=float, default=None, help="0 = off")
     submit.add_argument("--logit-bias", action="append", default=None, metavar="ID:BIAS",
                         type=_bias_pair, help="add BIAS to token ID's logit (repeatable)")
+    submit.add_argument("--response-format", type=_json_object, default=None, metavar="JSON",
+                        help='the output\'s shape, e.g. \'{"type": "json_object"}\', '
+                             '\'{"type": "regex", "pattern": "[0-9]+"}\' or a json_schema '
+                             '(docs/protocol.md)')
     submit.add_argument("--rid", default=None, help="request id (default: the entry ID)")
     submit.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print the text once it is complete")
@@ -255,11 +259,22 @@ def _bias_pair(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not ID:BIAS, e.g. 50256:-100") from None
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"type\": \"json_object\"}'")
+    return value
+
+
 def submit_command(args: argparse.Namespace) -> int:
     params = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                                              "seed", "stop", "ignore_eos", "stream_interval",
                                              "logprobs", "prompt_logprobs", "repetition_penalty",
-                                             "frequency_penalty", "presence_penalty")}
+                                             "frequency_penalty", "presence_penalty",
+                                             "response_format")}
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     client = Client(prefix=args.prefix, redis_client=_connect(args.redis_url))
     rid = client.submit(args.prompt, rid=args.rid, **params)

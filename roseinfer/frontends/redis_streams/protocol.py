@@ -5,6 +5,7 @@ languages implement the same rules (docs/protocol.md).
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -20,7 +21,8 @@ DEFAULT_GROUP = "workers"
 RID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                  "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs",
-                 "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
+                 "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
+                 "response_format", "logits_processors")
 PARAM_KEYS = SAMPLING_KEYS + ("stream_interval", "raw")
 ROLES = ("system", "user", "assistant")
 
@@ -284,6 +286,13 @@ def _bool(s: str) -> bool:
     return {"true": True, "1": True, "false": False, "0": False}[s.lower()]
 
 
+def _json_map(s: str) -> dict:
+    value = json.loads(s)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
+
+
 def _bias(s: str) -> dict[int, float]:
     pairs = (p.split(":") for p in s.replace(",", " ").split())
     return {int(token): float(b) for token, b in pairs}
@@ -294,10 +303,12 @@ _SHELL_PARSERS = {
     "top_p": float, "top_k": int, "min_p": float, "seed": int, "stop": lambda s: [s],
     "stop_token_ids": _ids, "ignore_eos": _bool, "stream_interval": int, "raw": _bool,
     "logprobs": int, "prompt_logprobs": int, "repetition_penalty": float, "frequency_penalty": float,
-    "presence_penalty": float, "logit_bias": _bias,
+    "presence_penalty": float, "logit_bias": _bias, "response_format": _json_map,
+    "logits_processors": _json_map,
 }
 _SHELL_KINDS = {int: "an integer", float: "a number", _ids: "integers separated by commas",
-                _bool: "true or false", _bias: "id:bias pairs separated by commas"}
+                _bool: "true or false", _bias: "id:bias pairs separated by commas",
+                _json_map: "a JSON object"}
 
 
 def _shell_body(fields: dict) -> dict:
