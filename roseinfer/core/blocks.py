@@ -108,11 +108,16 @@ class BlockManager:
 
     def fork(self, parent, child) -> None:
         """Child shares every block of the parent (partial last block included)."""
-        for b in parent.block_table:
-            self.store.set_ref(b, self.store.ref(b) + 1)
-        child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
+        self.share(parent, child, len(parent.block_table))
         child.num_computed = parent.num_computed
+
+    def share(self, parent, child, num_blocks: int) -> None:
+        """Child (holding no blocks) takes the parent's first ``num_blocks``, computed."""
+        for b in parent.block_table[:num_blocks]:
+            self.store.set_ref(b, self.store.ref(b) + 1)
+        child.block_table = parent.block_table[:num_blocks]
+        child.block_hashes = parent.block_hashes[:num_blocks]
+        child.num_computed = num_blocks * self.block_size
 
     def free_seq(self, seq) -> None:
         for b in reversed(seq.block_table):  # tail blocks are least likely to be shared

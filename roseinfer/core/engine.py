@@ -19,7 +19,7 @@ from roseinfer.core.plugins import PluginRegistry, default_registry
 from roseinfer.core.processors import ProcessorContext, Processors, accept
 from roseinfer.core.request import Sequence, Status
 from roseinfer.core.runner import ModelRunner
-from roseinfer.core.sampling import SamplingParams
+from roseinfer.core.sampling import SamplingParams, is_int
 from roseinfer.core.scheduler import Scheduler
 from roseinfer.models import loader
 from roseinfer.models.layers import PagedAttention
@@ -78,8 +78,10 @@ class Engine:
         self.processors = Processors(plugins, ProcessorContext(
             self.tokenizer, self.model.head.vocab_size, frozenset(self.eos_ids), self.device),
             config.structured_output)
-        self.num_constrained = 0  # unfinished requests with logits processors
-        self.seqs: dict[str, Sequence] = {}
+        self.num_constrained = 0  # unfinished sequences with logits processors
+        self.seqs: dict[str, Sequence] = {}  # by Sequence.key
+        self.groups: dict[str, int] = {}     # n of the unfinished requests with n > 1
+        self._forks: list[tuple[Sequence, list[Sequence]]] = []  # _share_prompts
         self._aborted: list[Sequence] = []
         self._in_flight = None
         settle_heap()
@@ -113,15 +115,39 @@ class Engine:
         return as_chat(self.tokenizer, text)
 
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    emitted_ids: Optional[list[int]] = None, emitted_text: Optional[str] = None):
+                    emitted_ids=None, emitted_text=None, indexes=None):
         """Queue a request. ``emitted_ids`` resumes one whose first tokens were
         already handed out elsewhere: they are recomputed as context, count
         against ``max_tokens``, and are not emitted again. ``emitted_text`` is
-        the text handed out with them: text still held back then comes out next."""
+        the text handed out with them: text still held back then comes out next.
+
+        With ``params.n`` > 1 the n samples run as sequences of their own, each
+        output carrying its ``index``; ``indexes`` picks the ones to run (a
+        resumed request's unfinished ones) and ``emitted_ids`` / ``emitted_text``
+        map an index to its own. The samples after the first share its prompt's
+        full KV blocks once computed (_share_prompts)."""
         params = params or SamplingParams()
-        if request_id in self.seqs:
+        if request_id in self.seqs or request_id in self.groups:
             raise InvalidRequestError("rid", f"request id {request_id!r} is already in use")
         ids = self._prompt_ids(prompt)
+        too_big = [t for t in params.logit_bias if t >= self.vocab_size]
+        if too_big:
+            raise InvalidRequestError("logit_bias", f"token ids must be below the vocabulary "
+                                      f"size {self.vocab_size}; got {too_big[:5]}")
+        if params.n == 1:
+            seq = self._sequence(request_id, 0, ids, params, emitted_ids, emitted_text)
+            self._queue([seq])
+            return
+        indexes = range(params.n) if indexes is None else indexes
+        if not indexes or not all(is_int(i) and 0 <= i < params.n for i in indexes):
+            raise InvalidRequestError("indexes", f"must name samples in [0, {params.n})")
+        emitted_ids, emitted_text = emitted_ids or {}, emitted_text or {}
+        self._queue([self._sequence(request_id, i, ids, params.sample(i), emitted_ids.get(i),
+                                    emitted_text.get(i)) for i in sorted(set(indexes))])
+        self.groups[request_id] = params.n
+
+    def _sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
+                  emitted_ids, emitted_text) -> Sequence:
         emitted = self._token_ids(emitted_ids or [], "emitted_ids")
         if len(emitted) >= params.max_tokens:
             raise InvalidRequestError("emitted_ids", "the request already has all its tokens")
@@ -129,19 +155,16 @@ class Engine:
             raise InvalidRequestError(
                 "prompt", f"{len(ids)} tokens leave no room to generate within the "
                 f"model's {self.max_model_len}-token context; shorten the prompt", "too_long")
-        too_big = [t for t in params.logit_bias if t >= self.vocab_size]
-        if too_big:
-            raise InvalidRequestError("logit_bias", f"token ids must be below the vocabulary "
-                                      f"size {self.vocab_size}; got {too_big[:5]}")
         gen = None  # on CUDA the seed keys the sampler's noise instead (sample_kernel)
         if params.seed is not None and self.device.type != "cuda":
             gen = torch.Generator(self.device).manual_seed(params.seed)
         max_len = min(self.max_model_len, len(ids) + params.max_tokens)
         seq = Sequence(request_id, ids, params, max_len, time.monotonic(), gen)
+        seq.index = index
+        seq.key = request_id if params.n == 1 else f"{request_id}#{index}"
         if params.constrained:
             seq.constraints = self.processors.start(params, ids)
             accept(seq, emitted)
-            self.num_constrained += 1
         seq.token_ids += emitted
         seq.num_emitted = len(emitted)
         if self.tokenizer is not None:
@@ -149,8 +172,38 @@ class Engine:
             if emitted:  # decode them as their first owner did, then skip what it released
                 seq.detok.add(emitted)
                 seq.detok.released = len(seq.detok.text if emitted_text is None else emitted_text)
-        self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        return seq
+
+    def _queue(self, samples: list[Sequence]) -> None:
+        """Into the scheduler: the first sample now, the others once its prompt's
+        full blocks are computed (right away if it has none)."""
+        for seq in samples:
+            self.seqs[seq.key] = seq
+            self.num_constrained += bool(seq.constraints)
+        first, rest = samples[0], samples[1:]
+        self.scheduler.add(first)
+        if rest:
+            self._forks.append((first, rest))
+            self._share_prompts()
+
+    def _share_prompts(self) -> None:
+        """Start the samples waiting for their first sample's prompt blocks: they
+        take them (the K/V writes are queued before anything they launch) and
+        compute only the prompt's last, partial block themselves, as a prefix-cache
+        hit does. If the first sample ended before, they compute their own."""
+        waiting = []
+        for first, rest in self._forks:
+            full = (first.num_prompt_tokens - 1) // self.config.block_size
+            if first.num_computed < full * self.config.block_size and not first.finished:
+                waiting.append((first, rest))
+                continue
+            for seq in rest:
+                if seq.finished:
+                    continue
+                if not first.finished:
+                    self.blocks.share(first, seq, full)
+                self.scheduler.add(seq)
+        self._forks = waiting
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -173,11 +226,13 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> None:
-        seq = self.seqs.get(request_id)
-        if seq is not None and not seq.finished:
-            self.scheduler.finish(seq)
-            seq.finish_reason = "abort"
-            self._aborted.append(seq)
+        n = self.groups.get(request_id)
+        keys = [request_id] if n is None else [f"{request_id}#{i}" for i in range(n)]
+        for seq in filter(None, map(self.seqs.get, keys)):
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+                self._aborted.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
@@ -209,6 +264,8 @@ class Engine:
             self._in_flight = self.runner.launch(batch)
             for seq, n in zip(batch.seqs, batch.num_tokens):
                 seq.num_computed += n * batch.steps  # steps > 1 only when every n is 1
+        if self._forks:
+            self._share_prompts()
         if previous is not None:
             outputs += self._collect(previous)
         return outputs
@@ -268,14 +325,19 @@ class Engine:
         return self._output(seq, new_ids)
 
     def _forget(self, seq: Sequence) -> None:
-        if self.seqs.pop(seq.request_id, None) is not None and seq.constraints:
-            self.num_constrained -= 1
+        if self.seqs.pop(seq.key, None) is None:
+            return
+        self.num_constrained -= bool(seq.constraints)
+        n = self.groups.get(seq.request_id)
+        if n is not None and not any(f"{seq.request_id}#{i}" in self.seqs for i in range(n)):
+            del self.groups[seq.request_id]
 
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         final = seq.finish_reason is not None
         new_text = seq.detok.release(final) if seq.detok is not None else ""
         lps = seq.logprobs[len(seq.logprobs) - len(new_ids):] if seq.logprobs is not None else None
-        return RequestOutput(seq.request_id, new_ids, new_text, final, seq.finish_reason, seq, lps)
+        return RequestOutput(seq.request_id, new_ids, new_text, final, seq.finish_reason, seq, lps,
+                             seq.index)
 
 
 def settle_heap() -> None:

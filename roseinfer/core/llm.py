@@ -17,7 +17,8 @@ class LLM:
     def generate(self, prompts: list[Prompt],
                  params: Union[SamplingParams, list[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+        """Run every prompt to completion; outputs in prompt order. A prompt whose
+        params ask for n > 1 samples gets the list of its n outputs, by index."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list: [\"text\", ...] or [[ids], ...]")
         params = params or SamplingParams()
@@ -27,16 +28,17 @@ class LLM:
         ids = [f"gen-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, per):
             self.engine.add_request(rid, prompt, p)
-        final: dict[str, RequestOutput] = {}
-        for out in self._drive(len(prompts), use_tqdm):
-            final[out.request_id] = out
-        return [final[rid] for rid in ids]
+        final: dict[tuple[str, int], RequestOutput] = {}
+        for out in self._drive(sum(p.n for p in per), use_tqdm):
+            final[out.request_id, out.index] = out
+        return [final[rid, 0] if p.n == 1 else [final[rid, i] for i in range(p.n)]
+                for rid, p in zip(ids, per)]
 
     def _drive(self, total: int, use_tqdm: bool) -> Iterable[RequestOutput]:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = tqdm(total=total, desc="requests", unit="req")
+            bar = tqdm(total=total, desc="samples", unit="sample")
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:

@@ -17,6 +17,7 @@ class RequestOutput:
     finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
     seq: Sequence
     new_logprobs: Optional[list[TokenLogprob]] = None  # one per new id, if asked for
+    index: int = 0                # the sample's, of the request's n
 
     # The whole-request views are built on access: per-step deltas stay O(new tokens).
     @property

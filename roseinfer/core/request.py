@@ -21,11 +21,13 @@ class Sequence:
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
                  "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
                  "row", "synced", "sample_words", "logprobs", "prompt_logprobs",
-                 "constraints")
+                 "constraints", "index", "key")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
         self.request_id = request_id
+        self.index = 0                 # of the request's n samples
+        self.key = request_id          # in Engine.seqs: request_id#index when n > 1
         self.params = params
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)

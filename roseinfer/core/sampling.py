@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from roseinfer.core.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20       # OpenAI's top_logprobs limit
 MAX_LOGIT_BIAS = 300    # OpenAI's limit on logit_bias entries
+MAX_N = 16
 
 
 @dataclass
 class SamplingParams:
+    # Independent samples of the prompt, computed once for all of them; with a
+    # seed, sample i draws with seed + i.
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -55,6 +59,8 @@ class SamplingParams:
         def bad(name, why):
             raise InvalidRequestError(name, why)
 
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not is_number(self.temperature) or self.temperature < 0:
@@ -116,6 +122,14 @@ class SamplingParams:
         """Whether its steps go through core/logits.py (not inside a CUDA graph)."""
         return (self.penalized or self.constrained or self.logprobs is not None
                 or self.prompt_logprobs is not None)
+
+    def sample(self, index: int) -> "SamplingParams":
+        """The params of sample ``index`` of n: its own seed, if there is one; the
+        prompt's log probabilities come with sample 0 only."""
+        if index == 0:
+            return self
+        seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
+        return replace(self, seed=seed, prompt_logprobs=None)
 
     @property
     def greedy(self) -> bool:

@@ -105,7 +105,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.pending:  # preempted while its last token was in flight
                 break
-            seq.num_computed = self.blocks.match_prefix(seq)
+            if not seq.block_table:  # else it holds blocks shared with it (Engine._queue)
+                seq.num_computed = self.blocks.match_prefix(seq)
             n = min(seq.num_scheduled_tokens - seq.num_computed, budget)
             if not self.blocks.reserve(seq, n):
                 self.blocks.free_seq(seq)
