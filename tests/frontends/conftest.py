@@ -31,10 +31,16 @@ def raw_chunks(redis, prefix, rid):
     return [decode_chunk(f) for _, f in redis.xrange(Keys(prefix).out(rid))]
 
 
-def assert_well_formed(chunks):
+def assert_well_formed(chunks, n=1):
+    """seq contiguous from 0; each of the n samples' chunks end in its one final chunk,
+    whose usage counts them; the stream ends with the last of those."""
     assert [c.seq for c in chunks] == list(range(len(chunks)))
-    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
-    assert chunks[-1].usage["completion_tokens"] == sum(len(c.token_ids) for c in chunks)
+    assert chunks[-1].finished
+    for i in range(n):
+        mine = [c for c in chunks if (c.index or 0) == i]
+        assert all(c.index == (i if n > 1 else None) for c in mine)
+        assert [c.finished for c in mine] == [False] * (len(mine) - 1) + [True]
+        assert mine[-1].usage["completion_tokens"] == sum(len(c.token_ids) for c in mine)
 
 
 def wait_until(predicate, timeout=10.0):
@@ -72,6 +78,7 @@ class FakeOutput:
     finish_reason: object
     new_logprobs: object = None
     prompt_logprobs: object = None
+    index: int = 0
 
 
 @dataclass

@@ -73,6 +73,29 @@ def test_a_dead_workers_request_resumes_after_its_last_chunk(worker, client, fak
     assert worker.metrics.resumed._value.get() == 1
 
 
+def test_an_n_sample_request_resumes_only_its_unfinished_samples(tiny_llm, client, fake_redis):
+    """The dead worker sent sample 0 one token, sample 1 none and sample 2 all of its own:
+    the taker runs samples 0 and 1 from where they stop, and not sample 2 again."""
+    from roseinfer import SamplingParams
+
+    prompt = [464, 3290, 286, 4881, 318]
+    greedy = tiny_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0]
+    g, text = greedy.token_ids, [tiny_llm.tokenizer.decode([t]) for t in greedy.token_ids]
+    taker = make_worker(tiny_llm.engine, fake_redis)
+    client.submit(prompt, rid="r", n=3, max_tokens=4, temperature=0, ignore_eos=True)
+    usage = {"prompt_tokens": 5, "completion_tokens": 4}
+    crashed_owner(fake_redis, "r", [Chunk("r", 0, g[:1], text[0], index=0),
+                                    Chunk("r", 1, g, "".join(text), "length", usage, index=2)])
+    run_until_idle(taker)
+    chunks = raw_chunks(fake_redis, PREFIX, "r")
+    assert_well_formed(chunks, n=3)
+    for i in range(3):
+        mine = [c for c in chunks if c.index == i]
+        assert sum((c.token_ids for c in mine), []) == g
+        assert "".join(c.text for c in mine) == greedy.text
+    assert fake_redis.xlen(KEYS.requests) == 0  # acknowledged after the last sample
+
+
 def test_a_request_that_had_finished_is_only_acknowledged(worker, client, fake_redis):
     client.submit("ab", rid="r", max_tokens=2)
     done = Chunk("r", 1, [0], "a", "length", {"prompt_tokens": 2, "completion_tokens": 2})

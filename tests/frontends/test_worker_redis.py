@@ -136,6 +136,31 @@ def test_structured_output_through_redis(tiny_llm, start_worker, redis_server, p
     assert bad.value.code == "bad_request"
 
 
+def test_n_samples_stream_on_one_reply_stream(tiny_llm, start_worker, real_redis, redis_server,
+                                              prefix):
+    """n = 3 seeded samples: each equals the engine's own sample of that index; chunks
+    carry their index, seq runs on across samples, each sample ends in its own final chunk,
+    and the entry is acknowledged after the last."""
+    prompt = "Once upon a time"
+    params = dict(n=3, max_tokens=9, temperature=1.0, seed=4, stream_interval=2)
+    start_worker(tiny_llm.engine)
+    with Client(redis_server.url, prefix) as client:
+        results = client.generate(prompt, timeout=30, **params)
+        rid = client.submit(prompt, **params)
+        streamed = list(client.stream(rid, timeout=30, n=3))
+    wait_until(lambda: real_redis.xpending(Keys(prefix).requests, "workers")["pending"] == 0)
+    templated = tiny_llm.engine.chat_prompt(prompt)
+    want = tiny_llm.generate([templated], SamplingParams(**{k: v for k, v in params.items()
+                                                            if k != "stream_interval"}))[0]
+    assert [r.index for r in results] == [0, 1, 2]
+    assert [r.token_ids for r in results] == [w.token_ids for w in want]
+    assert [r.text for r in results] == [w.text for w in want]
+    assert [r.usage["completion_tokens"] for r in results] == [9, 9, 9]
+    assert len({tuple(r.token_ids) for r in results}) == 3
+    assert_well_formed(raw_chunks(real_redis, prefix, rid), n=3)
+    assert streamed == raw_chunks(real_redis, prefix, rid)
+
+
 def test_cancel_mid_generation_aborts_and_frees_the_slot(tiny_llm, start_worker, real_redis, prefix, redis_server):
     start_worker(tiny_llm.engine)
     client = Client(redis_server.url, prefix)

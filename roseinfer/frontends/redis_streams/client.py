@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable, Iterator, Optional
+from typing import AsyncIterator, Iterable, Iterator, Optional, Union
 
 import redis
 import redis.asyncio
@@ -34,6 +34,7 @@ class Result:
     usage: dict
     logprobs: Optional[list[dict]] = None   # one per id, if asked for (protocol Chunk)
     prompt_logprobs: Optional[list[Optional[dict]]] = None  # one per prompt token, if asked
+    index: int = 0                          # the sample's, of a request with n > 1
 
 
 class RequestFailed(Exception):
@@ -49,14 +50,14 @@ class _ReplyReader:
     and the deadline that ``timeout`` sets for the next chunk. ``inbox`` is where its
     client's read loop puts lists of chunks, or the exception that ends the stream."""
 
-    def __init__(self, keys: Keys, rid: str, timeout: Optional[float], inbox):
+    def __init__(self, keys: Keys, rid: str, timeout: Optional[float], inbox, n: int = 1):
         self.rid = rid
         self.key = keys.out(rid)
         self.prefix = keys.prefix
         self.timeout = timeout
         self.inbox = inbox
         self.last_id = "0-0"
-        self.order = ChunkOrder()
+        self.order = ChunkOrder(n)
         self.deadline = self._next_deadline()
 
     def _next_deadline(self) -> float:
@@ -101,8 +102,8 @@ class _Streams:
         self._next_check = 0.0
         self._lock = threading.Lock()  # Client adds streams from many threads
 
-    def add(self, rid: str, timeout: Optional[float], inbox) -> _ReplyReader:
-        reader = _ReplyReader(self.keys, rid, timeout, inbox)
+    def add(self, rid: str, timeout: Optional[float], inbox, n: int = 1) -> _ReplyReader:
+        reader = _ReplyReader(self.keys, rid, timeout, inbox, n)
         with self._lock:
             if reader.key in self.readers:
                 raise ValueError(f"request {rid} is already being streamed by this client")
@@ -169,7 +170,16 @@ def _unwrap(item) -> list[Chunk]:
     return item
 
 
-def _result(rid: str, chunks: Iterable[Chunk]) -> Result:
+def _results(rid: str, chunks: Iterable[Chunk], n: int = 1) -> Union[Result, list[Result]]:
+    """The Result of a request's chunks; with n > 1 the list of its samples' Results."""
+    chunks = list(chunks)
+    if chunks[-1].error is not None:
+        raise RequestFailed(rid, chunks[-1].error["code"], chunks[-1].error["message"])
+    samples = [_result(rid, [c for c in chunks if (c.index or 0) == i], i) for i in range(n)]
+    return samples[0] if n == 1 else samples
+
+
+def _result(rid: str, chunks: list[Chunk], index: int) -> Result:
     text, ids, logprobs, prompt_logprobs = [], [], None, None
     for c in chunks:
         text.append(c.text)
@@ -177,9 +187,8 @@ def _result(rid: str, chunks: Iterable[Chunk]) -> Result:
         if c.logprobs is not None:
             logprobs = (logprobs or []) + c.logprobs
         prompt_logprobs = prompt_logprobs or c.prompt_logprobs
-    if c.error is not None:
-        raise RequestFailed(rid, c.error["code"], c.error["message"])
-    return Result(rid, "".join(text), ids, c.finish_reason, c.usage, logprobs, prompt_logprobs)
+    return Result(rid, "".join(text), ids, c.finish_reason, c.usage, logprobs, prompt_logprobs,
+                  index)
 
 
 class Client:
@@ -202,15 +211,18 @@ class Client:
         entry_id = self.redis.xadd(self.keys.requests, encode_request(prompt, rid, **params))
         return rid or entry_id.decode()
 
-    def stream(self, rid: str, timeout: Optional[float] = None) -> Iterator[Chunk]:
-        """Yield the chunks of ``rid`` up to its final one; ``timeout`` bounds each wait."""
-        reader = self._streams.add(rid, timeout, queue.SimpleQueue())
+    def stream(self, rid: str, timeout: Optional[float] = None, n: int = 1) -> Iterator[Chunk]:
+        """Yield the chunks of ``rid`` up to its final one (the last of its ``n`` samples'
+        final ones); ``timeout`` bounds each wait."""
+        reader = self._streams.add(rid, timeout, queue.SimpleQueue(), n)
+        seen = ChunkOrder(n)  # the reader's own runs ahead, on the reading thread
         try:
             self._wake()
             while True:
-                chunks = _unwrap(reader.inbox.get())
-                yield from chunks
-                if chunks[-1].finished:
+                for chunk in _unwrap(reader.inbox.get()):
+                    seen.accept(chunk)
+                    yield chunk
+                if seen.done:
                     return
         finally:
             self._streams.remove(reader)
@@ -241,9 +253,12 @@ class Client:
             for reader, item in delivered:
                 reader.inbox.put(item)
 
-    def generate(self, prompt: Prompt, *, timeout: Optional[float] = None, **params) -> Result:
+    def generate(self, prompt: Prompt, *, timeout: Optional[float] = None,
+                 **params) -> Union[Result, list[Result]]:
+        """The request's Result; with ``n`` > 1 the list of its samples' Results, by index."""
         rid = self.submit(prompt, **params)
-        return _result(rid, self.stream(rid, timeout))
+        n = params.get("n") or 1
+        return _results(rid, self.stream(rid, timeout, n), n)
 
     def cancel(self, rid: str) -> None:
         self.redis.xadd(self.keys.cancel, {"rid": rid}, maxlen=CANCEL_MAXLEN, approximate=True)
@@ -276,15 +291,17 @@ class AsyncClient:
         entry_id = await self.redis.xadd(self.keys.requests, encode_request(prompt, rid, **params))
         return rid or entry_id.decode()
 
-    async def stream(self, rid: str, timeout: Optional[float] = None) -> AsyncIterator[Chunk]:
-        reader = self._streams.add(rid, timeout, asyncio.Queue())
+    async def stream(self, rid: str, timeout: Optional[float] = None,
+                     n: int = 1) -> AsyncIterator[Chunk]:
+        reader = self._streams.add(rid, timeout, asyncio.Queue(), n)
+        seen = ChunkOrder(n)  # the reader's own runs ahead, in the reading task
         try:
             await self._wake()
             while True:
-                chunks = _unwrap(await reader.inbox.get())
-                for chunk in chunks:
+                for chunk in _unwrap(await reader.inbox.get()):
+                    seen.accept(chunk)
                     yield chunk
-                if chunks[-1].finished:
+                if seen.done:
                     return
         finally:
             self._streams.remove(reader)
@@ -310,9 +327,11 @@ class AsyncClient:
         finally:
             self._reading = None
 
-    async def generate(self, prompt: Prompt, *, timeout: Optional[float] = None, **params) -> Result:
+    async def generate(self, prompt: Prompt, *, timeout: Optional[float] = None,
+                       **params) -> Union[Result, list[Result]]:
         rid = await self.submit(prompt, **params)
-        return _result(rid, [c async for c in self.stream(rid, timeout)])
+        n = params.get("n") or 1
+        return _results(rid, [c async for c in self.stream(rid, timeout, n)], n)
 
     async def cancel(self, rid: str) -> None:
         await self.redis.xadd(self.keys.cancel, {"rid": rid}, maxlen=CANCEL_MAXLEN, approximate=True)

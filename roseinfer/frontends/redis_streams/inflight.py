@@ -15,17 +15,26 @@ RUN_ALONE_FROM_DELIVERY = 3
 
 
 @dataclass
+class Held:
+    """What one sample has produced since its last chunk."""
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: Optional[list[dict]] = None   # for requests that asked
+    sent: bool = False                      # its first chunk is out
+
+
+@dataclass
 class InFlight:
     rid: str
-    entry_id: str                   # acknowledged together with the final chunk
+    entry_id: str                   # acknowledged together with the last final chunk
     stream_interval: int
     deliveries: int
     arrival: float                  # when Redis added the entry (epoch seconds)
     resumed: bool                   # taken over: its first chunks came from elsewhere
     seq: int = 0                    # of the next chunk
-    held_ids: list[int] = field(default_factory=list)
-    held_text: str = ""
-    held_logprobs: Optional[list[dict]] = None   # for requests that asked
+    n: int = 1                      # samples: chunks carry their index when n > 1
+    running: int = 1                # samples not finished yet (the step loop's count)
+    held: dict[int, Held] = field(default_factory=dict)   # by sample index
     last_token_at: Optional[float] = None
     # When this worker last knew the entry its own: admitted after Redis delivered it.
     refreshed_at: float = field(default_factory=time.monotonic)
@@ -35,23 +44,25 @@ class InFlight:
         return self.deliveries >= RUN_ALONE_FROM_DELIVERY
 
     def take(self, out) -> Optional[Chunk]:
-        """Add one engine output; returns the chunk due now, if any: the first and the
-        final one always, else one per stream_interval tokens."""
-        self.held_ids += out.new_token_ids
-        self.held_text += out.new_text
+        """Add one engine output; returns the chunk due now, if any: each sample's
+        first and final one always, else one per stream_interval tokens."""
+        h = self.held.get(out.index)
+        if h is None:
+            h = self.held[out.index] = Held(sent=self.resumed)
+        h.ids += out.new_token_ids
+        h.text += out.new_text
         if out.new_logprobs is not None:
-            self.held_logprobs = (self.held_logprobs or []) + [
-                _logprob_map(lp) for lp in out.new_logprobs]
-        due = self.held_ids and (self.seq == 0 or len(self.held_ids) >= self.stream_interval)
+            h.logprobs = (h.logprobs or []) + [_logprob_map(lp) for lp in out.new_logprobs]
+        due = h.ids and (not h.sent or len(h.ids) >= self.stream_interval)
         if not (due or out.finished):
             return None
-        chunk = Chunk(self.rid, self.seq, self.held_ids, self.held_text,
-                      logprobs=self.held_logprobs)
-        if self.seq == 0 and out.prompt_logprobs is not None:
+        chunk = Chunk(self.rid, self.seq, h.ids, h.text, logprobs=h.logprobs,
+                      index=out.index if self.n > 1 else None)
+        if not h.sent and out.prompt_logprobs is not None:
             chunk.prompt_logprobs = [None] + [{"token_id": lp.token_id, **_logprob_map(lp)}
                                               for lp in out.prompt_logprobs[1:]]
-        self.seq, self.held_ids, self.held_text = self.seq + 1, [], ""
-        self.held_logprobs = None
+        self.seq += 1
+        h.ids, h.text, h.logprobs, h.sent = [], "", None, True
         if out.finished:
             chunk.finish_reason = out.finish_reason
             chunk.usage = {"prompt_tokens": len(out.prompt_token_ids),

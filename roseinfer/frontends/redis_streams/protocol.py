@@ -13,13 +13,13 @@ from typing import Optional, Union
 import msgpack
 
 from roseinfer.core.errors import InvalidRequestError
-from roseinfer.core.sampling import SamplingParams, is_int
+from roseinfer.core.sampling import MAX_N, SamplingParams, is_int
 
 VERSION = "1"
 DEFAULT_PREFIX = "roseinfer"
 DEFAULT_GROUP = "workers"
 RID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+SAMPLING_KEYS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                  "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs",
                  "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
                  "response_format", "logits_processors")
@@ -109,6 +109,9 @@ class Chunk:
     # Requests that asked, first chunk only: one entry per prompt token, nil for
     # the first, then a map as in ``logprobs``.
     prompt_logprobs: Optional[list[Optional[dict]]] = None
+    # Requests with n > 1: the sample (0..n-1) the chunk belongs to; each ends with
+    # its own final chunk.
+    index: Optional[int] = None
 
     @property
     def finished(self) -> bool:
@@ -299,7 +302,7 @@ def _bias(s: str) -> dict[int, float]:
 
 
 _SHELL_PARSERS = {
-    "prompt": str, "prompt_token_ids": _ids, "max_tokens": int, "temperature": float,
+    "prompt": str, "prompt_token_ids": _ids, "n": int, "max_tokens": int, "temperature": float,
     "top_p": float, "top_k": int, "min_p": float, "seed": int, "stop": lambda s: [s],
     "stop_token_ids": _ids, "ignore_eos": _bool, "stream_interval": int, "raw": _bool,
     "logprobs": int, "prompt_logprobs": int, "repetition_penalty": float, "frequency_penalty": float,
@@ -353,6 +356,8 @@ def chunk_body(chunk: Chunk) -> bytes:
         body["prompt_logprobs"] = chunk.prompt_logprobs
     if chunk.error is not None:
         body["error"] = chunk.error
+    if chunk.index is not None:
+        body["index"] = chunk.index
     return msgpack.packb(body)
 
 
@@ -360,7 +365,7 @@ def decode_chunk(fields: dict) -> Chunk:
     body = msgpack.unpackb(fields[b"body"], raw=False)
     return Chunk(body["rid"], body["seq"], body["token_ids"], body["text"],
                  body["finish_reason"], body.get("usage"), body.get("error"),
-                 body.get("logprobs"), body.get("prompt_logprobs"))
+                 body.get("logprobs"), body.get("prompt_logprobs"), body.get("index"))
 
 
 def error_chunk(rid: str, code: str, message: str, seq: int = 0,
@@ -374,23 +379,39 @@ def error_chunk(rid: str, code: str, message: str, seq: int = 0,
 
 class ChunkOrder:
     """The rule every reader of a reply stream follows: chunks in seq order, a chunk whose
-    seq was already seen (at-least-once delivery) and anything after the final one dropped."""
+    seq was already seen (at-least-once delivery) and anything after the end dropped. The
+    stream ends with the final chunk of each of its request's ``n`` samples, or with an
+    error chunk."""
 
-    def __init__(self):
-        self.next_seq = 0
-        self.done = False
+    def __init__(self, n: int = 1):
+        self.next_seq, self.left, self.done = 0, n, False
 
     def accept(self, chunk: Chunk) -> bool:
         if self.done or chunk.seq < self.next_seq:
             return False
-        self.next_seq, self.done = chunk.seq + 1, chunk.finished
+        self.next_seq = chunk.seq + 1
+        if chunk.finished:
+            self.left -= 1
+            self.done = self.left == 0 or chunk.finish_reason == "error"
         return True
 
 
-def accepted_chunks(entries) -> list[Chunk]:
+def accepted_chunks(entries, n: int = 1) -> list[Chunk]:
     """The chunks a client keeps of a reply stream's entries, as XRANGE returns them."""
-    order = ChunkOrder()
+    order = ChunkOrder(n)
     return [c for c in (decode_chunk(fields) for _, fields in entries) if order.accept(c)]
+
+
+def requested_n(fields: dict) -> int:
+    """The n of a request entry, read leniently: 1 where it is unreadable (its admission
+    then refuses the entry, saying why)."""
+    try:
+        body = _decode_body(fields[b"body"]) if b"body" in fields else {
+            "n": int(_str_field(fields, "n") or 1)}
+    except (InvalidRequestError, ValueError):
+        return 1
+    n = body.get("n", 1)
+    return n if is_int(n) and 1 <= n <= MAX_N else 1
 
 
 def entry_time(entry_id: str) -> float:

@@ -27,13 +27,14 @@ class Publisher:
         loses it."""
         rnd.publish(self.keys.out(chunk.rid), chunk_body(chunk), ack_entry_id)
 
-    def outputs(self, rnd, ours: list[tuple[InFlight, object]]) -> None:
-        """A step's outputs as the chunks they make due."""
+    def outputs(self, rnd, ours: list[tuple[InFlight, object, bool]]) -> None:
+        """A step's outputs as the chunks they make due; ``last``: the output that
+        finishes the request's last running sample."""
         tokens = 0
-        for f, out in ours:
+        for f, out, last in ours:
             tokens += f.observe(out, self.metrics)
             chunk = f.take(out)
-            if chunk is not None and chunk.finished:
+            if chunk is not None and last:
                 self._finish(rnd, f, chunk)
             elif chunk is not None:
                 self.publish(rnd, chunk)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 from roseinfer.frontends.redis_streams.protocol import (
-    Chunk, Keys, accepted_chunks, reply_rid)
+    Chunk, Keys, accepted_chunks, reply_rid, requested_n)
 
 DEAD_MAXLEN = 100_000  # P:dead is for people to read: it should never come near this
 
@@ -23,20 +24,34 @@ class Takeover:
     rid: str
     deliveries: int        # this delivery included
     chunks: list[Chunk]    # what the request's client has received so far
+    n: int = 1             # the request's samples
     # When this worker last knew the entry its own: just claimed (see Ownership.refresh).
     refreshed_at: float = field(default_factory=time.monotonic)
 
     @property
+    def finished_indexes(self) -> set[int]:
+        return {c.index or 0 for c in self.chunks if c.finished}
+
+    @property
     def finished(self) -> bool:
-        return bool(self.chunks) and self.chunks[-1].finished
+        last = self.chunks[-1] if self.chunks else None
+        return last is not None and (last.finish_reason == "error"
+                                     or len(self.finished_indexes) == self.n)
 
     @property
     def next_seq(self) -> int:
         return self.chunks[-1].seq + 1 if self.chunks else 0
 
-    @property
-    def emitted_ids(self) -> list[int]:
-        return [t for c in self.chunks for t in c.token_ids]
+    def emitted_ids(self, index: Optional[int] = None) -> list[int]:
+        """The ids sent so far: of sample ``index``, or of all of them."""
+        return [t for c in self._of(index) for t in c.token_ids]
+
+    def text(self, index: Optional[int] = None) -> str:
+        return "".join(c.text for c in self._of(index))
+
+    def _of(self, index: Optional[int]) -> list[Chunk]:
+        return self.chunks if index is None else [c for c in self.chunks
+                                                  if (c.index or 0) == index]
 
 
 def read_takeovers(pipe, keys: Keys, group: str, claimed: list) -> list[Takeover]:
@@ -52,8 +67,9 @@ def read_takeovers(pipe, keys: Keys, group: str, claimed: list) -> list[Takeover
     for i, ((entry_id, fields), rid) in enumerate(zip(claimed, rids)):
         pending, reply_entries = replies[2 * i], replies[2 * i + 1]
         if pending:  # else acknowledged since the claim: someone finished it
+            n = requested_n(fields)
             takeovers.append(Takeover(entry_id, fields, rid, pending[0]["times_delivered"],
-                                      accepted_chunks(reply_entries)))
+                                      accepted_chunks(reply_entries, n), n))
     return takeovers
 
 

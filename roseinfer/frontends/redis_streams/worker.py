@@ -381,7 +381,7 @@ class Worker:
                   f"{self.max_deliveries}); it may be crashing workers")
         self.outbox.write(dead_letter, self.keys, t, reason, self.consumer)
         message = f"{reason}; moved to {self.keys.dead} for an operator to look at"
-        chunk = error_chunk(t.rid, "dead_letter", message, t.next_seq, len(t.emitted_ids))
+        chunk = error_chunk(t.rid, "dead_letter", message, t.next_seq, len(t.emitted_ids()))
         self.publisher.publish(self.outbox.round, chunk, t.entry_id)
         self.metrics.dead_lettered.inc()
         self.metrics.finished("error")
@@ -413,9 +413,13 @@ class Worker:
             f = self._inflight.get(out.request_id)
             if f is None:
                 continue  # a request handed back or owned elsewhere now: not ours to publish
+            last = False
             if out.finished:
-                del self._inflight[f.rid]
-            ours.append((f, out))
+                f.running -= 1
+                last = f.running == 0
+                if last:
+                    del self._inflight[f.rid]
+            ours.append((f, out, last))
         self.outbox.later(lambda rnd: self.publisher.outputs(rnd, ours))
         stats = self.engine.stats()
         self.metrics.engine_stats(stats)
@@ -446,31 +450,31 @@ class Worker:
                request=None) -> None:
         """request: the entry already decoded (a Request, or the error decoding it raised)."""
         rid = reply_rid(entry_id, fields)
-        seq, emitted = (resume.next_seq, resume.emitted_ids) if resume else (0, [])
-        emitted_text = "".join(c.text for c in resume.chunks) if resume else ""
+        seq = resume.next_seq if resume else 0
+        emitted_tokens = len(resume.emitted_ids()) if resume else 0
         try:
             req = request or self.admission(entry_id, fields)
             if isinstance(req, Exception):
                 raise req
             if req.rid in self._inflight:
-                rid, seq, emitted = entry_id, 0, []  # P:out:{rid} belongs to the running one
+                rid, seq, emitted_tokens = entry_id, 0, 0  # P:out:{rid} is the running one's
                 raise InvalidRequestError("rid", f"{req.rid!r} is already in flight; use a new rid")
-            self.engine.add_request(req.rid, req.prompt, req.params,
-                                    emitted_ids=emitted, emitted_text=emitted_text)
+            running = self._add(req, resume)
         except InvalidRequestError as e:
             event("rejected", logging.WARNING, rid=rid, entry=entry_id, code=e.code, error=e)
-            self._fail(rid, entry_id, e.code, str(e), seq, len(emitted))
+            self._fail(rid, entry_id, e.code, str(e), seq, emitted_tokens)
             return
         except Exception as e:  # an engine bug must cost this request, not the whole worker
             log.exception("event=add_request_failed rid=%s entry=%s", rid, entry_id)
-            self._fail(rid, entry_id, "internal", f"{type(e).__name__}: {e}", seq, len(emitted))
+            self._fail(rid, entry_id, "internal", f"{type(e).__name__}: {e}", seq, emitted_tokens)
             return
         deliveries = resume.deliveries if resume else 1
         self._inflight[req.rid] = InFlight(req.rid, entry_id, req.stream_interval, deliveries,
-                                            entry_time(entry_id), resume is not None, seq)
+                                            entry_time(entry_id), resume is not None, seq,
+                                            req.params.n, running)
         if resume:
             self.metrics.resumed.inc()
-            event("resumed", rid=req.rid, entry=entry_id, seq=seq, emitted_tokens=len(emitted),
+            event("resumed", rid=req.rid, entry=entry_id, seq=seq, emitted_tokens=emitted_tokens,
                   deliveries=deliveries)
         else:
             queue_s = max(0.0, time.time() - entry_time(entry_id))
@@ -479,6 +483,22 @@ class Worker:
         if req.rid in self._cancelled:
             del self._cancelled[req.rid]
             self._cancel(req.rid)
+
+    def _add(self, req, resume: Optional[Takeover]) -> int:
+        """The request into the engine, a resumed one from where its reply stream stops;
+        returns how many of its samples run."""
+        if resume is None:
+            self.engine.add_request(req.rid, req.prompt, req.params)
+            return req.params.n
+        if req.params.n == 1:
+            self.engine.add_request(req.rid, req.prompt, req.params,
+                                    emitted_ids=resume.emitted_ids(), emitted_text=resume.text())
+            return 1
+        left = [i for i in range(req.params.n) if i not in resume.finished_indexes]
+        self.engine.add_request(req.rid, req.prompt, req.params, indexes=left,
+                                emitted_ids={i: resume.emitted_ids(i) for i in left},
+                                emitted_text={i: resume.text(i) for i in left})
+        return len(left)
 
     def _fail(self, rid: str, entry_id: str, code: str, message: str, seq: int,
               completion_tokens: int) -> None:
