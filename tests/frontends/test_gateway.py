@@ -170,8 +170,11 @@ def test_errors_are_shaped_as_openais(chat_llm, start_worker, gateway):
     start_worker(chat_llm.engine)
     api = client(gateway())
     with pytest.raises(openai.BadRequestError) as e:  # refused by the gateway
-        api.chat.completions.create(model="tiny", messages=MESSAGES, n=2)
-    assert e.value.body["param"] == "n" and e.value.body["type"] == "invalid_request_error"
+        api.completions.create(model="tiny", prompt="Hi", best_of=2)
+    assert e.value.body["param"] == "best_of" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the worker
+        api.chat.completions.create(model="tiny", messages=MESSAGES, n=17)
+    assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:  # refused by the worker
         api.completions.create(model="tiny", prompt="Hi", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
@@ -206,6 +209,33 @@ def test_structured_output_through_the_gateway(chat_llm, start_worker, gateway):
     parts = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30,
                                         temperature=0, response_format=fmt, stream=True)
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == ref.text
+
+
+def test_n_choices_through_the_gateway(chat_llm, start_worker, gateway):
+    """n = 3 seeded samples as choices 0-2, whole and streamed, each equal to the engine's
+    sample of that index; usage counts the prompt once and every sample's tokens."""
+    templated = chat_llm.engine.tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True)
+    (want,) = chat_llm.generate([templated], SamplingParams(n=3, max_tokens=6, temperature=1.0,
+                                                            seed=9, ignore_eos=True))
+    start_worker(chat_llm.engine)
+    api = client(gateway())
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=6, temperature=1.0, seed=9, n=3,
+              extra_body={"ignore_eos": True})
+    reply = api.chat.completions.create(**kw)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == [w.text for w in want]
+    assert reply.usage.completion_tokens == 18
+    assert reply.usage.prompt_tokens == len(want[0].prompt_token_ids)
+    parts = list(api.chat.completions.create(**kw, stream=True,
+                                             stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for p in parts:
+        for c in p.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [w.text for w in want]
+    assert [c.finish_reason for p in parts for c in p.choices if c.finish_reason] == ["length"] * 3
+    assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == 18
 
 
 def test_api_keys(gateway, redis_server):

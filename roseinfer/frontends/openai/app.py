@@ -25,7 +25,7 @@ from roseinfer.frontends.openai import mapping
 from roseinfer.frontends.openai.mapping import APIError, Call
 from roseinfer.frontends.openai.metrics import GatewayMetrics
 from roseinfer.frontends.redis_streams.client import AsyncClient
-from roseinfer.frontends.redis_streams.protocol import RID_PATTERN
+from roseinfer.frontends.redis_streams.protocol import RID_PATTERN, ChunkOrder
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Gateway:
         if not RID_PATTERN.fullmatch(rid):
             raise APIError(400, "X-Request-Id must be 1-128 characters of [A-Za-z0-9_.:-]")
         await self.client.submit(call.prompt, rid=rid, **call.params)
-        chunks = self._chunks(rid)
+        chunks = self._chunks(rid, call.n)
         try:
             first = await anext(chunks)  # before any byte is sent: errors keep their status
         except BaseException:
@@ -120,18 +120,18 @@ class Gateway:
             return EventSourceResponse(self._events(call, head, first, chunks, ended))
         return await self._whole(request, call, rid, first, chunks)
 
-    async def _chunks(self, rid: str) -> AsyncIterator:
-        """The request's chunks; a worker error raises it as an OpenAI error. Ending
-        early (a disconnect, a timeout) cancels the request, so its worker frees the slot."""
-        cfg, finished, seen = self.config, False, False
+    async def _chunks(self, rid: str, n: int) -> AsyncIterator:
+        """The request's chunks (of its n samples); a worker error raises it as an OpenAI
+        error. Ending early (a disconnect, a timeout) cancels the request, so its worker
+        frees the slot."""
+        cfg, order, seen = self.config, ChunkOrder(n), False
         try:
             async with asyncio.timeout(cfg.request_timeout):
-                async for chunk in self.client.stream(rid, timeout=cfg.queue_timeout):
+                async for chunk in self.client.stream(rid, timeout=cfg.queue_timeout, n=n):
                     seen = True
+                    order.accept(chunk)
                     if chunk.error:
-                        finished = True
                         raise mapping.worker_error(chunk.error)
-                    finished = chunk.finished
                     yield chunk
         except TimeoutError:
             if seen:
@@ -142,27 +142,32 @@ class Gateway:
                            f"(--queue-timeout): are workers running with prefix "
                            f"{cfg.prefix!r}?", kind="server_error") from None
         finally:
-            if not finished:
+            if not order.done:
                 await asyncio.shield(self.client.cancel(rid))
 
     async def _events(self, call: Call, head: dict, first, chunks, ended) -> AsyncIterator[dict]:
         status = 499  # unless it ends: the client went away
         try:
-            chunk, opening, made, sent = first, True, 0, 0
+            chunk, samples, left = first, {}, call.n
             while chunk is not None:
-                made += len(chunk.token_ids)
+                index = chunk.index or 0
+                opening = index not in samples
+                sample = samples.setdefault(index, mapping.Sample())
+                sent = len(sample.text)
+                sample.add(chunk)
                 if chunk.text or opening or chunk.finished or call.continuous_usage \
                         or chunk.logprobs:
                     obj = mapping.piece(call, head, chunk.text, chunk.finish_reason, opening,
-                                        chunk.logprobs, sent, chunk.prompt_logprobs)
-                    sent += len(chunk.text)
+                                        chunk.logprobs, sent, chunk.prompt_logprobs, index)
                     if call.continuous_usage:  # prompt tokens are known at the end only
-                        obj["usage"] = mapping.usage(chunk.usage or {"completion_tokens": made})
+                        obj["usage"] = mapping.usage(chunk.usage or {
+                            "completion_tokens": sample.tokens})
                     yield {"data": json.dumps(obj)}
-                    opening = False
-                if chunk.finished and call.include_usage:
+                left -= chunk.finished
+                if not left and call.include_usage:
                     yield {"data": json.dumps({**mapping.piece(call, head, None, None),
-                                               "choices": [], "usage": mapping.usage(chunk.usage)})}
+                                               "choices": [], "usage": mapping.usage(
+                                                   *(s.usage for s in samples.values()))})}
                 chunk = await anext(chunks, None)
             status = 200
         except APIError as e:  # the status line is sent: the error goes in the stream
@@ -176,13 +181,11 @@ class Gateway:
 
     async def _whole(self, request: Request, call: Call, rid: str, first, chunks) -> Response:
         async def collect():
-            parts, last, entries = [first.text], first, list(first.logprobs or [])
+            samples = [mapping.Sample() for _ in range(call.n)]
+            samples[first.index or 0].add(first)
             async for chunk in chunks:
-                parts.append(chunk.text)
-                entries += chunk.logprobs or []
-                last = chunk
-            return mapping.whole(call, rid, self.config.model_name, "".join(parts),
-                                 last.finish_reason, last.usage, entries, first.prompt_logprobs)
+                samples[chunk.index or 0].add(chunk)
+            return mapping.whole(call, rid, self.config.model_name, samples)
 
         task = asyncio.create_task(collect())
         while not task.done():

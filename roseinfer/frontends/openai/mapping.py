@@ -6,7 +6,7 @@ ask for something other than their default, never silently misread.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from roseinfer.core.sampling import is_int, is_number
@@ -46,9 +46,13 @@ class Call:
     def logprobs(self) -> bool:
         return "logprobs" in self.params
 
+    @property
+    def n(self) -> int:
+        return self.params.get("n", 1)
+
 
 # Fields accepted only at their default (value, or None meaning "absent or null").
-_DEFAULTS = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tools": None,
+_DEFAULTS = {"best_of": 1, "echo": False, "suffix": None, "tools": None,
              "tool_choice": None, "functions": None, "function_call": None}
 _LATER = "is not supported by this server yet"
 
@@ -64,7 +68,8 @@ def _check_defaults(body: dict) -> None:
 def _sampling(body: dict, max_tokens_default: int) -> dict:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     stop = body.get("stop")
-    params = {"max_tokens": max_tokens_default if max_tokens is None else max_tokens,
+    params = {"n": body.get("n"),
+              "max_tokens": max_tokens_default if max_tokens is None else max_tokens,
               "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
               "seed": body.get("seed"), "stop": [stop] if isinstance(stop, str) else stop,
               "frequency_penalty": body.get("frequency_penalty"),
@@ -77,7 +82,7 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
               "repetition_penalty": body.get("repetition_penalty"),
               "prompt_logprobs": body.get("prompt_logprobs")}
     optional_number = lambda v: v is None or is_number(v)  # noqa: E731
-    for name, ok in (("max_tokens", is_int), ("temperature", is_number), ("top_p", is_number),
+    for name, ok in (("n", lambda v: v is None or is_int(v)), ("max_tokens", is_int), ("temperature", is_number), ("top_p", is_number),
                      ("frequency_penalty", optional_number),
                      ("presence_penalty", optional_number),
                      ("repetition_penalty", optional_number),
@@ -171,9 +176,12 @@ def finish(reason: Optional[str]) -> Optional[str]:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def usage(u: Optional[dict]) -> dict:
-    u = u or {}
-    p, c = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+def usage(*samples: Optional[dict]) -> dict:
+    """OpenAI's usage of a request from its samples' own: the prompt once, every
+    sample's completion tokens."""
+    samples = [u or {} for u in samples] or [{}]
+    p = max(u.get("prompt_tokens", 0) for u in samples)
+    c = sum(u.get("completion_tokens", 0) for u in samples)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -232,23 +240,44 @@ def _top(entry: dict):
     return zip(texts, entry["top_logprobs"])
 
 
-def whole(call: Call, rid: str, model: str, text: str, reason: str, u: dict,
-          entries: Optional[list[dict]] = None, prompt_entries: Optional[list] = None) -> dict:
-    choice = {"index": 0, "logprobs": logprobs(call, entries), "finish_reason": finish(reason)}
-    if prompt_entries is not None:
-        choice["prompt_logprobs"] = prompt_logprobs(prompt_entries)
-    if call.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {**envelope(call, rid, model, int(time.time())), "choices": [choice], "usage": usage(u)}
+@dataclass
+class Sample:
+    """One sample's reply, gathered from its chunks."""
+    text: str = ""
+    tokens: int = 0
+    entries: list = field(default_factory=list)   # logprob entries
+    reason: Optional[str] = None
+    usage: Optional[dict] = None
+    prompt_entries: Optional[list] = None
+
+    def add(self, chunk) -> None:
+        self.text += chunk.text
+        self.tokens += len(chunk.token_ids)
+        self.entries += chunk.logprobs or []
+        self.reason, self.usage = chunk.finish_reason, chunk.usage or self.usage
+        self.prompt_entries = self.prompt_entries or chunk.prompt_logprobs
+
+
+def whole(call: Call, rid: str, model: str, samples: list[Sample]) -> dict:
+    choices = []
+    for i, s in enumerate(samples):
+        choice = {"index": i, "logprobs": logprobs(call, s.entries), "finish_reason": finish(s.reason)}
+        if s.prompt_entries is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(s.prompt_entries)
+        if call.chat:
+            choice["message"] = {"role": "assistant", "content": s.text}
+        else:
+            choice["text"] = s.text
+        choices.append(choice)
+    return {**envelope(call, rid, model, int(time.time())), "choices": choices,
+            "usage": usage(*(s.usage for s in samples))}
 
 
 def piece(call: Call, head: dict, text: Optional[str], reason: Optional[str],
           first: bool = False, entries: Optional[list[dict]] = None, offset: int = 0,
-          prompt_entries: Optional[list] = None) -> dict:
-    """One streamed chunk; text None means no content in it."""
-    choice = {"index": 0, "logprobs": logprobs(call, entries, offset),
+          prompt_entries: Optional[list] = None, index: int = 0) -> dict:
+    """One streamed chunk of sample ``index``; text None means no content in it."""
+    choice = {"index": index, "logprobs": logprobs(call, entries, offset),
               "finish_reason": finish(reason)}
     if prompt_entries is not None:
         choice["prompt_logprobs"] = prompt_logprobs(prompt_entries)
