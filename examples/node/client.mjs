@@ -13,7 +13,7 @@ import { decode, encode } from "@msgpack/msgpack";
 
 const USAGE = 'usage: node client.mjs "prompt" [--max-tokens N] [--temperature T (0 = greedy)] ' +
   "[--logprobs K] [--prompt-logprobs K] [--repetition-penalty R] [--logit-bias ID:BIAS ...] " +
-  "[--response-format JSON] " +
+  "[--response-format JSON] [--n N] " +
   "[--redis-url URL] [--prefix P] [--timeout SECONDS]";
 const { values: opts, positionals } = parseArgs({
   allowPositionals: true,
@@ -27,6 +27,7 @@ const { values: opts, positionals } = parseArgs({
     "repetition-penalty": { type: "string" },
     "logit-bias": { type: "string", multiple: true },
     "response-format": { type: "string" },
+    n: { type: "string", default: "1" },
     timeout: { type: "string", default: "120" },
   },
 });
@@ -54,6 +55,10 @@ if (opts["logit-bias"] !== undefined) {
 }
 // The output's shape: '{"type": "json_object"}', a json_schema or a regex (docs/protocol.md).
 if (opts["response-format"] !== undefined) body.response_format = JSON.parse(opts["response-format"]);
+// n > 1: independent samples, on the one reply stream; each chunk carries its index and
+// each sample ends with its own final chunk. Their texts print whole as they end.
+const n = Number(opts.n);
+if (n !== 1) body.n = n;
 const scored = []; // [token id, logprob entry] in order, printed after the text
 let promptScored = null; // the first chunk's prompt_logprobs, if asked for
 
@@ -72,8 +77,9 @@ process.on("SIGINT", async () => {
   await other.quit();
 });
 
-const final = await readReplies(`${opts.prefix}:out:{${rid}}`);
-process.stdout.write("\n");
+const finals = await readReplies(`${opts.prefix}:out:{${rid}}`);
+const final = finals[finals.length - 1];
+if (n === 1) process.stdout.write("\n");
 if (promptScored !== null) process.stdout.write(JSON.stringify({ prompt_logprobs: promptScored }) + "\n");
 for (const [tokenId, entry] of scored) {
   process.stdout.write(JSON.stringify({ token_id: tokenId, ...entry }) + "\n");
@@ -83,12 +89,16 @@ if (final.finish_reason === "error") {
   console.error(`error (${final.error.code}): ${final.error.message}`);
   process.exit(1);
 }
-const { prompt_tokens, completion_tokens } = final.usage;
-console.error(`[${final.finish_reason}: ${prompt_tokens} prompt + ${completion_tokens} generated tokens]`);
+const generated = finals.reduce((sum, f) => sum + f.usage.completion_tokens, 0);
+const what = n === 1 ? final.finish_reason : `${n} samples`;
+console.error(`[${what}: ${final.usage.prompt_tokens} prompt + ${generated} generated tokens]`);
 
+// The final chunks, one per sample (or the error chunk that ends them all).
 async function readReplies(key) {
   let lastId = "0-0";
   let nextSeq = 0;
+  const finals = [];
+  const texts = new Map(); // sample index -> its text so far (n > 1)
   for (;;) {
     const reply = await client.sendCommand(
       ["XREAD", "COUNT", "100", "BLOCK", String(Number(opts.timeout) * 1000), "STREAMS", key, lastId],
@@ -102,10 +112,16 @@ async function readReplies(key) {
       const chunk = decode(fields[fields.findIndex((f) => f.toString() === "body") + 1]);
       if (chunk.seq < nextSeq) continue; // delivery is at-least-once: skip duplicates
       nextSeq = chunk.seq + 1;
-      process.stdout.write(chunk.text);
       promptScored ??= chunk.prompt_logprobs ?? null;
       (chunk.logprobs ?? []).forEach((entry, i) => scored.push([chunk.token_ids[i], entry]));
-      if (chunk.finish_reason !== null) return chunk;
+      if (n === 1) process.stdout.write(chunk.text);
+      else texts.set(chunk.index, (texts.get(chunk.index) ?? "") + chunk.text);
+      if (chunk.finish_reason === null) continue;
+      finals.push(chunk);
+      if (n > 1 && chunk.finish_reason !== "error") {
+        process.stdout.write(`--- sample ${chunk.index} (${chunk.finish_reason}) ---\n${texts.get(chunk.index)}\n`);
+      }
+      if (finals.length === n || chunk.finish_reason === "error") return finals;
     }
   }
 }

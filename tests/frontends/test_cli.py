@@ -52,6 +52,9 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, tiny_llm, expected, redis_se
                                 capture_output=True, text=True, timeout=60)
         shaped = subprocess.run(roseinfer(*submit, "--response-format", json.dumps(CODE)),
                                 capture_output=True, text=True, timeout=60)
+        samples = subprocess.run(roseinfer(*submit, "-n", "3", "--temperature", "1",
+                                           "--seed", "5"),
+                                 capture_output=True, text=True, timeout=60)
         status = subprocess.run(roseinfer("status", "--redis-url", redis_server.url, "--prefix", prefix,
                                           "--json"), capture_output=True, text=True, timeout=60)
     finally:
@@ -78,6 +81,12 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, tiny_llm, expected, redis_se
                                                         response_format=CODE))
     assert shaped.returncode == 0, shaped.stderr
     assert re.fullmatch(CODE["pattern"], ref.text) and shaped.stdout == ref.text + "\n"
+    (refs,) = tiny_llm.generate([PROMPT], SamplingParams(n=3, max_tokens=10, temperature=1,
+                                                         seed=5))
+    assert samples.returncode == 0, samples.stderr
+    printed = re.findall(r"--- sample (\d) \((\w+)\) ---\n(.*?)\n(?=---|$)", samples.stdout, re.S)
+    assert sorted(printed) == [(str(i), r.finish_reason, r.text) for i, r in enumerate(refs)]
+    assert samples.stderr.startswith("[3 samples: 5 prompt + ")
     assert code == 0, log
     assert "rejected" in log and "stopped" in log
     found = json.loads(status.stdout)

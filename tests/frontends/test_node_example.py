@@ -36,7 +36,13 @@ def test_node_client_streams_the_greedy_text(tiny_llm, start_worker, redis_serve
                                 "--max-tokens", "2", "--prompt-logprobs", "1")
     shaped = node_client(redis_server, prefix, "The capital of France is", "--max-tokens", "10",
                          "--response-format", json.dumps(CODE))
+    samples = node_client(redis_server, prefix, "The capital of France is", "--max-tokens", "5",
+                          "--temperature", "1", "--n", "3")
     worker.stop()
+    assert samples.returncode == 0, samples.stderr
+    printed = re.findall(r"--- sample (\d) \(length\) ---\n", samples.stdout)
+    assert sorted(printed) == ["0", "1", "2"]
+    assert samples.stderr == "[3 samples: 5 prompt + 15 generated tokens]\n"
     (ref,) = tiny_llm.generate(["The capital of France is"], SamplingParams(
         max_tokens=10, temperature=0, response_format=CODE))
     assert shaped.returncode == 0, shaped.stderr

@@ -82,6 +82,9 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     submit.add_argument("--top-k", type=int, default=None)
     submit.add_argument("--min-p", type=float, default=None)
     submit.add_argument("--seed", type=int, default=None)
+    submit.add_argument("-n", "--n", type=int, default=None,
+                        help="independent samples (1-16); with more than one, each sample's "
+                             "text prints whole when it ends, under a '--- sample I ---' line")
     submit.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     submit.add_argument("--ignore-eos", action="store_true", default=None)
     submit.add_argument("--stream-interval", type=int, default=None, help="tokens per chunk")
@@ -270,7 +273,7 @@ def _json_object(text: str) -> dict:
 
 
 def submit_command(args: argparse.Namespace) -> int:
-    params = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+    params = {k: getattr(args, k) for k in ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                                              "seed", "stop", "ignore_eos", "stream_interval",
                                              "logprobs", "prompt_logprobs", "repetition_penalty",
                                              "frequency_penalty", "presence_penalty",
@@ -278,6 +281,9 @@ def submit_command(args: argparse.Namespace) -> int:
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     client = Client(prefix=args.prefix, redis_client=_connect(args.redis_url))
     rid = client.submit(args.prompt, rid=args.rid, **params)
+    n = args.n or 1
+    if n > 1:
+        return _print_samples(client, rid, n, args.timeout)
     chunks = []
     try:
         for chunk in client.stream(rid, timeout=args.timeout):
@@ -303,6 +309,29 @@ def submit_command(args: argparse.Namespace) -> int:
     usage = final.usage
     print(f"[{final.finish_reason}: {usage['prompt_tokens']} prompt + "
           f"{usage['completion_tokens']} generated tokens]", file=sys.stderr)
+    return 0
+
+
+def _print_samples(client: Client, rid: str, n: int, timeout: float) -> int:
+    texts, usage = [""] * n, []
+    try:
+        for chunk in client.stream(rid, timeout=timeout, n=n):
+            if chunk.error is not None:
+                print(f"error ({chunk.error['code']}): {chunk.error['message']}", file=sys.stderr)
+                return 1
+            texts[chunk.index] += chunk.text
+            if chunk.finished:
+                print(f"--- sample {chunk.index} ({chunk.finish_reason}) ---\n{texts[chunk.index]}",
+                      flush=True)
+                usage.append(chunk.usage)
+    except KeyboardInterrupt:
+        client.cancel(rid)
+        return 130
+    except TimeoutError as e:
+        print(f"\n{e}", file=sys.stderr)
+        return 1
+    print(f"[{n} samples: {usage[0]['prompt_tokens']} prompt + "
+          f"{sum(u['completion_tokens'] for u in usage)} generated tokens]", file=sys.stderr)
     return 0
 
 
