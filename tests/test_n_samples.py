@@ -3,6 +3,7 @@ import pytest
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.core.errors import InvalidRequestError
+from tests.conftest import DEVICE
 from tests.models import hf_greedy
 from tests.test_greedy_equality import mixed_prompts
 
@@ -10,7 +11,7 @@ PROMPT = list(range(40, 70))  # 30 tokens: 7 full blocks of 4 before the last to
 
 
 def llm_for(hf, **config):
-    return LLM(hf, **{"device": "cpu", "block_size": 4, "num_kv_blocks": 128,
+    return LLM(hf, **{"device": DEVICE, "dtype": "float32", "block_size": 4, "num_kv_blocks": 128,
                       "enable_prefix_cache": False, **config})
 
 
