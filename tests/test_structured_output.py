@@ -86,6 +86,14 @@ def test_json_schema_greedy_equals_the_reference_beside_free_rows(llm, hf, token
     assert outs[2].token_ids == alone  # unconstrained rows of the batch are untouched
 
 
+def test_past_the_grammar_end_a_request_ignoring_eos_repeats_it(llm):
+    out = llm.generate([[464, 3280, 318]], SamplingParams(
+        max_tokens=40, temperature=0, ignore_eos=True, response_format=JSON_SCHEMA))[0]
+    assert out.text in LANGUAGE and out.finish_reason == "length"
+    ends = out.token_ids.index(EOS)
+    assert out.token_ids[ends:] == [EOS] * (40 - ends)
+
+
 def test_sampled_regex_outputs_match_and_seeds_repeat(llm):
     params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, response_format=CODE)
               for s in range(6)]

@@ -36,10 +36,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="gpt2-random")
     p.add_argument("--dtype", default="float16")
+    p.add_argument("--decode-steps", type=int, default=8)
     args = p.parse_args()
     llm = LLM(args.model, device="cuda", dtype=args.dtype, max_num_seqs=128,
-              enable_prefix_cache=False)
-    print(torch.cuda.get_device_name(), args.model, args.dtype, flush=True)
+              enable_prefix_cache=False, decode_steps=args.decode_steps)
+    print(torch.cuda.get_device_name(), args.model, args.dtype,
+          f"decode_steps {args.decode_steps}", flush=True)
     prompts = ids(128, 32, 0)
     plain = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
     shaped = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True,

@@ -31,6 +31,11 @@ class XGrammarOutput:
             # prepare() compiles, start() finds it there.
             self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
         self.mask = None  # host bitmask, one row per logits row, grown as batches grow
+        # Past its grammar's end (a request that ignores EOS goes on) a row may
+        # only repeat a stop token: the text stays what the grammar matched.
+        self.stop_only = xgr.allocate_token_bitmask(1, ctx.vocab_size)[0].zero_()
+        for t in ctx.eos_ids:
+            self.stop_only[t // 32] |= 1 << (t % 32)
 
     def prepare(self, response_format: dict) -> None:
         self._compile(response_format)
@@ -57,7 +62,10 @@ class XGrammarOutput:
     def apply(self, logits: torch.Tensor, rows: list[int], states) -> None:
         mask = self._host_mask(logits.shape[0])
         for row, state in zip(rows, states):
-            state.matcher.fill_next_token_bitmask(mask, row)
+            if state.matcher.is_terminated():
+                mask[row] = self.stop_only
+            else:
+                state.matcher.fill_next_token_bitmask(mask, row)
         # Pinned: the copy does not wait for the step queued before it. The
         # buffer is reused once the engine has seen this step's tokens.
         device_mask = mask.to(logits.device, non_blocking=True)
