@@ -139,7 +139,7 @@ def test_preemption_keeps_constrained_outputs(hf, tok, llm):
     outs = tight.generate(prompts, params)
     assert tight.engine.stats().num_preemptions > 0, "the pool should have forced preemption"
     assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
-    assert tight.engine.blocks.num_free == 20 and tight.engine.num_constrained == 0
+    assert tight.engine.blocks.num_free == 20 and not tight.engine.seqs
 
 
 @pytest.mark.parametrize("fmt, says", [

@@ -8,13 +8,16 @@ seeded), as 128 distinct prompts against 32 prompts with n = 4.
 Completion tokens per second of one `generate` call after a warm-up call.
 Run from the repository root on a GPU:
     python3 docs/bench/request_features.py [--model gpt2-random] [--dtype float16]
+        [--decode-steps 8] [--gpt2-tokenizer]
 """
 import argparse
+import tempfile
 import time
 
 import torch
 
 from roseinfer import LLM, SamplingParams
+from roseinfer.models.tokenizers import gpt2_tokenizer
 
 
 def timed(llm, prompts, params) -> float:
@@ -37,8 +40,12 @@ def main():
     p.add_argument("--model", default="gpt2-random")
     p.add_argument("--dtype", default="float16")
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--gpt2-tokenizer", action="store_true",
+                   help="give the model GPT-2's tokenizer (random shapes have none; the "
+                        "grammar needs one)")
     args = p.parse_args()
-    llm = LLM(args.model, device="cuda", dtype=args.dtype, max_num_seqs=128,
+    tok = gpt2_tokenizer(tempfile.mkdtemp()) if args.gpt2_tokenizer else None
+    llm = LLM(args.model, tokenizer=tok, device="cuda", dtype=args.dtype, max_num_seqs=128,
               enable_prefix_cache=False, decode_steps=args.decode_steps)
     print(torch.cuda.get_device_name(), args.model, args.dtype,
           f"decode_steps {args.decode_steps}", flush=True)

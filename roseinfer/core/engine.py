@@ -16,7 +16,7 @@ from roseinfer.core.errors import ConfigError, InvalidRequestError
 from roseinfer.core.kv_cache import KVCache
 from roseinfer.core.outputs import RequestOutput
 from roseinfer.core.plugins import PluginRegistry, default_registry
-from roseinfer.core.processors import ProcessorContext, Processors, accept
+from roseinfer.core.processors import ProcessorContext, Processors, catch_up
 from roseinfer.core.request import Sequence, Status
 from roseinfer.core.runner import ModelRunner
 from roseinfer.core.sampling import SamplingParams, is_int
@@ -78,7 +78,6 @@ class Engine:
         self.processors = Processors(plugins, ProcessorContext(
             self.tokenizer, self.model.head.vocab_size, frozenset(self.eos_ids), self.device),
             config.structured_output)
-        self.num_constrained = 0  # unfinished sequences with logits processors
         self.seqs: dict[str, Sequence] = {}  # by Sequence.key
         self.groups: dict[str, int] = {}     # n of the unfinished requests with n > 1
         self._forks: list[tuple[Sequence, list[Sequence]]] = []  # _share_prompts
@@ -164,9 +163,10 @@ class Engine:
         seq.key = request_id if params.n == 1 else f"{request_id}#{index}"
         if params.constrained:
             seq.constraints = self.processors.start(params, ids)
-            accept(seq, emitted)
         seq.token_ids += emitted
         seq.num_emitted = len(emitted)
+        if seq.constraints:
+            catch_up(seq)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
             if emitted:  # decode them as their first owner did, then skip what it released
@@ -179,7 +179,6 @@ class Engine:
         full blocks are computed (right away if it has none)."""
         for seq in samples:
             self.seqs[seq.key] = seq
-            self.num_constrained += bool(seq.constraints)
         first, rest = samples[0], samples[1:]
         self.scheduler.add(first)
         if rest:
@@ -255,13 +254,10 @@ class Engine:
         for seq in self._aborted:
             self._forget(seq)
         self._aborted.clear()
-        previous, self._in_flight = self._in_flight, None
-        if previous is not None and self.num_constrained:  # core/processors.py says why
-            outputs += self._collect(previous)
-            previous = None
         batch = self.scheduler.schedule()
+        previous, self._in_flight = self._in_flight, None
         if batch.seqs:
-            self._in_flight = self.runner.launch(batch)
+            self._in_flight = self.runner.launch(batch, previous)
             for seq, n in zip(batch.seqs, batch.num_tokens):
                 seq.num_computed += n * batch.steps  # steps > 1 only when every n is 1
         if self._forks:
@@ -312,7 +308,7 @@ class Engine:
         seq.token_ids += tokens
         seq.finish_reason = reason
         if seq.constraints:
-            accept(seq, tokens)
+            catch_up(seq)
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         if self.blocks.prefix_cache:
@@ -327,7 +323,6 @@ class Engine:
     def _forget(self, seq: Sequence) -> None:
         if self.seqs.pop(seq.key, None) is None:
             return
-        self.num_constrained -= bool(seq.constraints)
         n = self.groups.get(seq.request_id)
         if n is not None and not any(f"{seq.request_id}#{i}" in self.seqs for i in range(n)):
             del self.groups[seq.request_id]

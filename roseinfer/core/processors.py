@@ -11,10 +11,15 @@ args (compiling a grammar: seconds for some small hostile patterns), which
 frontends run off the step loop before they add the request (the Redis
 worker's reader thread), so that ``start`` is quick after it.
 
-Such a request's next mask depends on the token it sampled last, which the
-host must have seen: while one runs, the engine collects each step before it
-schedules the next (engine.step) and runs no decode windows. The processor's
-host work then overlaps the step's forward, which is already queued.
+Such a request's next mask depends on the token it sampled last, which is
+still in flight when the next step launches: the runner queues that step's
+forward first, then waits for the previous step's tokens alone (not for the
+step it queued), hands the constrained rows theirs (``accept_early``) and
+fills their masks while the forward runs; the engine's bookkeeping of the
+previous step stays overlapped with the GPU as for any step. Such batches run
+no decode windows: each step needs the host in between. (Collecting the
+previous step before scheduling the next instead was measured 0.53x against
+this path's 0.77x of plain throughput, Llama-1B shape: docs/benchmarks.md.)
 """
 from __future__ import annotations
 
@@ -97,7 +102,17 @@ def apply(logits: torch.Tensor, seqs) -> None:
         processor.apply(logits, rows, states)
 
 
-def accept(seq, token_ids: list[int]) -> None:
-    """Tokens ``seq`` took, to each of its processors' states."""
+def accept_early(seq, token: int) -> None:
+    """The token ``seq`` sampled last, before the engine takes it (catch_up skips it)."""
     for _, state in seq.constraints:
-        state.accept(token_ids)
+        state.accept([token])
+    seq.num_accepted += 1
+
+
+def catch_up(seq) -> None:
+    """The generated ids of ``seq`` its states have not seen yet, to each of them."""
+    new = seq.token_ids[seq.num_prompt_tokens + seq.num_accepted:]
+    if new:
+        for _, state in seq.constraints:
+            state.accept(new)
+        seq.num_accepted += len(new)

@@ -21,7 +21,7 @@ class Sequence:
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
                  "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
                  "row", "synced", "sample_words", "logprobs", "prompt_logprobs",
-                 "constraints", "index", "key")
+                 "constraints", "num_accepted", "index", "key")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
@@ -56,6 +56,7 @@ class Sequence:
             [None] if params.prompt_logprobs is not None else None
         # (logits processor, its state for this sequence) pairs (core/processors.py).
         self.constraints: list = []
+        self.num_accepted = 0          # generated ids the constraints' states have seen
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from roseinfer.core.attention import AttnMetadata, StepContext, set_context
 from roseinfer.core.cuda_graphs import StepGraphs
 from roseinfer.core.kv_cache import KVCache, SlotBatch
 from roseinfer.core.logits import LogitsWork, PromptPlan, TokenLogprob, to_host
+from roseinfer.core.processors import accept_early
 from roseinfer.core.sample_kernel import WORDS, sample
 from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
@@ -121,11 +122,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Launch the batch's step (or window of decode steps) without waiting for it."""
+    def launch(self, batch: ScheduledBatch, previous: Optional[LaunchedStep] = None) -> LaunchedStep:
+        """Launch the batch's step (or window of decode steps) without waiting for it;
+        ``previous``: the step still in flight, whose tokens constrained rows need."""
         seqs, num_tokens = batch.seqs, batch.num_tokens
         n_tok, n_seq = sum(num_tokens), len(seqs)
         processed = any(s.params.processed for s in seqs)
+        # Constrained rows whose last token is in flight, at its column of previous's ids.
+        early = [(s, s.sample_slot) for s in seqs if s.constraints and s.pending] \
+            if processed else []
         plan = PromptPlan.of(seqs, num_tokens, self.device) if processed else None
         layout = self.graphs.layout(n_tok, n_seq) if self.graphs else None
         if processed and layout is not None and (layout.mixed or plan is not None):
@@ -160,6 +165,8 @@ class ModelRunner:
                 prompt = plan, plan.logprobs(prompt_logits)
             if not rows:
                 continue
+            if early:  # after the forward is queued: processors.py says why
+                self._take_early(previous, early)
             if work is not None:
                 logits = work.apply(logits)
             tokens = self._sample(batch, rows, logits, inp, greedy, layout is not None)
@@ -170,6 +177,15 @@ class ModelRunner:
             # written here replace the ones it sampled, for the next step to read.
             self._record(step, tokens)
         return self._land(batch, rows, [f for f in found if f is not None] or None, prompt)
+
+    @staticmethod
+    def _take_early(previous: LaunchedStep, early) -> None:
+        """The previous step's tokens of the constrained rows, to their states."""
+        if previous.done is not None:
+            previous.done.synchronize()
+        tokens = previous.tokens[0].tolist()
+        for seq, slot in early:
+            accept_early(seq, tokens[slot])
 
     def _sample(self, batch, rows, logits, inp, greedy: bool, replayed: bool) -> torch.Tensor:
         """``replayed``: a decode graph ran the step and moved the positions on."""
