@@ -143,12 +143,13 @@ def test_n_samples_stream_on_one_reply_stream(tiny_llm, start_worker, real_redis
     and the entry is acknowledged after the last."""
     prompt = "Once upon a time"
     params = dict(n=3, max_tokens=9, temperature=1.0, seed=4, stream_interval=2)
-    start_worker(tiny_llm.engine)
+    worker = start_worker(tiny_llm.engine)
     with Client(redis_server.url, prefix) as client:
         results = client.generate(prompt, timeout=30, **params)
         rid = client.submit(prompt, **params)
         streamed = list(client.stream(rid, timeout=30, n=3))
     wait_until(lambda: real_redis.xpending(Keys(prefix).requests, "workers")["pending"] == 0)
+    worker.stop()  # the reference below uses the same engine
     templated = tiny_llm.engine.chat_prompt(prompt)
     want = tiny_llm.generate([templated], SamplingParams(**{k: v for k, v in params.items()
                                                             if k != "stream_interval"}))[0]

@@ -285,27 +285,21 @@ def submit_command(args: argparse.Namespace) -> int:
     if n > 1:
         return _print_samples(client, rid, n, args.timeout)
     chunks = []
-    try:
-        for chunk in client.stream(rid, timeout=args.timeout):
-            chunks.append(chunk)
-            if args.stream:
-                print(chunk.text, end="", flush=True)
-    except KeyboardInterrupt:
-        client.cancel(rid)
-        return 130
-    except TimeoutError as e:
-        print(f"\n{e}", file=sys.stderr)
-        return 1
-    final = chunks[-1]
-    if final.error is not None:
-        print(f"error ({final.error['code']}): {final.error['message']}", file=sys.stderr)
-        return 1
+
+    def take(chunk):
+        chunks.append(chunk)
+        if args.stream:
+            print(chunk.text, end="", flush=True)
+    code = _follow(client, rid, args.timeout, 1, take)
+    if code:
+        return code
     print("" if args.stream else "".join(c.text for c in chunks))
     if chunks[0].prompt_logprobs is not None:
         print(json.dumps({"prompt_logprobs": chunks[0].prompt_logprobs}))
     for c in chunks:
         for token, lp in zip(c.token_ids, c.logprobs or []):
             print(json.dumps({"token_id": token, **lp}))
+    final = chunks[-1]
     usage = final.usage
     print(f"[{final.finish_reason}: {usage['prompt_tokens']} prompt + "
           f"{usage['completion_tokens']} generated tokens]", file=sys.stderr)
@@ -314,24 +308,35 @@ def submit_command(args: argparse.Namespace) -> int:
 
 def _print_samples(client: Client, rid: str, n: int, timeout: float) -> int:
     texts, usage = [""] * n, []
+
+    def take(chunk):
+        texts[chunk.index] += chunk.text
+        if chunk.finished:
+            print(f"--- sample {chunk.index} ({chunk.finish_reason}) ---\n{texts[chunk.index]}",
+                  flush=True)
+            usage.append(chunk.usage)
+    code = _follow(client, rid, timeout, n, take)
+    if not code:
+        print(f"[{n} samples: {usage[0]['prompt_tokens']} prompt + "
+              f"{sum(u['completion_tokens'] for u in usage)} generated tokens]", file=sys.stderr)
+    return code
+
+
+def _follow(client: Client, rid: str, timeout: float, n: int, take) -> int:
+    """Each chunk of the request to ``take``; the exit code: 0, 1 on an error reply or a
+    timeout, 130 on Ctrl-C (which cancels the request)."""
     try:
         for chunk in client.stream(rid, timeout=timeout, n=n):
             if chunk.error is not None:
                 print(f"error ({chunk.error['code']}): {chunk.error['message']}", file=sys.stderr)
                 return 1
-            texts[chunk.index] += chunk.text
-            if chunk.finished:
-                print(f"--- sample {chunk.index} ({chunk.finish_reason}) ---\n{texts[chunk.index]}",
-                      flush=True)
-                usage.append(chunk.usage)
+            take(chunk)
     except KeyboardInterrupt:
         client.cancel(rid)
         return 130
     except TimeoutError as e:
         print(f"\n{e}", file=sys.stderr)
         return 1
-    print(f"[{n} samples: {usage[0]['prompt_tokens']} prompt + "
-          f"{sum(u['completion_tokens'] for u in usage)} generated tokens]", file=sys.stderr)
     return 0
 
 
