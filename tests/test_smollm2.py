@@ -63,3 +63,18 @@ def test_loads_without_transformers_model_modules(llm):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
+
+
+def test_answers_in_the_json_schema_asked_for(llm):
+    import json
+
+    schema = {"type": "object", "properties": {"country": {"type": "string"},
+                                               "capital": {"type": "string"}},
+              "required": ["country", "capital"]}
+    out = llm.generate([chat(llm, "What is the capital of France? Answer in JSON.")],
+                       SamplingParams(max_tokens=40, temperature=0, response_format={
+                           "type": "json_schema",
+                           "json_schema": {"name": "capital", "schema": schema}}))[0]
+    answer = json.loads(out.text)
+    assert out.finish_reason == "stop" and set(answer) == {"country", "capital"}
+    assert answer["capital"] == "Paris"

@@ -52,6 +52,9 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, tiny_llm, expected, redis_se
                                 capture_output=True, text=True, timeout=60)
         shaped = subprocess.run(roseinfer(*submit, "--response-format", json.dumps(CODE)),
                                 capture_output=True, text=True, timeout=60)
+        chat = subprocess.run(roseinfer("submit", *submit[2:], "--messages-file", "-"), text=True,
+                              input='[{"role": "user", "content": "Hi"}]', capture_output=True,
+                              timeout=60)
         samples = subprocess.run(roseinfer(*submit, "-n", "3", "--temperature", "1",
                                            "--seed", "5"),
                                  capture_output=True, text=True, timeout=60)
@@ -87,6 +90,9 @@ def test_worker_and_submit_processes(tiny_gpt2_dir, tiny_llm, expected, redis_se
     printed = re.findall(r"--- sample (\d) \((\w+)\) ---\n(.*?)\n(?=---|$)", samples.stdout, re.S)
     assert sorted(printed) == [(str(i), r.finish_reason, r.text) for i, r in enumerate(refs)]
     assert samples.stderr.startswith("[3 samples: 5 prompt + ")
+    # The messages reach the worker, whose tiny model has no template to render them.
+    assert chat.returncode == 1 and "messages: this worker's model has no chat template" \
+        in chat.stderr
     assert code == 0, log
     assert "rejected" in log and "stopped" in log
     found = json.loads(status.stdout)

@@ -16,7 +16,7 @@ import redis
 from roseinfer.frontends.redis_streams import metrics, status
 from roseinfer.frontends.redis_streams.client import DEFAULT_URL, Client
 from roseinfer.frontends.redis_streams.events import event
-from roseinfer.frontends.redis_streams.protocol import DEFAULT_GROUP, DEFAULT_PREFIX, Keys
+from roseinfer.frontends.redis_streams.protocol import DEFAULT_GROUP, DEFAULT_PREFIX, Chat, Keys
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis
 from roseinfer.frontends.redis_streams.worker import EngineFailed, Worker
 
@@ -72,7 +72,10 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     st.set_defaults(func=status_command)
 
     submit = subparsers.add_parser("submit", help="send a prompt to the workers, print the reply")
-    submit.add_argument("prompt")
+    submit.add_argument("prompt", nargs="?", help="the prompt text (or give --messages-file)")
+    submit.add_argument("--messages-file", default=None, metavar="FILE",
+                        help='a conversation instead of a prompt: a JSON list of {"role", '
+                             '"content"} maps ("-" reads it from stdin)')
     submit.add_argument("--redis-url", default=DEFAULT_URL, help="(default: %(default)s)")
     submit.add_argument("--prefix", default=DEFAULT_PREFIX, help="(default: %(default)s)")
     submit.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
@@ -280,7 +283,7 @@ def submit_command(args: argparse.Namespace) -> int:
                                              "response_format")}
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     client = Client(prefix=args.prefix, redis_client=_connect(args.redis_url))
-    rid = client.submit(args.prompt, rid=args.rid, **params)
+    rid = client.submit(_submitted_prompt(args), rid=args.rid, **params)
     n = args.n or 1
     if n > 1:
         return _print_samples(client, rid, n, args.timeout)
@@ -304,6 +307,20 @@ def submit_command(args: argparse.Namespace) -> int:
     print(f"[{final.finish_reason}: {usage['prompt_tokens']} prompt + "
           f"{usage['completion_tokens']} generated tokens]", file=sys.stderr)
     return 0
+
+
+def _submitted_prompt(args: argparse.Namespace):
+    """The prompt text, or the conversation of --messages-file; exits saying what to
+    give when it is neither or both."""
+    if (args.prompt is None) == (args.messages_file is None):
+        sys.exit("roseinfer submit: give a prompt or --messages-file, not both")
+    if args.messages_file is None:
+        return args.prompt
+    try:
+        with (sys.stdin if args.messages_file == "-" else open(args.messages_file)) as f:
+            return Chat(json.load(f))
+    except (OSError, ValueError) as e:
+        sys.exit(f"roseinfer submit: cannot read --messages-file {args.messages_file}: {e}")
 
 
 def _print_samples(client: Client, rid: str, n: int, timeout: float) -> int:
