@@ -50,8 +50,7 @@ class ServeHarness:
         self._pools: list = []  # one multiprocessing Pool(1) per client process
 
     def __enter__(self) -> "ServeHarness":
-        import redis
-
+        from roseinfer.frontends.redis_streams.connection import connect
         from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
         from roseinfer.frontends.redis_streams.worker import Worker
 
@@ -61,7 +60,7 @@ class ServeHarness:
                 self.redis_url = self._server.url
             if self.probe is not None:
                 # Raw prompts, as `bench offline` sends them: no chat template.
-                self._worker = Worker(self.probe, redis.Redis.from_url(self.redis_url),
+                self._worker = Worker(self.probe, connect(self.redis_url),
                                       prefix=self.prefix, block_ms=50, chat_template=False)
                 self._thread = threading.Thread(target=self._run_worker, daemon=True,
                                                 name="bench-worker")

@@ -216,13 +216,14 @@ class WorkerThread:
 
 
 @pytest.fixture
-def start_worker(redis_server, prefix):
-    """start_worker(engine, **worker_kwargs) -> WorkerThread on the real Redis, stopped at teardown."""
+def start_worker_on(prefix):
+    """start_worker_on(redis_client, engine, **worker_kwargs) -> WorkerThread, stopped at
+    teardown."""
     started = []
 
-    def start(engine, **kwargs):
+    def start(client, engine, **kwargs):
         kwargs = {"prefix": prefix, "block_ms": 100, **kwargs}
-        w = WorkerThread(Worker(engine, redis.Redis.from_url(redis_server.url), **kwargs))
+        w = WorkerThread(Worker(engine, client, **kwargs))
         w.thread.start()
         started.append(w)
         return w
@@ -231,6 +232,13 @@ def start_worker(redis_server, prefix):
     for w in started:
         if w.alive():
             w.stop()
+
+
+@pytest.fixture
+def start_worker(redis_server, start_worker_on):
+    """start_worker(engine, **worker_kwargs) -> WorkerThread on the real Redis, stopped at teardown."""
+    return lambda engine, **kwargs: start_worker_on(redis.Redis.from_url(redis_server.url),
+                                                    engine, **kwargs)
 
 
 # --- a tiny GPT-2 with the real GPT-2 tokenizer ------------------------------------------

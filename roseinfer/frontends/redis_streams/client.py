@@ -18,6 +18,7 @@ from typing import AsyncIterator, Iterable, Iterator, Optional, Union
 import redis
 import redis.asyncio
 
+from roseinfer.frontends.redis_streams.connection import connect, connect_async
 from roseinfer.frontends.redis_streams.protocol import (
     DEFAULT_PREFIX, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request)
 
@@ -198,9 +199,7 @@ class Client:
 
     def __init__(self, url: str = DEFAULT_URL, prefix: str = DEFAULT_PREFIX, *,
                  redis_client: Optional[redis.Redis] = None, max_connections: int = 8):
-        self.redis = redis_client or redis.Redis(connection_pool=redis.BlockingConnectionPool
-                                                 .from_url(url, max_connections=max_connections,
-                                                           timeout=None))
+        self.redis = redis_client or connect(url, max_connections)
         self.keys = Keys(prefix)
         self._streams = _Streams(self.keys)
         self._reading: Optional[threading.Thread] = None
@@ -280,9 +279,7 @@ class AsyncClient:
 
     def __init__(self, url: str = DEFAULT_URL, prefix: str = DEFAULT_PREFIX, *,
                  redis_client: Optional[redis.asyncio.Redis] = None, max_connections: int = 8):
-        self.redis = redis_client or redis.asyncio.Redis(
-            connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
-                url, max_connections=max_connections, timeout=None))
+        self.redis = redis_client or connect_async(url, max_connections)
         self.keys = Keys(prefix)
         self._streams = _Streams(self.keys)
         self._reading: Optional[asyncio.Task] = None

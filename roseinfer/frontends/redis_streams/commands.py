@@ -15,6 +15,7 @@ import redis
 
 from roseinfer.frontends.redis_streams import metrics, status
 from roseinfer.frontends.redis_streams.client import DEFAULT_URL, Client
+from roseinfer.frontends.redis_streams.connection import connect
 from roseinfer.frontends.redis_streams.events import event
 from roseinfer.frontends.redis_streams.protocol import DEFAULT_GROUP, DEFAULT_PREFIX, Chat, Keys
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis
@@ -225,9 +226,11 @@ def _serve_metrics(worker_metrics: metrics.Metrics, settings: dict):
 
 
 def _connect(url: str, **options) -> redis.Redis:
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, **options)
     try:
+        client = connect(url, socket_connect_timeout=5, **options)
         client.ping()
+    except ValueError as e:
+        sys.exit(f"--redis-url: {e}")
     except redis.ConnectionError as e:
         sys.exit(f"cannot reach Redis at {url} ({e}): start one with `roseinfer serve`, "
                  "or pass the right --redis-url")

