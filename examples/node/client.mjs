@@ -8,13 +8,14 @@
 // streaming many requests at once reads all their reply streams with one XREAD over
 // every key instead, as the Python clients do (docs/protocol.md, "Connections").
 import { parseArgs } from "node:util";
-import { createClient, RESP_TYPES } from "redis";
+import { createClient, createSentinel, RESP_TYPES } from "redis";
 import { decode, encode } from "@msgpack/msgpack";
 
 const USAGE = 'usage: node client.mjs "prompt" [--max-tokens N] [--temperature T (0 = greedy)] ' +
   "[--logprobs K] [--prompt-logprobs K] [--repetition-penalty R] [--logit-bias ID:BIAS ...] " +
   "[--response-format JSON] [--n N] " +
-  "[--redis-url URL] [--prefix P] [--timeout SECONDS]";
+  "[--redis-url URL (redis:// or redis+sentinel://host:port,.../PRIMARY)] [--prefix P] " +
+  "[--timeout SECONDS]";
 const { values: opts, positionals } = parseArgs({
   allowPositionals: true,
   options: {
@@ -62,7 +63,7 @@ if (n !== 1) body.n = n;
 const scored = []; // [token id, logprob entry] in order, printed after the text
 let promptScored = null; // the first chunk's prompt_logprobs, if asked for
 
-const client = await createClient({ url: opts["redis-url"] }).connect();
+const client = await connect(opts["redis-url"]);
 // Reply bodies are binary msgpack: read bulk strings as Buffers, not as UTF-8 text.
 const BINARY = { typeMapping: { [RESP_TYPES.BLOB_STRING]: Buffer } };
 
@@ -72,9 +73,8 @@ const rid = await client.xAdd(`${opts.prefix}:requests`, "*",
 
 process.on("SIGINT", async () => {
   // The main connection is blocked in XREAD; the abort chunk will end the loop below.
-  const other = await client.duplicate().connect();
-  await other.xAdd(`${opts.prefix}:cancel`, "*", { rid });
-  await other.quit();
+  // (Through Sentinel the client has a second connection to the primary for this.)
+  await client.cancel(`${opts.prefix}:cancel`, { rid });
 });
 
 const finals = await readReplies(`${opts.prefix}:out:{${rid}}`);
@@ -84,7 +84,7 @@ if (promptScored !== null) process.stdout.write(JSON.stringify({ prompt_logprobs
 for (const [tokenId, entry] of scored) {
   process.stdout.write(JSON.stringify({ token_id: tokenId, ...entry }) + "\n");
 }
-await client.quit();
+await client.close();
 if (final.finish_reason === "error") {
   console.error(`error (${final.error.code}): ${final.error.message}`);
   process.exit(1);
@@ -100,7 +100,7 @@ async function readReplies(key) {
   const finals = [];
   const texts = new Map(); // sample index -> its text so far (n > 1)
   for (;;) {
-    const reply = await client.sendCommand(
+    const reply = await client.send(
       ["XREAD", "COUNT", "100", "BLOCK", String(Number(opts.timeout) * 1000), "STREAMS", key, lastId],
       BINARY);
     if (reply === null) {
@@ -124,4 +124,48 @@ async function readReplies(key) {
       if (finals.length === n || chunk.finish_reason === "error") return finals;
     }
   }
+}
+
+// A server (redis://) or the primary a Sentinel group names
+// (redis+sentinel://[user:pass@]host:port[,host:port...]/PRIMARY[?db=N]), which node-redis
+// finds again after a failover. Either way: xAdd, send (a raw command), cancel, close.
+async function connect(url) {
+  if (!url.startsWith("redis+sentinel://")) {
+    const c = await createClient({ url }).connect();
+    return {
+      xAdd: (...args) => c.xAdd(...args),
+      send: (args, options) => c.sendCommand(args, options),
+      cancel: async (key, fields) => {
+        const other = await c.duplicate().connect(); // the main connection is blocked in XREAD
+        await other.xAdd(key, "*", fields);
+        await other.quit();
+      },
+      close: () => c.quit(),
+    };
+  }
+  const rest = url.slice("redis+sentinel://".length);
+  const authority = rest.split("/")[0];
+  const at = authority.lastIndexOf("@");
+  const hosts = authority.slice(at + 1);
+  const [username, password] = (at < 0 ? "" : authority.slice(0, at)).split(":");
+  const path = new URL("http://host" + rest.slice(authority.length)); // PRIMARY and ?db=N
+  const s = await createSentinel({
+    name: decodeURIComponent(path.pathname.slice(1)),
+    sentinelRootNodes: hosts.split(",").map((h) => {
+      const [host, port] = h.split(":");
+      return { host, port: Number(port ?? 26379) };
+    }),
+    masterPoolSize: 2, // one blocked in XREAD, one for the cancel
+    nodeClientOptions: {
+      username: username ? decodeURIComponent(username) : undefined,
+      password: password ? decodeURIComponent(password) : undefined,
+      database: Number(path.searchParams.get("db") ?? 0),
+    },
+  }).connect();
+  return {
+    xAdd: (...args) => s.xAdd(...args),
+    send: (args, options) => s.sendCommand(false, args, options),
+    cancel: (key, fields) => s.xAdd(key, "*", fields),
+    close: () => s.close(),
+  };
 }

