@@ -19,11 +19,13 @@ import redis
 import redis.asyncio
 
 from roseinfer.frontends.redis_streams.connection import connect, connect_async
+from roseinfer.frontends.redis_streams.outage import is_transient
 from roseinfer.frontends.redis_streams.protocol import (
     DEFAULT_PREFIX, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request)
 
 DEFAULT_URL = "redis://127.0.0.1:6379"
 CANCEL_MAXLEN = 10_000  # cancels matter for seconds; the cap keeps the stream small
+RETRY_S = 0.2  # between reads while Redis is away (a restart, a failover)
 
 
 @dataclass
@@ -144,15 +146,24 @@ class _Streams:
                     chunks = reader.take(entries)
                     if chunks:
                         out.append((reader, chunks))
-            now = time.monotonic()
-            if now >= self._next_check:
-                self._next_check = now + self.CHECK_S
-                out += [(r, r.timed_out()) for r in self.readers.values() if now >= r.deadline]
-        return out
+            return out + self._overdue()
 
-    def fail(self, error: BaseException) -> list[tuple[_ReplyReader, object]]:
+    def _overdue(self) -> list[tuple[_ReplyReader, object]]:
+        now = time.monotonic()
+        if now < self._next_check:
+            return []
+        self._next_check = now + self.CHECK_S
+        return [(r, r.timed_out()) for r in self.readers.values() if now >= r.deadline]
+
+    def failed(self, error: BaseException) -> list[tuple[_ReplyReader, object]]:
+        """After a failed read: a transient error (Redis restarting, a failover) is waited
+        out, each stream failing only at its own timeout; any other fails every stream."""
+        self.waiting = False
         with self._lock:
+            if is_transient(error):
+                return self._overdue()
             return [(r, error) for r in self.readers.values()]
+
 
 
 def _stream_entries(response):
@@ -247,8 +258,10 @@ class Client:
                     return
             try:
                 delivered = self._streams.deliver(self.redis.xread(read[0], block=read[1]))
-            except Exception as e:  # every stream waiting now fails with it
-                delivered = self._streams.fail(e)
+            except Exception as e:
+                delivered = self._streams.failed(e)
+                if not delivered:
+                    time.sleep(RETRY_S)
             for reader, item in delivered:
                 reader.inbox.put(item)
 
@@ -317,8 +330,10 @@ class AsyncClient:
                 try:
                     response = await self.redis.xread(read[0], block=read[1])
                     delivered = self._streams.deliver(response)
-                except Exception as e:  # every stream waiting now fails with it
-                    delivered = self._streams.fail(e)
+                except Exception as e:
+                    delivered = self._streams.failed(e)
+                    if not delivered:
+                        await asyncio.sleep(RETRY_S)
                 for reader, item in delivered:
                     reader.inbox.put_nowait(item)
         finally:
