@@ -56,6 +56,36 @@ def owner_of(redis, entry_id):
     return p["consumer"].decode(), p["times_delivered"], p["time_since_delivered"]
 
 
+def test_chunks_a_failover_lost_go_again_before_the_next(worker, client, fake_redis):
+    """The Redis that comes back after an outage lacks the reply stream's first chunks
+    (taken by a primary that died before its replica had them): they are sent again,
+    ahead of the next, so the stream has every seq in order."""
+    client.submit("ab", rid="r", max_tokens=6)
+    for _ in range(3):
+        worker.run_once()
+    assert raw_chunks(fake_redis, PREFIX, "r")
+    fake_redis.delete(KEYS.out("r"))  # never replicated
+    real_pipeline, failures = fake_redis.pipeline, [ConnectionError("primary gone")]
+
+    def pipeline(*args, **kwargs):
+        pipe = real_pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        def failing(*a, **k):
+            if failures:
+                raise failures.pop()
+            return execute(*a, **k)
+        pipe.execute = failing
+        return pipe
+
+    worker.outbox.redis.pipeline = pipeline
+    run_until_idle(worker)
+    chunks = raw_chunks(fake_redis, PREFIX, "r")
+    kept = Client(prefix=PREFIX, redis_client=fake_redis).stream("r")
+    assert sum((c.token_ids for c in kept), []) == [99, 0, 1, 2, 3, 4]
+    assert chunks[0].seq == 0
+
+
 def test_a_dead_workers_request_resumes_after_its_last_chunk(worker, client, fake_redis):
     client.submit("ab", rid="r", max_tokens=6)
     # "b" is 98: the toy model goes 99, 0, 1, 2, 3, 4; the dead worker sent 3 of them,

@@ -49,6 +49,7 @@ class Outage:
         self.max_backoff_s = max_backoff_s
         self._lock = threading.Lock()
         self._down_since: Optional[float] = None
+        self.outages = 0  # times Redis went away: a caller can tell one happened meanwhile
 
     def call(self, fn: Callable[[], T]) -> T:
         attempt = 0
@@ -73,6 +74,7 @@ class Outage:
         with self._lock:
             if self._down_since is None:
                 self._down_since = time.monotonic()
+                self.outages += 1
                 event("redis_unavailable", logging.WARNING,
                       error=f"{type(error).__name__}: {error}",
                       action="retrying with backoff; in-flight requests wait")

@@ -21,7 +21,10 @@ worker's time per step (docs/benchmarks.md, "Through Redis").
 
 Through an outage the same round goes again until Redis takes it: resending is safe,
 since clients drop chunks whose seq they have seen and acks, claims and expiries are
-idempotent.
+idempotent. After an outage the chunks (and acks) of the last REPLAY_S seconds before it
+go again first: a failed-over Redis may have lost what its old primary took but had not
+yet replicated, and a client that missed those chunks would see a gap in seq, while one
+that saw them drops them again.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from typing import Callable, Optional
 
 from redis import Redis
@@ -50,6 +54,11 @@ for i, key in ipairs(KEYS) do
 end
 return failed
 """
+
+
+# Asynchronous replication lags the primary by milliseconds when healthy; chunks older
+# than this are taken to have reached a replica.
+REPLAY_S = 2.0
 
 
 class ReplyBatch:
@@ -136,6 +145,8 @@ class Outbox:
         self._reader = _Sender(self._send, depth=1) if send_thread else None
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self.reads_out = 0  # rounds whose reads have not been delivered yet
+        self._recent: deque = deque()  # (sent at, ReplyBatch) of the last REPLAY_S seconds
+        self._outages_seen = 0
 
     # the current round ---------------------------------------------------------------
     def write(self, fn, *args, **kwargs) -> None:
@@ -218,17 +229,21 @@ class Outbox:
 
         def once():
             pipe = self.redis.pipeline(transaction=False)
+            # Only rounds with writes replay: the reader thread's, sent beside the sender's,
+            # could put old chunks after newer ones.
+            replayed = self._replay(pipe) if rnd.items else 0
             scripts = []
             for fn, args, kwargs in rnd.items:
                 if isinstance(getattr(fn, "__self__", None), ReplyBatch):
-                    scripts.append(len(pipe))
+                    scripts.append(len(pipe) - replayed)
                 fn(pipe, *args, **kwargs)
             num_writes = len(pipe)
             if rnd.reads is not None:
                 rnd.reads(pipe)
             if not len(pipe):
                 return []
-            results = pipe.execute(raise_on_error=False)
+            results = pipe.execute(raise_on_error=False)[replayed:]
+            num_writes -= replayed
             for i, r in enumerate(results):
                 if isinstance(r, Exception) and is_transient(r):
                     raise r
@@ -241,7 +256,29 @@ class Outbox:
                           keys=b",".join(results[i]).decode(errors="replace"))
             return results[num_writes:]
 
-        return self.outage.call(once)
+        results = self.outage.call(once)
+        self._remember([fn.__self__ for fn, _, _ in rnd.items
+                        if isinstance(getattr(fn, "__self__", None), ReplyBatch)])
+        return results
+
+    def _replay(self, pipe) -> int:
+        """After an outage, the reply batches sent in the REPLAY_S seconds before it, into
+        ``pipe`` first; returns how many commands they took."""
+        if self.outage.outages == self._outages_seen:
+            return 0
+        self._outages_seen = self.outage.outages
+        for _, batch in self._recent:
+            batch.write(pipe)
+        if self._recent:
+            event("replayed", logging.WARNING, batches=len(self._recent),
+                  reason="chunks of the seconds before an outage may not have been replicated")
+        return len(pipe)
+
+    def _remember(self, batches: list) -> None:
+        now = time.monotonic()
+        self._recent.extend((now, b) for b in batches)
+        while self._recent and now - self._recent[0][0] > REPLAY_S:
+            self._recent.popleft()
 
 
 class _Sender:
