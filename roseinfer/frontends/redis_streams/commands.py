@@ -73,6 +73,11 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     st.set_defaults(func=status_command)
 
     submit = subparsers.add_parser("submit", help="send a prompt to the workers, print the reply")
+    _add_submit_flags(submit)
+    submit.set_defaults(func=submit_command)
+
+
+def _add_submit_flags(submit: argparse.ArgumentParser) -> None:
     submit.add_argument("prompt", nargs="?", help="the prompt text (or give --messages-file)")
     submit.add_argument("--messages-file", default=None, metavar="FILE",
                         help='a conversation instead of a prompt: a JSON list of {"role", '
@@ -112,7 +117,6 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
                         help="print the text once it is complete")
     submit.add_argument("--timeout", type=float, default=120.0,
                         help="seconds to wait for each chunk (default: %(default)s)")
-    submit.set_defaults(func=submit_command)
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:

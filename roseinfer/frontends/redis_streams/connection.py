@@ -62,31 +62,26 @@ def connect(url: str, max_connections: Optional[int] = None, **options) -> redis
     waiting for a free connection; redis-py's Sentinel pool cannot wait, so it is left
     uncapped. Raises ConnectionError, saying which Sentinels were asked, when none of
     them names the primary, and ValueError for a malformed Sentinel URL."""
-    found = parse_sentinel(url)
-    if found is None:
-        pool = (redis.BlockingConnectionPool if max_connections else redis.ConnectionPool)
-        return redis.Redis(connection_pool=pool.from_url(url, **_limit(max_connections),
-                                                         **options))
-    sentinel = redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs=_sentinel_kwargs(options))
-    _check_primary(sentinel, found, url)
-    return sentinel.master_for(found.primary, db=found.db, username=found.username,
-                               password=found.password, **options)
+    return _connect(url, max_connections, options, redis, redis.sentinel)
 
 
 def connect_async(url: str, max_connections: Optional[int] = None,
                   **options) -> redis.asyncio.Redis:
     """``connect`` for asyncio clients."""
+    return _connect(url, max_connections, options, redis.asyncio, redis.asyncio.sentinel)
+
+
+def _connect(url: str, max_connections: Optional[int], options: dict, lib, sentinels):
+    """``lib``: redis or redis.asyncio, ``sentinels`` its sentinel module."""
     found = parse_sentinel(url)
     if found is None:
-        pool = (redis.asyncio.BlockingConnectionPool if max_connections
-                else redis.asyncio.ConnectionPool)
-        return redis.asyncio.Redis(connection_pool=pool.from_url(url, **_limit(max_connections),
-                                                                 **options))
+        pool = lib.BlockingConnectionPool if max_connections else lib.ConnectionPool
+        return lib.Redis(connection_pool=pool.from_url(url, **_limit(max_connections),
+                                                       **options))
     kwargs = _sentinel_kwargs(options)
     _check_primary(redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs=kwargs), found, url)
-    sentinel = redis.asyncio.sentinel.Sentinel(found.sentinels, sentinel_kwargs=kwargs)
-    return sentinel.master_for(found.primary, db=found.db, username=found.username,
-                               password=found.password, **options)
+    return sentinels.Sentinel(found.sentinels, sentinel_kwargs=kwargs).master_for(
+        found.primary, db=found.db, username=found.username, password=found.password, **options)
 
 
 def _limit(max_connections: Optional[int]) -> dict:
