@@ -50,6 +50,9 @@ class EngineConfig:
     # The logits processor (a plugin name) that enforces a request's
     # response_format: JSON schema, any JSON object, or a regex.
     structured_output: str = "xgrammar"
+    # Processes (one per GPU, cuda:0..N-1) that each hold 1/N of every layer's
+    # heads and MLP and of the vocabulary (docs/architecture.md, "Tensor parallelism").
+    tensor_parallel_size: int = 1
     seed: Optional[int] = None
 
     def __post_init__(self):

@@ -9,6 +9,7 @@ from typing import Optional, Union
 
 import torch
 
+from roseinfer.core import tp
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
 from roseinfer.core.detokenizer import IncrementalDetokenizer
@@ -21,6 +22,7 @@ from roseinfer.core.request import Sequence, Status
 from roseinfer.core.runner import ModelRunner
 from roseinfer.core.sampling import SamplingParams, is_int
 from roseinfer.core.scheduler import Scheduler
+from roseinfer.core.tp_workers import Peers, rank_device
 from roseinfer.models import loader
 from roseinfer.models.layers import PagedAttention
 from roseinfer.models.tokenizers import as_chat
@@ -45,6 +47,10 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.plugins = plugins = plugins or default_registry()
         self.device = _resolve_device(config.device)
+        self.peers = None
+        if config.tensor_parallel_size > 1:
+            self.device = rank_device(self.device, 0, config.tensor_parallel_size)
+            self.peers = Peers.start(model, config, self.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -52,27 +58,19 @@ class Engine:
             model, tokenizer, self.dtype, self.device, seed=config.seed or 0, plugins=plugins)
         self.vocab_size = self.hf_config.vocab_size
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
-        self.kv_cache = self._build_kv_cache()
+        self.kv_cache = build_kv_cache(self.model, config, plugins, self.device, self.dtype)
         num_blocks = self.kv_cache.scratch_block
+        self.max_model_len = _max_model_len(config, self.hf_config, num_blocks)
+        self.runner = build_runner(self.model, self.kv_cache, config, plugins, self.device,
+                                   self.max_model_len, self.peers)
         store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, store,
-                                   config.enable_prefix_cache, self.kv_cache.copy_block)
-        self.max_model_len = min(config.max_model_len or _context_len(self.hf_config),
-                                 num_blocks * config.block_size)
+                                   config.enable_prefix_cache, self.runner.copy_block)
         mixed_prefill = config.max_mixed_prefill_tokens
         if mixed_prefill is None and self.device.type == "cpu":
             mixed_prefill = CPU_MIXED_PREFILL_TOKENS
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decode_steps, config.decode_steps_min_seqs, mixed_prefill)
-        attention = plugins.create("attention", self._attention_name())
-        mixed_tokens = config.mixed_graph_max_tokens
-        if not getattr(attention, "mixed_graphs", False):  # docs/plugins.md
-            mixed_tokens = 0
-        self.runner = ModelRunner(self.model, self.kv_cache, attention, self.device,
-                                  config.max_num_seqs, config.max_num_batched_tokens,
-                                  self.max_model_len, config.cuda_graphs, config.decode_steps,
-                                  config.max_num_batched_tokens if mixed_tokens is None
-                                  else mixed_tokens)
         self.blocks.on_free_seq = self.runner.rows.release
         plugins.get("logits_processor", config.structured_output)  # fail early, listing names
         self.processors = Processors(plugins, ProcessorContext(
@@ -84,29 +82,15 @@ class Engine:
         self._aborted: list[Sequence] = []
         self._in_flight = None
         settle_heap()
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d",
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d%s",
                  type(self.model).__name__, self.device, self.dtype, num_blocks,
-                 config.block_size, self.max_model_len)
+                 config.block_size, self.max_model_len,
+                 f", tensor parallel over {config.tensor_parallel_size}" if self.peers else "")
 
-    def _attention_name(self) -> str:
-        name = self.config.attention_backend
-        if name != "auto":
-            self.plugins.get("attention", name)
-            return name
-        return "triton_paged" if self.device.type == "cuda" else "torch_sdpa"
-
-    def _build_kv_cache(self) -> KVCache:
-        cfg = self.config
-        layers, kv_heads, head_dim = _kv_shape(self.model)
-        names = self.plugins.names("kv_append")
-        if cfg.kv_append_backend != "auto":
-            self.plugins.get("kv_append", cfg.kv_append_backend)  # fail early, listing names
-        self.plugins.get("metadata", cfg.metadata_store)
-        backends = {n: self.plugins.create("kv_append", n) for n in names}
-        per_block = 2 * layers * kv_heads * cfg.block_size * head_dim * self.dtype.itemsize
-        num_blocks = cfg.num_kv_blocks or _blocks_for_memory(cfg, self.device, per_block)
-        return KVCache(layers, num_blocks, kv_heads, cfg.block_size, head_dim, self.dtype,
-                       self.device, backends, cfg.kv_append_backend)
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (also done at exit)."""
+        if self.peers is not None:
+            self.peers.close()
 
     # ---- requests -------------------------------------------------------
     def chat_prompt(self, text: str) -> str:
@@ -333,6 +317,61 @@ class Engine:
         lps = seq.logprobs[len(seq.logprobs) - len(new_ids):] if seq.logprobs is not None else None
         return RequestOutput(seq.request_id, new_ids, new_text, final, seq.finish_reason, seq, lps,
                              seq.index)
+
+
+def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: torch.device,
+                   dtype: torch.dtype) -> KVCache:
+    layers, kv_heads, head_dim = _kv_shape(model)
+    names = plugins.names("kv_append")
+    if cfg.kv_append_backend != "auto":
+        plugins.get("kv_append", cfg.kv_append_backend)  # fail early, listing names
+    plugins.get("metadata", cfg.metadata_store)
+    backends = {n: plugins.create("kv_append", n) for n in names}
+    per_block = 2 * layers * kv_heads * cfg.block_size * head_dim * dtype.itemsize
+    # every rank of a tensor-parallel group holds the same blocks
+    num_blocks = cfg.num_kv_blocks or tp.smallest(_blocks_for_memory(cfg, device, per_block))
+    return KVCache(layers, num_blocks, kv_heads, cfg.block_size, head_dim, dtype,
+                   device, backends, cfg.kv_append_backend)
+
+
+def build_runner(model, kv_cache: KVCache, cfg: EngineConfig, plugins: PluginRegistry,
+                 device: torch.device, max_model_len: int, peers=None) -> ModelRunner:
+    attention = plugins.create("attention", _attention_name(cfg, plugins, device))
+    mixed_tokens = cfg.mixed_graph_max_tokens
+    if not getattr(attention, "mixed_graphs", False):  # docs/plugins.md
+        mixed_tokens = 0
+    return ModelRunner(model, kv_cache, attention, device, cfg.max_num_seqs,
+                       cfg.max_num_batched_tokens, max_model_len, cfg.cuda_graphs,
+                       cfg.decode_steps,
+                       cfg.max_num_batched_tokens if mixed_tokens is None else mixed_tokens,
+                       peers)
+
+
+def build_device_side(spec, cfg: EngineConfig, device: torch.device) -> ModelRunner:
+    """What a tensor-parallel rank other than 0 runs: its shards of the model, its
+    KV cache and a runner, built as the Engine builds rank 0's (the same
+    collectives in the same order). It uses the default plugin registry."""
+    plugins = default_registry()
+    dtype = _resolve_dtype(cfg.dtype, device)
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+    model, hf_config, _ = loader.load(spec, None, dtype, device, seed=cfg.seed or 0,
+                                      plugins=plugins)
+    kv_cache = build_kv_cache(model, cfg, plugins, device, dtype)
+    max_model_len = _max_model_len(cfg, hf_config, kv_cache.scratch_block)
+    return build_runner(model, kv_cache, cfg, plugins, device, max_model_len)
+
+
+def _attention_name(cfg: EngineConfig, plugins: PluginRegistry, device: torch.device) -> str:
+    name = cfg.attention_backend
+    if name != "auto":
+        plugins.get("attention", name)
+        return name
+    return "triton_paged" if device.type == "cuda" else "torch_sdpa"
+
+
+def _max_model_len(cfg: EngineConfig, hf_config, num_blocks: int) -> int:
+    return min(cfg.max_model_len or _context_len(hf_config), num_blocks * cfg.block_size)
 
 
 def settle_heap() -> None:

@@ -144,7 +144,7 @@ class PromptPlan:
     ROWS_AT_ONCE = 512  # float32 log_softmax of 512 rows x 128k vocab: 256 MB
 
     def __init__(self, seqs, rows, targets, where, device):
-        self.seqs, self.where = seqs, where
+        self.seqs, self.where, self.row_list = seqs, where, rows
         self.rows = torch.tensor(rows, dtype=torch.long).to(device)
         self.targets = torch.tensor(targets, dtype=torch.long).to(device)[:, None]
         self.k = max(seqs[i].params.prompt_logprobs for i, _ in where)

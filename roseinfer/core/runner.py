@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from roseinfer.core import tp
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
 from roseinfer.core.cuda_graphs import StepGraphs
 from roseinfer.core.kv_cache import KVCache, SlotBatch
@@ -20,6 +21,7 @@ from roseinfer.core.sample_kernel import WORDS, sample
 from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
 from roseinfer.core.step_kernels import sample_advance, take_ids
+from roseinfer.core.step_order import StepOrder
 from roseinfer.core.step_inputs import (InputStager, PackedInputs, TableRows, advance, fill,
                                         fixed_size)
 
@@ -61,8 +63,11 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, attention, device: torch.device,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 cuda_graphs: bool, decode_steps: int = 1, mixed_graph_tokens: int = 0):
+                 cuda_graphs: bool, decode_steps: int = 1, mixed_graph_tokens: int = 0,
+                 peers=None):
         self.model = model
+        self.peers = peers  # tp_workers.Peers: the other ranks, on rank 0 of a group
+        self.copies: list[tuple[int, int]] = []  # KV blocks copied since the last order
         self.kv_cache = kv_cache
         self.attention = attention
         self.device = device
@@ -143,13 +148,17 @@ class ModelRunner:
             self.logits_work.start(seq)
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
-        if layout is not None:
-            inp, run = self.graphs.prepare(layout, host, n_seq, len(rows))
-        else:
-            inp, run = self._eager(host, num_tokens, len(rows), plan)
         # A graph samples and advances its inputs itself (capture_step,
         # capture_mixed), which is all a batch whose every row samples needs.
-        if layout is not None and not processed and (layout.mixed or len(rows) == n_seq):
+        replay = layout is not None and not processed and (layout.mixed or len(rows) == n_seq)
+        order = StepOrder(self.stager.packed(host), host.n_tok, host.n_seq, host.n_upd, layout,
+                          n_seq, len(rows), batch.steps, max(num_tokens), replay, self.copies,
+                          plan.row_list if plan is not None else [])
+        self.copies = []
+        if self.peers is not None:
+            self.peers.send(order)
+        inp, run = self._inputs(order, host, plan.rows if plan is not None else None)
+        if replay:
             self.graphs.run_window(batch.steps)
             return self._land(batch, rows)
         found, prompt = [], None
@@ -178,6 +187,46 @@ class ModelRunner:
             self._record(step, tokens)
         return self._land(batch, rows, [f for f in found if f is not None] or None, prompt)
 
+    @torch.inference_mode()
+    def follow(self, order: StepOrder) -> None:
+        """Run rank 0's ``order`` on this rank of a tensor-parallel group: the same
+        forwards (their collectives pair with rank 0's), with the ids rank 0
+        sampled, received after each step."""
+        host = self.stager.load(order.packed, order.n_tok, order.n_seq, order.n_upd)
+        for src, dst in order.copies:
+            self.kv_cache.copy_block(src, dst)
+        prompt_rows = None
+        if order.prompt_rows:
+            prompt_rows = torch.tensor(order.prompt_rows, dtype=torch.long).to(self.device)
+        inp, run = self._inputs(order, host, prompt_rows)
+        if order.replay:
+            self.graphs.run_window(order.steps)
+            return
+        for step in range(order.steps):
+            if step and order.layout is None:
+                advance(inp, self.tables, self.block_size, self.identity)
+            run(step)
+            if order.n_rows:
+                self._share(order.n_rows)
+
+    def _inputs(self, order: StepOrder, host: PackedInputs, prompt_rows):
+        """Device inputs and the function that runs window step i (_eager)."""
+        if order.layout is not None:
+            return self.graphs.prepare(order.layout, host, order.real_seqs, order.n_rows)
+        return self._eager(host, order.max_query_len, order.n_rows, prompt_rows)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write of one KV block, here and (with the next order) on the other ranks."""
+        self.kv_cache.copy_block(src, dst)
+        if self.peers is not None:
+            self.copies.append((src, dst))
+
+    def _share(self, n: int) -> None:
+        """Rank 0's sampled ids of the first ``n`` rows to every rank: the next
+        step's inputs (rank 0 alone applies logits processors)."""
+        if tp.group().size > 1:
+            tp.broadcast(self.sampled[:n])
+
     @staticmethod
     def _take_early(previous: LaunchedStep, early) -> None:
         """The previous step's tokens of the constrained rows, to their states."""
@@ -203,6 +252,7 @@ class ModelRunner:
         tokens = tokens.to(torch.int32)  # indexing by a tensor does not cast
         self.sampled[:n] = tokens
         self.window[step, :n] = tokens
+        self._share(n)
 
     def capture_step(self, ctx: StepContext, inp: PackedInputs) -> torch.Tensor:
         """What a decode CUDA graph holds: the forward, sampling of every
@@ -210,6 +260,7 @@ class ModelRunner:
         logits = self.forward(ctx, inp)
         sample_advance(logits, inp, self.seq_state, self.max_blocks, self.block_size,
                        self.sampled, self.window)
+        self._share(logits.shape[0])
         return logits
 
     def capture_mixed(self, ctx: StepContext, inp: PackedInputs) -> None:
@@ -239,19 +290,20 @@ class ModelRunner:
             self.seq_state.view(-1)[inp.table_idx.long()] = inp.table_val
         return inp
 
-    def _eager(self, host: PackedInputs, num_tokens, num_samples: int, plan=None):
+    def _eager(self, host: PackedInputs, max_query_len: int, num_samples: int,
+               prompt_rows: Optional[torch.Tensor] = None):
         """Device inputs, and a function that runs window step ``i`` on them: the
-        sampling rows' logits, then those of ``plan``'s prompt rows."""
+        sampling rows' logits, then those of ``prompt_rows``."""
         shared = bool((host.offsets == host.offsets[0]).all())
         max_context_len = int(host.context_lens.max())
         inp = self.to_device(host)
-        ctx = self.context(inp, max(num_tokens), max_context_len)
+        ctx = self.context(inp, max_query_len, max_context_len)
         if not shared:
             ctx.slots.shared_offset = None
 
         rows = inp.sample_idx[:num_samples]
-        if plan is not None:
-            rows = torch.cat([rows.long(), plan.rows])
+        if prompt_rows is not None:
+            rows = torch.cat([rows.long(), prompt_rows])
 
         def run(i: int) -> torch.Tensor:
             ctx.attn.max_context_len = max_context_len + i

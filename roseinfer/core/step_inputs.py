@@ -224,6 +224,17 @@ class InputStager:
         host.table_val[:] = val
         return host
 
+    def packed(self, host: PackedInputs) -> np.ndarray:
+        """The ints of ``host`` (the buffer's start), as one array."""
+        return self.host_t[self.turn].numpy()[:host.total]
+
+    def load(self, packed: np.ndarray, n_tok: int, n_seq: int, n_upd: int) -> PackedInputs:
+        """Ints that ``packed`` gave on another rank, as this rank's host inputs."""
+        self.turn = (self.turn + 1) % len(self.host_t)
+        buf = self.host_t[self.turn].numpy()
+        buf[:len(packed)] = packed
+        return views(buf, n_tok, n_seq, n_upd)
+
     def to_device(self, host: PackedInputs) -> PackedInputs:
         src = self.host_t[self.turn]
         if self.dev is None:

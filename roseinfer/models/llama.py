@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from roseinfer.core import tp
+from roseinfer.models import sharding
 from roseinfer.models.fused import add_rms_norm, silu_and_mul
-from roseinfer.models.layers import LogitsHead, PagedAttention, RotaryEmbedding, embedding
+from roseinfer.models.layers import LogitsHead, PagedAttention, RotaryEmbedding, VocabEmbedding
 
 
 def rope_params(cfg) -> tuple[torch.Tensor, float]:
@@ -40,12 +42,22 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def _shape(cfg) -> tuple[int, int, int]:
+    """(query heads, K/V heads, head dim) of the whole model."""
+    h = cfg.num_attention_heads
+    return h, cfg.num_key_value_heads or h, getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+
+
 class LlamaLayer(nn.Module):
+    """One decoder layer; under tensor parallelism this rank's heads and share of
+    the MLP (q/k/v and gate/up split by output, o and down by input, each
+    followed by a sum over the ranks)."""
+
     def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
-        e, h = cfg.hidden_size, cfg.num_attention_heads
-        hkv = cfg.num_key_value_heads or h
-        d = getattr(cfg, "head_dim", None) or e // h
+        e, (h, hkv, d) = cfg.hidden_size, _shape(cfg)
+        h, hkv = tp.split(h, "attention heads"), tp.kv_heads(hkv)[0]
+        inter = tp.split(cfg.intermediate_size, "intermediate size")
         bias = getattr(cfg, "attention_bias", False)
         self.h, self.hkv, self.d, self.q_size, self.kv_size = h, hkv, d, h * d, hkv * d
         self.input_layernorm = RMSNorm(e, cfg.rms_norm_eps)
@@ -55,8 +67,8 @@ class LlamaLayer(nn.Module):
         if self.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(e, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(e, 2 * cfg.intermediate_size, bias=getattr(cfg, "mlp_bias", False))
-        self.down_proj = nn.Linear(cfg.intermediate_size, e, bias=getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(e, 2 * inter, bias=getattr(cfg, "mlp_bias", False))
+        self.down_proj = nn.Linear(inter, e, bias=getattr(cfg, "mlp_bias", False))
         self.rotary = rotary
         self.attn = PagedAttention(layer_idx, h, hkv, d, d ** -0.5)
 
@@ -69,8 +81,9 @@ class LlamaLayer(nn.Module):
             q = self.q_norm(q.reshape(-1, self.d))[0].view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.d))[0].view(-1, self.kv_size)
         q, k = self.rotary(positions, q, k, self.h, self.hkv)  # in place, inside qkv
-        h, residual = self.post_attention_layernorm(self.o_proj(self.attn(q, k, v)), residual)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
+        attn = tp.all_reduce(self.o_proj(self.attn(q, k, v)))
+        h, residual = self.post_attention_layernorm(attn, residual)
+        return tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(h)))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -78,12 +91,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         inv_freq, scaling = rope_params(cfg)
         rotary = RotaryEmbedding(inv_freq, cfg.max_position_embeddings, scaling)
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tied:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_shard(cfg.vocab_size), bias=False)
         self.head = LogitsHead(cfg.vocab_size)
 
     def bind_head(self) -> None:
@@ -114,6 +127,28 @@ class LlamaForCausalLM(nn.Module):
                 out[key] = t
         out.update({name: torch.cat(ts, dim=0) for name, ts in parts.items()})
         return out
+
+
+    @staticmethod
+    def shard_rule(key: str, cfg) -> sharding.Shard | None:
+        """How checkpoint tensor ``key`` splits over the ranks (models/sharding.py)."""
+        (h, hkv, d), inter = _shape(cfg), cfg.intermediate_size
+        name, kind = key.split(".")[-2:]
+        q, kv = sharding.heads(h, d), sharding.kv_heads(hkv, d)
+        mlp = sharding.split(inter, "intermediate size")
+        if name in ("embed_tokens", "lm_head"):
+            return sharding.vocab(cfg.vocab_size)
+        if name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            return {"q_proj": q, "gate_proj": mlp, "up_proj": mlp}.get(name, kv)
+        if name == "qkv_proj":  # Phi-3's checkpoints fuse them already
+            return sharding.joined(0, q, kv, kv, offsets=(0, h * d, (h + hkv) * d))
+        if name == "gate_up_proj":
+            return sharding.joined(0, mlp, mlp, offsets=(0, inter))
+        if name in ("o_proj", "down_proj"):
+            if kind == "bias":
+                return sharding.Shard(0, once=True)
+            return sharding.Shard(1, (q if name == "o_proj" else mlp).ranges)
+        return None
 
 
 _FUSED = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),

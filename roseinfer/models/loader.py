@@ -12,7 +12,9 @@ import os
 
 import torch
 
-from roseinfer.models import model_class
+from roseinfer.core import tp
+from roseinfer.core.errors import ConfigError
+from roseinfer.models import model_class, sharding
 from roseinfer.models.cpu_linear import choose_cpu_linears
 from roseinfer.models.layers import RotaryEmbedding
 from roseinfer.models.tokenizers import gpt2_tokenizer, package_dir
@@ -94,10 +96,11 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
     if isinstance(spec, str) and spec in RANDOM:
         hf_config, tok = RANDOM[spec]()
         model = _empty_module(hf_config, dtype, device, plugins)
-        _random_init(model, seed)
+        _random_init(model, seed + tp.group().rank)  # each rank its own random shards
     else:
-        hf_config, state_dict, tok = _resolve(spec)
+        hf_config, tensors, tok = _resolve(spec)
         model = _empty_module(hf_config, dtype, device, plugins)
+        state_dict = _shards(type(model), tensors, hf_config)
         model.load_state_dict(type(model).convert_hf_state_dict(state_dict, hf_config), strict=True)
     if tokenizer is not None:
         tok = _load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -109,6 +112,18 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
             torch.backends.mkldnn.is_available():
         choose_cpu_linears(model, os.path.join(CACHE_DIR, "cpu_linear_timings.json"))
     return model.eval().requires_grad_(False), hf_config, tok
+
+
+def _shards(cls, tensors: dict, hf_config) -> dict:
+    """The checkpoint's tensors (whole tensors or safetensors slices), each cut
+    to this rank's shard by the family's ``shard_rule``."""
+    if tp.group().size == 1:
+        return {k: sharding.take(v, None) for k, v in tensors.items()}
+    rule = getattr(cls, "shard_rule", None)
+    if rule is None:
+        raise ConfigError(f"{cls.__name__} does not support tensor parallelism: its class has "
+                          "no shard_rule (docs/plugins.md); use tensor_parallel_size=1")
+    return {k: sharding.take(v, rule(k, hf_config)) for k, v in tensors.items()}
 
 
 def _empty_module(hf_config, dtype, device, plugins=None):
@@ -129,7 +144,8 @@ def _random_init(model, seed: int) -> None:
 
 
 def _resolve(spec):
-    """-> (hf_config, hf-style state dict, tokenizer or None)."""
+    """-> (hf_config, hf-style tensors by name, tokenizer or None); a directory's
+    tensors are safetensors slices, read when cut (_shards)."""
     if not isinstance(spec, (str, os.PathLike)):  # a model instance: transformers' modeling
         return spec.config, spec.state_dict(), None  # code (5 s to import) is loaded already
     path = ALIASES[spec]() if spec in ALIASES else spec
@@ -170,7 +186,7 @@ def hf_model(spec, seed: int = 0):
 
 
 def _from_dir(path):
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -178,7 +194,8 @@ def _from_dir(path):
                                 "save_pretrained(..., safe_serialization=True)")
     state = {}
     for f in files:
-        state.update(load_file(f))
+        handle = safe_open(f, framework="pt")
+        state.update({k: handle.get_slice(k) for k in handle.keys()})
     config = _config(path)
     return config, state, _load_tokenizer(path, config)
 

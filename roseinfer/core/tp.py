@@ -1,0 +1,124 @@
+"""Tensor parallelism: this process's rank in its group, and the collectives
+the sharded layers call.
+
+Every process of a group builds the same model with its own shards (the
+layers ask ``group()`` for their sizes) and runs every step in lockstep; the
+collectives here are no-ops in a group of one, so a model without tensor
+parallelism pays one Python call per use. NCCL on CUDA (the calls are
+captured in CUDA graphs like any kernel), gloo on the CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roseinfer.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Group:
+    rank: int = 0
+    size: int = 1
+    device: torch.device = torch.device("cpu")  # where collectives' tensors live
+
+
+_group = Group()
+
+
+def group() -> Group:
+    return _group
+
+
+def init(rank: int, size: int, port: int, device: torch.device) -> None:
+    """Join the group of ``size`` processes rendezvousing on localhost:``port``."""
+    import torch.distributed as dist
+
+    global _group
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            device_id=device if device.type == "cuda" else None)
+    _group = Group(rank, size, device)
+
+
+def destroy() -> None:
+    import torch.distributed as dist
+
+    global _group
+    if _group.size > 1:
+        dist.destroy_process_group()
+    _group = Group()
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks, in place (row-parallel layers' partial results)."""
+    if _group.size > 1:
+        import torch.distributed as dist
+        dist.all_reduce(x)
+    return x
+
+
+def gather_columns(x: torch.Tensor) -> torch.Tensor:
+    """[rows, c] on each rank -> [rows, size * c], rank r's columns r-th (the
+    vocabulary shards' logits)."""
+    if _group.size == 1:
+        return x
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    out = x.new_empty(_group.size * x.shape[0], x.shape[1])
+    gather(out, x.contiguous())
+    return out.view(_group.size, x.shape[0], x.shape[1]).transpose(0, 1).reshape(x.shape[0], -1)
+
+
+def broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` into every rank's ``x`` (the sampled ids)."""
+    if _group.size > 1:
+        import torch.distributed as dist
+        dist.broadcast(x, 0)
+    return x
+
+
+def smallest(value: int) -> int:
+    """The smallest of the ranks' ``value``s (KV blocks that fit on every GPU)."""
+    if _group.size == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=_group.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+# ---------------------------------------------------------------- shard sizes
+
+def split(n: int, what: str) -> int:
+    """This rank's share of ``n`` (heads, intermediate size), which must divide."""
+    if n % _group.size:
+        raise ConfigError(f"tensor_parallel_size {_group.size} does not divide the model's "
+                          f"{n} {what}; choose a size that does")
+    return n // _group.size
+
+
+def kv_heads(n: int) -> tuple[int, int]:
+    """(K/V heads on this rank, the first one's index). With fewer K/V heads than
+    ranks each is replicated on size / n ranks, next to the query heads it serves."""
+    size, rank = _group.size, _group.rank
+    if n >= size:
+        local = split(n, "key/value heads")
+        return local, rank * local
+    if size % n:
+        raise ConfigError(f"tensor_parallel_size {size} is neither a divisor nor a multiple "
+                          f"of the model's {n} key/value heads")
+    return 1, rank // (size // n)
+
+
+def vocab_shard(vocab: int) -> int:
+    """Rows of the embedding and LM head on each rank: the vocabulary split evenly
+    and rounded up to 64 rows (cuBLAS's fast path); the last rank's tail is zeros."""
+    if _group.size == 1:
+        return vocab
+    per_rank = -(-vocab // _group.size)
+    return -(-per_rank // 64) * 64

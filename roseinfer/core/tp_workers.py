@@ -1,0 +1,171 @@
+"""The processes of a tensor-parallel group: rank 0 is the engine's own process
+(it schedules, samples and talks to Redis); ranks 1..N-1 are started here, each
+loads its shards and then runs each step's device work as rank 0 orders it.
+
+Each rank is a fresh ``python -m roseinfer.core.tp_workers`` process (not a
+multiprocessing child, which would import the user's ``__main__`` again). A
+step reaches it as one int32 message on a pipe (step_order.py), read while the
+GPUs still run the step before. A rank that dies takes the group down: rank 0
+exits with an error (its requests go back to Redis as on any crash), and a
+rank whose rank 0 is gone exits too.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from roseinfer.core import tp
+from roseinfer.core.config import EngineConfig
+from roseinfer.core.errors import ConfigError
+from roseinfer.core.step_order import STOP, StepOrder, decode
+
+log = logging.getLogger(__name__)
+
+
+def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
+    """Rank r runs on cuda:r (CUDA_VISIBLE_DEVICES picks the GPUs), or on the CPU."""
+    if device.type != "cuda" or size == 1:
+        return device
+    if device.index is not None:
+        raise ConfigError(f"device {device} names one GPU, but tensor_parallel_size {size} "
+                          "takes cuda:0..N-1; pick them with CUDA_VISIBLE_DEVICES")
+    if torch.cuda.device_count() < size:
+        raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs; "
+                          f"{torch.cuda.device_count()} are visible")
+    return torch.device("cuda", rank)
+
+
+class Peers:
+    """Rank 0's handle on the other ranks."""
+
+    def __init__(self, procs: list[subprocess.Popen], conns: list[Connection]):
+        self.procs, self.conns = procs, conns
+        self.closing = False
+        for rank, proc in enumerate(procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True,
+                             name=f"tp-watch-{rank}").start()
+        atexit.register(self.close)
+
+    @classmethod
+    def start(cls, spec, config: EngineConfig, device: torch.device) -> "Peers":
+        """Start ranks 1..N-1 and join the group as rank 0 (on ``device``)."""
+        if not isinstance(spec, (str, os.PathLike)):
+            raise ConfigError("tensor_parallel_size > 1 needs the model as a path, .gguf file, "
+                              "hub id or alias: each rank loads its own shards")
+        size, port = config.tensor_parallel_size, _free_port()
+        procs, conns = [], []
+        for rank in range(1, size):
+            read, write = os.pipe()
+            cmd = [sys.executable, "-m", "roseinfer.core.tp_workers", "--rank", str(rank),
+                   "--size", str(size), "--port", str(port), "--fd", str(read),
+                   "--device", device.type, "--model", os.fspath(spec),
+                   "--config", json.dumps(dataclasses.asdict(config))]
+            procs.append(subprocess.Popen(cmd, pass_fds=(read,)))
+            os.close(read)
+            conns.append(Connection(write, readable=False))
+        peers = cls(procs, conns)
+        tp.init(0, size, port, device)
+        return peers
+
+    def send(self, order: StepOrder) -> None:
+        msg = order.encode()
+        for conn in self.conns:
+            conn.send_bytes(msg)
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the group."""
+        if self.closing:
+            return
+        self.closing = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(STOP)
+                conn.close()
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        tp.destroy()
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self.closing:
+            return
+        # Rank 0 may be blocked inside a collective that will never complete:
+        # only leaving the process ends it.
+        msg = (f"roseinfer: tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+               f"{code}; the group cannot run without it, so rank 0 exits too")
+        log.critical(msg)
+        print(msg, file=sys.stderr, flush=True)
+        os._exit(70)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_with_parent() -> None:
+    """A rank whose rank 0 is gone (killed, say) must not hold its GPU forever."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True, name="tp-parent").start()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="one rank of a tensor-parallel group (started "
+                                "by rank 0; not meant to be run by hand)")
+    for flag in ("--rank", "--size", "--port", "--fd"):
+        p.add_argument(flag, type=int, required=True)
+    p.add_argument("--device", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--config", required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(message)s")
+    _exit_with_parent()
+    from roseinfer.core.engine import build_device_side
+
+    config = EngineConfig(**json.loads(args.config))
+    device = rank_device(torch.device(args.device), args.rank, args.size)
+    tp.init(args.rank, args.size, args.port, device)
+    runner = build_device_side(args.model, config, device)
+    conn = Connection(args.fd, writable=False)
+    while True:
+        try:
+            order = decode(np.frombuffer(conn.recv_bytes(), dtype=np.int32))
+        except EOFError:  # rank 0 is gone
+            break
+        if order is None:
+            break
+        runner.follow(order)
+    tp.destroy()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Nothing is left that the OS does not free; the interpreter's teardown
+    # would only print Triton's binding-leak warnings.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
