@@ -1,0 +1,165 @@
+"""Tensor parallelism on the CPU: gloo, one process per rank, token-exact with
+transformers and with one process; the shards a rank loads; a rank that dies."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.core import tp
+from roseinfer.core.cuda_graphs import Layout
+from roseinfer.core.errors import ConfigError
+from roseinfer.core.step_order import STOP, StepOrder, decode
+from roseinfer.models import loader
+from tests.models import hf_greedy, tiny_family, tiny_gpt2, tiny_llama
+from tests.test_greedy_equality import mixed_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+CPU = {"device": "cpu", "dtype": "float32", "block_size": 4, "num_kv_blocks": 128,
+       "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> (directory, the transformers model saved there)."""
+    models = {"gpt2": tiny_gpt2(), "llama": tiny_llama(),
+              # one K/V head for two ranks: replicated
+              "llama-1kv": tiny_llama(num_attention_heads=4, num_key_value_heads=1,
+                                      hidden_size=48, tie_word_embeddings=True),
+              "qwen2": tiny_family("qwen2"), "phi3": tiny_family("phi3")}
+    out = {}
+    for name, hf in models.items():
+        path = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(path)
+        out[name] = str(path), hf
+    return out
+
+
+def run(path, prompts, params=GREEDY, **config):
+    llm = LLM(path, **{**CPU, **config})
+    try:
+        return llm.generate(prompts, params), llm.engine.stats()
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-1kv", "qwen2", "phi3"])
+def test_two_ranks_equal_transformers_greedy(saved, name):
+    """Prompts of 1-23 tokens in chunks of at most 16 tokens a step (chunked prefill)."""
+    path, hf = saved[name]
+    prompts = mixed_prompts(5, seed=4)
+    outs, _ = run(path, prompts, tensor_parallel_size=2, max_num_batched_tokens=16)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_prefix_cache_and_preemption_over_two_ranks(saved):
+    path, hf = saved["llama"]
+    shared = list(range(10, 27))
+    prompts = [shared + [40], shared + [41, 42], shared[:9], shared] + mixed_prompts(3, seed=6)
+    outs, stats = run(path, prompts, GREEDY, tensor_parallel_size=2, num_kv_blocks=16,
+                      enable_prefix_cache=True, decode_steps_min_seqs=1)
+    assert stats.num_preemptions > 0, "the pool should have forced preemption"
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_sampled_and_processed_rows_equal_one_process(saved):
+    """Rank 0 alone samples and applies penalties and logit bias: the other rank
+    must decode from the same ids, so the texts equal one process's."""
+    path, _ = saved["gpt2"]
+    prompts = mixed_prompts(4, seed=8)
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True,
+                             presence_penalty=0.5 * (i % 2), logit_bias={7: 2.0} if i == 3 else {})
+              for i in range(4)]
+    one, _ = run(path, prompts, params)
+    two, _ = run(path, prompts, params, tensor_parallel_size=2)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+
+
+def states(path, size):
+    """Each rank's state dict (float64: CPU float32 linears keep packed weights)."""
+    out = []
+    try:
+        for rank in range(size):
+            tp._group = tp.Group(rank, size)
+            out.append(loader.load(path, dtype=torch.float64)[0].state_dict())
+    finally:
+        tp._group = tp.Group()
+    return out
+
+
+def test_each_rank_loads_its_own_slices(saved):
+    """Every rank's shards, put back together, are the checkpoint's tensors; and
+    the module of each rank takes its state dict strictly."""
+    path, _ = saved["llama"]
+    (full,) = states(path, 1)
+    parts = states(path, 2)
+    a, b = parts
+    layer = "layers.0."
+    h, d = 3, 12  # 6 heads of 12 over 2 ranks; 2 K/V heads: one each
+    qkv = [torch.cat(x) for x in zip(*(p[layer + "qkv_proj.weight"].split([h * d, d, d])
+                                     for p in parts))]
+    assert torch.equal(torch.cat(qkv), full[layer + "qkv_proj.weight"])
+    assert torch.equal(torch.cat([a[layer + "o_proj.weight"], b[layer + "o_proj.weight"]], 1),
+                       full[layer + "o_proj.weight"])
+    vocab = torch.cat([a["embed_tokens.weight"], b["embed_tokens.weight"]])
+    assert torch.equal(vocab[:512], full["embed_tokens.weight"])
+    assert vocab.shape[0] == 2 * 256 and not vocab[512:].any()
+    assert torch.equal(a["norm.weight"], full["norm.weight"])
+
+
+def test_row_parallel_bias_is_added_by_rank_zero_only(saved):
+    path, _ = saved["gpt2"]
+    (full,), (a, b) = states(path, 1), states(path, 2)
+    key = "h.0.mlp_proj.bias"
+    assert torch.equal(a[key], full[key]) and not b[key].any()
+
+
+def test_sizes_that_do_not_divide_the_model_are_refused(saved):
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4 does not divide"):
+        LLM(saved["llama"][0], **CPU, tensor_parallel_size=4)
+    with pytest.raises(ConfigError, match="needs the model as a path"):
+        LLM(saved["llama"][1], **CPU, tensor_parallel_size=2)
+
+
+def test_a_step_order_survives_its_message():
+    order = StepOrder(np.arange(40, dtype=np.int32), 8, 4, 2, Layout(8, 4, False), 3, 3, 5, 1,
+                      True, [(1, 2), (7, 9)], [0, 5])
+    back = decode(order.encode())
+    assert back.layout == Layout(8, 4, False) and back.copies == [(1, 2), (7, 9)]
+    assert back.prompt_rows == [0, 5] and np.array_equal(back.packed, order.packed)
+    assert (back.n_tok, back.n_seq, back.n_upd, back.real_seqs, back.n_rows, back.steps,
+            back.max_query_len, back.replay) == (8, 4, 2, 3, 3, 5, 1, True)
+    assert decode(STOP) is None
+
+
+def test_a_rank_that_dies_takes_the_group_down(saved, tmp_path):
+    """Rank 1 killed mid-generation: rank 0 exits with an error naming it, not hangs."""
+    path, _ = saved["gpt2"]
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        from roseinfer import LLM, SamplingParams
+        llm = LLM({path!r}, device="cpu", block_size=4, num_kv_blocks=64, tensor_parallel_size=2)
+        print("ready", llm.engine.peers.procs[0].pid, flush=True)
+        while True:
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=50, ignore_eos=True))
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready"), proc.stderr.read()
+        time.sleep(1.0)
+        os.kill(int(line.split()[1]), signal.SIGKILL)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert code != 0
+    assert "tensor-parallel rank 1" in proc.stderr.read()
