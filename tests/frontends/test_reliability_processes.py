@@ -90,6 +90,39 @@ def test_kill_9_mid_flight_the_other_worker_resumes_without_gap_or_repeat(
     assert "event=resumed" in log
 
 
+def test_a_tensor_parallel_worker_serves_and_a_dead_rank_hands_its_requests_back(
+        tiny_llm, worker_processes, real_redis, prefix, redis_server):
+    """A worker over two gloo ranks streams the same tokens as one process; when its
+    rank 1 is killed the whole worker exits with an error naming it, and the
+    other worker resumes its requests as after any crash."""
+    import psutil
+
+    keys = Keys(prefix)
+    victim = worker_processes("tp", "--claim-idle-ms", "1000", "--tensor-parallel-size", "2")
+    survivor = worker_processes("survivor", "--claim-idle-ms", "1000")
+    wait_until(lambda: alive(real_redis, prefix, "tp", "survivor"), START_TIMEOUT_S)
+    reqs = greedy_requests(8, random.Random(3), (60, 120))
+    client = Client(redis_server.url, prefix)
+    rids = [client.submit(p, **kw) for p, kw in reqs]
+
+    def tp_mid_request():
+        owned = real_redis.xpending_range(keys.requests, "workers", "-", "+", 100, consumername="tp")
+        progress = [raw_chunks(real_redis, prefix, p["message_id"].decode()) for p in owned]
+        return any(len(c) >= 2 and not c[-1].finished for c in progress)
+
+    wait_until(tp_mid_request, 60)
+    (rank1,) = psutil.Process(victim.pid).children()
+    rank1.kill()
+    assert victim.wait(timeout=30) != 0
+    for rid in rids:
+        assert list(client.stream(rid, timeout=60))[-1].finish_reason == "length"
+    assert_match_llm_generate(tiny_llm, real_redis, prefix, rids, reqs)
+    assert "tensor-parallel rank 1" in victim.stderr.read()
+    survivor.send_signal(signal.SIGTERM)
+    _, log = survivor.communicate(timeout=30)
+    assert "event=resumed" in log
+
+
 def test_sigterm_during_a_batch_finishes_it_and_exits_0(tiny_llm, worker_processes, real_redis, prefix, redis_server):
     keys = Keys(prefix)
     worker = worker_processes("w", "--grace-s", "60")
