@@ -21,6 +21,8 @@ from tests.models import hf_greedy, tiny_family, tiny_gpt2, tiny_llama
 from tests.test_greedy_equality import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# Where two GPUs are present the same tests run there too: NCCL, CUDA graphs, windows.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.device_count() >= 2 else [])
 CPU = {"device": "cpu", "dtype": "float32", "block_size": 4, "num_kv_blocks": 128,
        "max_num_seqs": 8}
 
@@ -42,33 +44,37 @@ def saved(tmp_path_factory):
 
 
 def run(path, prompts, params=GREEDY, **config):
-    llm = LLM(path, **{**CPU, **config})
+    llm = LLM(path, **{**CPU, "decode_steps_min_seqs": 1, **config})
     try:
         return llm.generate(prompts, params), llm.engine.stats()
     finally:
         llm.engine.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["gpt2", "llama", "llama-1kv", "qwen2", "phi3"])
-def test_two_ranks_equal_transformers_greedy(saved, name):
+def test_two_ranks_equal_transformers_greedy(saved, name, device):
     """Prompts of 1-23 tokens in chunks of at most 16 tokens a step (chunked prefill)."""
     path, hf = saved[name]
     prompts = mixed_prompts(5, seed=4)
-    outs, _ = run(path, prompts, tensor_parallel_size=2, max_num_batched_tokens=16)
+    outs, _ = run(path, prompts, tensor_parallel_size=2, max_num_batched_tokens=16,
+                  device=device)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
 
 
-def test_prefix_cache_and_preemption_over_two_ranks(saved):
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefix_cache_and_preemption_over_two_ranks(saved, device):
     path, hf = saved["llama"]
     shared = list(range(10, 27))
     prompts = [shared + [40], shared + [41, 42], shared[:9], shared] + mixed_prompts(3, seed=6)
     outs, stats = run(path, prompts, GREEDY, tensor_parallel_size=2, num_kv_blocks=16,
-                      enable_prefix_cache=True, decode_steps_min_seqs=1)
+                      enable_prefix_cache=True, device=device)
     assert stats.num_preemptions > 0, "the pool should have forced preemption"
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
 
 
-def test_sampled_and_processed_rows_equal_one_process(saved):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_and_processed_rows_equal_one_process(saved, device):
     """Rank 0 alone samples and applies penalties and logit bias: the other rank
     must decode from the same ids, so the texts equal one process's."""
     path, _ = saved["gpt2"]
@@ -76,8 +82,8 @@ def test_sampled_and_processed_rows_equal_one_process(saved):
     params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True,
                              presence_penalty=0.5 * (i % 2), logit_bias={7: 2.0} if i == 3 else {})
               for i in range(4)]
-    one, _ = run(path, prompts, params)
-    two, _ = run(path, prompts, params, tensor_parallel_size=2)
+    one, _ = run(path, prompts, params, device=device)
+    two, _ = run(path, prompts, params, tensor_parallel_size=2, device=device)
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
 
 

@@ -4,13 +4,17 @@ For each model and batch, once every prompt is in the cache: the engine's
 wall time per decode step (host and GPU overlapped; a decode window counts as
 its steps), the GPU's busy time per step, and every kernel with its time per
 step (torch.profiler sees the kernels a CUDA graph launches), against the
-bytes a step must read (weights once, each sequence's K/V) at 3.0 TB/s.
+bytes a step must read (weights once, each sequence's K/V) at PEAK_TB_S
+(default 3.0) TB/s. With tensor parallelism (TP > 1) the figures are rank 0's
+(its shards' bytes, its kernels), and the all-reduces' share of the step is
+printed.
 
-    python3 docs/bench/decode_profile.py MODEL:BATCH[:CONTEXT] ...
+    [PEAK_TB_S=4.5] python3 docs/bench/decode_profile.py MODEL:BATCH[:CONTEXT[:TP]] ...
     e.g. llama3-1b-random:1 llama3-8b-random:1 llama3-1b-random:256:600
 """
 import collections
 import gc
+import os
 import sys
 import time
 
@@ -18,6 +22,8 @@ import torch
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.bench.floor import PEAK_BYTES_PER_S, kv_bytes_per_token, weight_bytes
+
+PEAK = float(os.environ.get("PEAK_TB_S", PEAK_BYTES_PER_S / 1e12)) * 1e12
 
 
 def steps(eng, n: int) -> int:
@@ -39,9 +45,10 @@ def kernel_table(eng, n: int):
     return sorted(((k, c, us) for k, (c, us) in total.items()), key=lambda r: -r[2]), tokens
 
 
-def profile(model: str, batch: int, context: int) -> None:
+def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
     llm = LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=batch,
-              enable_prefix_cache=False, max_model_len=max(2048, context + 512))
+              enable_prefix_cache=False, max_model_len=max(2048, context + 512),
+              tensor_parallel_size=tp)
     eng = llm.engine
     weights = weight_bytes(eng.model)
     for i in range(batch):
@@ -59,21 +66,26 @@ def profile(model: str, batch: int, context: int) -> None:
     rows, profiled = kernel_table(eng, 20)
     context_at.append(sum(len(s.token_ids) for s in eng.seqs.values()) / batch)
     kv = batch * sum(context_at) / 2 * kv_bytes_per_token(eng.kv_cache)
-    floor = (weights + kv) / PEAK_BYTES_PER_S
+    floor = (weights + kv) / PEAK
     n = profiled / batch  # decode steps profiled
     gpu = sum(us for _, _, us in rows) / n / 1e6
-    print(f"\n== {model} batch {batch}, context {context_at[0]:.0f}-{context_at[1]:.0f}: weights {weights / 1e9:.2f} GB, "
+    print(f"\n== {model} TP {tp} batch {batch}, context {context_at[0]:.0f}-{context_at[1]:.0f}: weights {weights / 1e9:.2f} GB, "
           f"K/V read {kv / 1e9:.3f} GB, floor {floor * 1e3:.3f} ms per decode step")
     print(f"decode step {per_step * 1e3:.3f} ms ({floor / per_step:.0%} of floor); "
           f"GPU busy {gpu * 1e3:.3f} ms of it ({floor / gpu:.0%}); "
           f"{sum(c for _, c, _ in rows) / n:.0f} kernels per step")
+    nccl = sum(us for name, _, us in rows if "nccl" in name.lower()) / n / 1e6
+    if tp > 1:
+        print(f"all-reduce and gather kernels {nccl * 1e3:.3f} ms per step "
+              f"({nccl / per_step:.0%} of the step)")
     for name, count, us in rows[:25]:
         print(f"  {us / n:9.1f} us/step {count / n:6.1f}x  {us / count:7.2f} us each  {name[:100]}")
+    llm.engine.close()
 
 
 if __name__ == "__main__":
     for spec in sys.argv[1:] or ["llama3-1b-random:1"]:
-        model, batch, *ctx = spec.split(":")
-        profile(model, int(batch), int(ctx[0]) if ctx else 512)
+        model, batch, *rest = spec.split(":")
+        profile(model, int(batch), *map(int, rest))
         gc.collect()
         torch.cuda.empty_cache()

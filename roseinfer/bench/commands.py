@@ -91,6 +91,9 @@ def _workload_parent() -> argparse.ArgumentParser:
                    help="dynamic (DynamicCache) and/or static (StaticCache + torch.compile) "
                         "(default: %(default)s)")
     r.add_argument("--output-json", default=None, help="write every run and the summary here")
+    r.add_argument("--peak-tb-s", type=float, default=None,
+                   help="memory bandwidth (TB/s, per GPU) the decode bytes floor is taken at "
+                   "(default: 3.0, what the benchmarks count an H100 SXM at)")
     r.add_argument("--plot", default=None, help="write a PNG chart here (needs matplotlib)")
     r.add_argument("--label", default=None, help="name of this workload in charts")
     r.add_argument("--no-progress", dest="progress", action="store_false",

@@ -73,7 +73,9 @@ class BenchRun:
                   "ratios": {v: ours["output_throughput"] / r["summary"]["output_throughput"]
                              for v, r in hf.items() if "summary" in r}}
         if engine.device.type == "cuda":
-            floor = decode_floor(engine, [len(p) for p in w.prompt_ids], w.output_lens)
+            peak = getattr(a, "peak_tb_s", None)
+            floor = decode_floor(engine, [len(p) for p in w.prompt_ids], w.output_lens,
+                                 *([peak * 1e12] if peak else []))
             floor["fraction"] = ours["output_throughput"] / floor["output_throughput"]
             result["bytes_floor"] = floor
         if offline is not None:

@@ -71,6 +71,7 @@ def _random_family(name: str, **shape):
 RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
           "llama3-1b-random": _random_llama3(16, 2048, 8192, 32, tied=True),
           "llama3-8b-random": _random_llama3(32, 4096, 14336, 32, tied=False),
+          "llama3-70b-random": _random_llama3(80, 8192, 28672, 64, tied=False),
           "qwen2.5-1.5b-random": _random_family(
               "Qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
               num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -129,7 +130,8 @@ def _shards(cls, tensors: dict, hf_config) -> dict:
 def _empty_module(hf_config, dtype, device, plugins=None):
     with torch.device("meta"):  # no time spent on an init we overwrite
         model = model_class(hf_config, plugins)(hf_config)
-    return model.to_empty(device=device).to(dtype)
+    # the dtype first: a 70B shard in float32 would not fit where its bf16 does
+    return model.to(dtype).to_empty(device=device)
 
 
 def _random_init(model, seed: int) -> None:
