@@ -90,12 +90,9 @@ def test_sampled_and_processed_rows_equal_one_process(saved, device):
 def states(path, size):
     """Each rank's state dict (float64: CPU float32 linears keep packed weights)."""
     out = []
-    try:
-        for rank in range(size):
-            tp._group = tp.Group(rank, size)
+    for rank in range(size):
+        with tp.assume(rank, size):
             out.append(loader.load(path, dtype=torch.float64)[0].state_dict())
-    finally:
-        tp._group = tp.Group()
     return out
 
 

@@ -50,7 +50,18 @@ class Engine:
         self.peers = None
         if config.tensor_parallel_size > 1:
             self.device = rank_device(self.device, 0, config.tensor_parallel_size)
+            with tp.assume(0, config.tensor_parallel_size):
+                loader.check_shards(model, plugins)
             self.peers = Peers.start(model, config, self.device)
+        try:
+            self._build(model, tokenizer)
+        except BaseException:
+            if self.peers is not None:
+                self.peers.close(kill=True)
+            raise
+
+    def _build(self, model, tokenizer) -> None:
+        config, plugins = self.config, self.plugins
         self.dtype = _resolve_dtype(config.dtype, self.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)

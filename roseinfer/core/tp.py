@@ -9,6 +9,7 @@ captured in CUDA graphs like any kernel), gloo on the CPU.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,17 @@ def init(rank: int, size: int, port: int, device: torch.device) -> None:
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             device_id=device if device.type == "cuda" else None)
     _group = Group(rank, size, device)
+
+
+@contextmanager
+def assume(rank: int, size: int):
+    """Build as rank ``rank`` of ``size`` would, without a group (checks, tests)."""
+    global _group
+    before, _group = _group, Group(rank, size)
+    try:
+        yield
+    finally:
+        _group = before
 
 
 def destroy() -> None:

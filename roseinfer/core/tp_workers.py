@@ -62,9 +62,6 @@ class Peers:
     @classmethod
     def start(cls, spec, config: EngineConfig, device: torch.device) -> "Peers":
         """Start ranks 1..N-1 and join the group as rank 0 (on ``device``)."""
-        if not isinstance(spec, (str, os.PathLike)):
-            raise ConfigError("tensor_parallel_size > 1 needs the model as a path, .gguf file, "
-                              "hub id or alias: each rank loads its own shards")
         size, port = config.tensor_parallel_size, _free_port()
         procs, conns = [], []
         for rank in range(1, size):
@@ -77,7 +74,11 @@ class Peers:
             os.close(read)
             conns.append(Connection(write, readable=False))
         peers = cls(procs, conns)
-        tp.init(0, size, port, device)
+        try:
+            tp.init(0, size, port, device)
+        except BaseException:
+            peers.close(kill=True)
+            raise
         return peers
 
     def send(self, order: StepOrder) -> None:
@@ -85,8 +86,9 @@ class Peers:
         for conn in self.conns:
             conn.send_bytes(msg)
 
-    def close(self) -> None:
-        """Stop the other ranks and leave the group."""
+    def close(self, kill: bool = False) -> None:
+        """Stop the other ranks and leave the group; ``kill``: at once (rank 0 failed
+        and they may wait in a collective that will never complete)."""
         if self.closing:
             return
         self.closing = True
@@ -98,9 +100,10 @@ class Peers:
                 pass
         for proc in self.procs:
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=0 if kill else 30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
         tp.destroy()
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:

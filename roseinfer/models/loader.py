@@ -158,17 +158,32 @@ def _resolve(spec):
     return _from_hub(spec)
 
 
-def model_info(spec):
+def model_info(spec, tokenizer: bool = True):
     """(transformers config, tokenizer or None) of a spec, without its weights: what a
     load generator needs to make prompts for workers that serve the model elsewhere."""
-    from transformers import AutoConfig
-
     if spec in RANDOM:
         return RANDOM[spec]()
     path = ALIASES[spec]() if spec in ALIASES else spec
     if str(path).endswith(".gguf"):
         path = _converted_gguf(path)
-    return AutoConfig.from_pretrained(path), _load_tokenizer(path)
+    if os.path.isdir(path):
+        config = _config(path)
+    else:
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(path)
+    return config, _load_tokenizer(path, config) if tokenizer else None
+
+
+def check_shards(spec, plugins=None) -> None:
+    """Build the spec's module on the meta device (no memory) under the current
+    tensor-parallel group: a size that does not divide its heads or MLP fails
+    here, before any other rank is started."""
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ConfigError("tensor_parallel_size > 1 needs the model as a path, .gguf file, "
+                          "hub id or alias: each rank loads its own shards")
+    hf_config = model_info(spec, tokenizer=False)[0]
+    with torch.device("meta"):
+        model_class(hf_config, plugins)(hf_config)
 
 
 def hf_model(spec, seed: int = 0):
