@@ -120,10 +120,39 @@ def wait_until_named(url: str, port: int, timeout: float) -> bool:
     return False
 
 
+def test_acks_wait_for_a_replica_to_hold_the_chunks(tiny_llm, start_worker_on, prefix):
+    """With ack_replicas=1 a finished request streams whole to its client at once, but its
+    entry leaves the queue only after a replica has joined and holds its chunks."""
+    from roseinfer.frontends.redis_streams.protocol import Keys
+
+    primary = EmbeddedRedis(port=free_port()).start()
+    replica = None
+    try:
+        r = redis.Redis(port=primary.port)
+        start_worker_on(r, tiny_llm.engine, ack_replicas=1, ack_timeout_ms=100)
+        out = Client(primary.url, prefix).generate("Hello there", max_tokens=5, temperature=0,
+                                                   timeout=30)
+        assert out.finish_reason == "length"
+        requests = Keys(prefix).requests
+        time.sleep(0.5)  # a few WAITs time out meanwhile
+        assert r.xlen(requests) == 1 and r.xpending(requests, "workers")["pending"] == 1
+        replica = EmbeddedRedis(port=free_port(), extra_args=(
+            "--replicaof", "127.0.0.1", str(primary.port))).start()
+        wait_until(lambda: r.xlen(requests) == 0, 30)
+        reply = f"{prefix}:out:{out.rid}"
+        assert redis.Redis(port=replica.port).xlen(reply) == r.xlen(reply) > 0
+    finally:
+        for server in (replica, primary):
+            if server is not None:
+                server.stop()
+
+
+@pytest.mark.parametrize("ack_replicas", [0, 1])
 def test_requests_streaming_through_a_failover_complete_exactly(group, tiny_llm, start_worker_on,
-                                                                prefix):
+                                                                prefix, ack_replicas):
     """32 greedy requests of 160 tokens stream while the primary is SIGKILLed: each
-    client sees its text whole, every seq once and in order, as without the failover."""
+    client sees its text whole, every seq once and in order, as without the failover;
+    also with acks that wait for the replica."""
     import threading
 
     from roseinfer import SamplingParams
@@ -132,7 +161,7 @@ def test_requests_streaming_through_a_failover_complete_exactly(group, tiny_llm,
     prompts = [f"Request {i} begins" for i in range(32)]
     want = tiny_llm.generate(prompts, SamplingParams(max_tokens=160, temperature=0,
                                                      ignore_eos=True))
-    start_worker_on(connect(url), tiny_llm.engine)
+    start_worker_on(connect(url), tiny_llm.engine, ack_replicas=ack_replicas)
     client = Client(url, prefix)
     wait_until(lambda: redis.Redis(port=replica.port).info("replication")["master_link_status"]
                == "up")

@@ -44,6 +44,10 @@ WORKER_SETTINGS = {
     "raw": (False, bool, "pass text prompts as they are, not wrapped in the chat template"),
     "max_entry_bytes": (4 << 20, int, "refuse request entries larger than this (too_long), "
                                       "before decoding them"),
+    "ack_replicas": (0, int, "acknowledge a finished request only once this many replicas "
+                             "hold its chunks (Redis WAIT; docs/operations.md)"),
+    "ack_timeout_ms": (1000, int, "with --ack-replicas: wait this long for the replicas, "
+                                  "then send the round again"),
 }
 
 
@@ -188,7 +192,9 @@ def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                         max_deliveries=settings["max_deliveries"],
                         heartbeat_s=settings["heartbeat_s"], metrics=worker_metrics,
                         chat_template=not settings["raw"], model_name=args.model,
-                        max_entry_bytes=settings["max_entry_bytes"])
+                        max_entry_bytes=settings["max_entry_bytes"],
+                        ack_replicas=settings["ack_replicas"],
+                        ack_timeout_ms=settings["ack_timeout_ms"])
         gateway = _start_gateway(args, settings, redis_url)
         if announce:
             print(f"roseinfer is serving {args.model} at {redis_url}; from another terminal:\n"

@@ -30,8 +30,12 @@ class GaveUp(Exception):
     """Redis stayed unreachable past the shutdown deadline."""
 
 
+class NotReplicated(Exception):
+    """Fewer replicas than asked confirmed a round's writes (WAIT): its acks wait."""
+
+
 def is_transient(error: BaseException) -> bool:
-    if isinstance(error, (ConnectionError, TimeoutError)):  # BusyLoadingError included
+    if isinstance(error, (ConnectionError, TimeoutError, NotReplicated)):  # BusyLoadingError too
         return True
     return isinstance(error, ResponseError) and str(error).startswith(TRANSIENT_REPLIES)
 

@@ -25,6 +25,12 @@ idempotent. After an outage the chunks (and acks) of the last REPLAY_S seconds b
 go again first: a failed-over Redis may have lost what its old primary took but had not
 yet replicated, and a client that missed those chunks would see a gap in seq, while one
 that saw them drops them again.
+
+With ``ack_replicas`` N > 0 a round that finishes requests ends its pipeline with
+``WAIT N timeout`` (on the connection that wrote the chunks, as WAIT needs), and
+acknowledges the entries in a second round trip only once N replicas hold those
+chunks; fewer, and the round goes again as in an outage. A finished request is then
+whole on a replica before its entry leaves the queue, whatever the replication lag.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ from typing import Callable, Optional
 from redis import Redis
 
 from roseinfer.frontends.redis_streams.events import event
-from roseinfer.frontends.redis_streams.outage import Outage, is_transient
+from roseinfer.frontends.redis_streams.outage import NotReplicated, Outage, is_transient
 
 # KEYS: reply streams; ARGV: expiry (s), approximate MAXLEN, one chunk body per key.
 # pcall: a key a client filled with a non-stream value costs its own chunk, not the batch.
@@ -61,11 +67,19 @@ return failed
 REPLAY_S = 2.0
 
 
+class Acks:
+    """How a round acknowledges finished entries: ``ack(pipe, entry_ids)``, after
+    ``replicas`` replicas confirmed the writes before it (within ``timeout_ms``)."""
+
+    def __init__(self, ack: Optional[Callable], replicas: int = 0, timeout_ms: int = 1000):
+        self.ack, self.replicas, self.timeout_ms = ack, replicas, timeout_ms
+
+
 class ReplyBatch:
     """Consecutive chunks of a round, and the entries acknowledged with them."""
 
-    def __init__(self, ttl_s: int, maxlen: int, ack: Callable):
-        self.ttl_s, self.maxlen, self.ack = ttl_s, maxlen, ack
+    def __init__(self, ttl_s: int, maxlen: int, acks: Acks):
+        self.ttl_s, self.maxlen, self.acks = ttl_s, maxlen, acks
         self.keys: list[str] = []
         self.bodies: list[bytes] = []
         self.acked: list[str] = []
@@ -76,20 +90,30 @@ class ReplyBatch:
         if ack_entry_id is not None:
             self.acked.append(ack_entry_id)
 
+    @property
+    def waits(self) -> bool:
+        """Its acks wait for replicas: write() ends with WAIT, ack_now() follows."""
+        return bool(self.acked) and self.acks.replicas > 0
+
     def write(self, pipe) -> None:
         # EVAL rather than EVALSHA: Redis caches the compiled script by its hash, and a
         # restarted or failed-over Redis needs no SCRIPT LOAD first.
         pipe.eval(PUBLISH_SCRIPT, len(self.keys), *self.keys, self.ttl_s, self.maxlen, *self.bodies)
-        if self.acked:  # after the chunks: acknowledged only together with the final one
-            self.ack(pipe, self.acked)
+        if self.waits:
+            pipe.execute_command("WAIT", self.acks.replicas, self.acks.timeout_ms)
+        elif self.acked:  # after the chunks: acknowledged only together with the final one
+            self.acks.ack(pipe, self.acked)
+
+    def ack_now(self, pipe) -> None:
+        self.acks.ack(pipe, self.acked)
 
 
 class Round:
     """One loop iteration's writes in order, then its reads. ``later(fn)`` queues work that
     the sender thread runs when it sends the round: fn(round) may write and publish."""
 
-    def __init__(self, reply_ttl_s: int, reply_maxlen: int, ack: Optional[Callable]):
-        self._reply_args = (reply_ttl_s, reply_maxlen, ack)
+    def __init__(self, reply_ttl_s: int, reply_maxlen: int, acks: Acks):
+        self._reply_args = (reply_ttl_s, reply_maxlen, acks)
         self.items: list = []        # (fn, args, kwargs) writes, or ("later", fn)
         self.reads: Optional[Callable] = None
         self.parse: Optional[Callable] = None
@@ -136,10 +160,11 @@ class Round:
 class Outbox:
     def __init__(self, redis: Redis, outage: Outage, reply_ttl_s: int = 3600,
                  reply_maxlen: int = 100_000, ack: Optional[Callable] = None,
-                 send_thread: bool = True):
+                 send_thread: bool = True, ack_replicas: int = 0,
+                 ack_timeout_ms: int = 1000):
         self.redis = redis
         self.outage = outage
-        self._reply_args = (reply_ttl_s, reply_maxlen, ack)
+        self._reply_args = (reply_ttl_s, reply_maxlen, Acks(ack, ack_replicas, ack_timeout_ms))
         self.round = Round(*self._reply_args)
         self._sender = _Sender(self._send) if send_thread else None
         self._reader = _Sender(self._send, depth=1) if send_thread else None
@@ -235,7 +260,7 @@ class Outbox:
             scripts = []
             for fn, args, kwargs in rnd.items:
                 if isinstance(getattr(fn, "__self__", None), ReplyBatch):
-                    scripts.append(len(pipe) - replayed)
+                    scripts.append((len(pipe) - replayed, fn.__self__))
                 fn(pipe, *args, **kwargs)
             num_writes = len(pipe)
             if rnd.reads is not None:
@@ -249,17 +274,37 @@ class Outbox:
                     raise r
                 if isinstance(r, Exception) and i < num_writes:
                     event("write_failed", logging.WARNING, error=r)
-            for i in scripts:
+            for i, batch in scripts:
                 if results[i] and not isinstance(results[i], Exception):
                     # a client wrote a non-stream value under a reply key: its loss only
                     event("write_failed", logging.WARNING, error="not a stream",
                           keys=b",".join(results[i]).decode(errors="replace"))
+            self._ack_replicated([(batch, results[i + 1]) for i, batch in scripts if batch.waits])
             return results[num_writes:]
 
         results = self.outage.call(once)
         self._remember([fn.__self__ for fn, _, _ in rnd.items
                         if isinstance(getattr(fn, "__self__", None), ReplyBatch)])
         return results
+
+    def _ack_replicated(self, waited: list) -> None:
+        """The acks of batches whose WAIT came back: sent once every one has its replicas."""
+        if not waited:
+            return
+        for _, n in waited:
+            if isinstance(n, Exception):  # e.g. a Redis that refuses WAIT: the loop stops on it
+                raise n
+        short = [n for _, n in waited if n < waited[0][0].acks.replicas]
+        if short:
+            acks = waited[0][0].acks
+            raise NotReplicated(f"{min(short)} of {acks.replicas} replicas confirmed the "
+                                f"chunks before an ack within {acks.timeout_ms} ms")
+        pipe = self.redis.pipeline(transaction=False)
+        for batch, _ in waited:
+            batch.ack_now(pipe)
+        for r in pipe.execute(raise_on_error=False):
+            if isinstance(r, Exception):
+                raise r  # transient: the round goes again; otherwise the loop stops on it
 
     def _replay(self, pipe) -> int:
         """After an outage, the reply batches sent in the REPLAY_S seconds before it, into

@@ -81,7 +81,8 @@ class Worker:
                  metrics: Optional[Metrics] = None, reply_ttl_s: int = 3600,
                  reply_maxlen: int = 100_000, progress_every_s: float = 10.0,
                  chat_template: bool = True, model_name: str = "", send_thread: bool = True,
-                 max_entry_bytes: int = Limits.max_entry_bytes):
+                 max_entry_bytes: int = Limits.max_entry_bytes, ack_replicas: int = 0,
+                 ack_timeout_ms: int = 1000):
         if claim_idle_ms < 100:
             raise ValueError(f"claim_idle_ms must be at least 100, got {claim_idle_ms}")
         if max_deliveries < 1:
@@ -103,8 +104,10 @@ class Worker:
         self.outage = Outage(self._past_deadline, self.metrics.redis_outages.inc)
         # Far above any request's chunk count, reply_maxlen only guards Redis against a runaway.
         # send_thread: chunks go out while the next step runs (off only for step-by-step tests).
+        # ack_replicas: a finished request leaves the queue only once that many replicas
+        # hold its chunks (outbox.py; docs/operations.md says what it costs).
         self.outbox = Outbox(redis, self.outage, reply_ttl_s, reply_maxlen, self.ownership.ack,
-                             send_thread)
+                             send_thread, ack_replicas, ack_timeout_ms)
         # Refreshing four times per claim period keeps a live worker's entries far from it.
         self._tick_s = claim_idle_ms / 4000
         self._next_refresh = self._next_claim = 0.0
