@@ -35,6 +35,9 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", choices=("redis", "openai"), default="redis",
                    help="redis: clients write the stream (protocol v1); openai: through the "
                         "OpenAI gateway, started in this process (default: %(default)s)")
+    g.add_argument("--ack-replicas", type=int, default=0,
+                   help="the worker acknowledges a finished request once this many replicas of "
+                   "--redis-url hold its chunks (worker --ack-replicas; default: %(default)s)")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="at most this many requests in flight; a due request waits for a "
                         "slot (vLLM's meaning; default: no cap)")

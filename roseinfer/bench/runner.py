@@ -233,7 +233,7 @@ class BenchRun:
             from roseinfer.bench.serve import ServeHarness
             a = self.args
             return ServeHarness(probe, a.redis_url, a.client_procs, a.request_timeout,
-                                endpoint=a.endpoint)
+                                endpoint=a.endpoint, ack_replicas=a.ack_replicas)
         return _OfflineHarness(probe)
 
     # --- output ---------------------------------------------------------------------------

@@ -34,8 +34,9 @@ class ServeHarness:
 
     def __init__(self, probe: Optional[EngineProbe], redis_url: Optional[str] = None,
                  client_procs: int = 1, request_timeout_s: float = 600.0,
-                 prefix: Optional[str] = None, endpoint: str = "redis"):
+                 prefix: Optional[str] = None, endpoint: str = "redis", ack_replicas: int = 0):
         self.probe = probe
+        self.ack_replicas = ack_replicas
         self.endpoint = endpoint
         self._gateway = None
         self.redis_url = redis_url
@@ -61,7 +62,8 @@ class ServeHarness:
             if self.probe is not None:
                 # Raw prompts, as `bench offline` sends them: no chat template.
                 self._worker = Worker(self.probe, connect(self.redis_url),
-                                      prefix=self.prefix, block_ms=50, chat_template=False)
+                                      prefix=self.prefix, block_ms=50, chat_template=False,
+                                      ack_replicas=self.ack_replicas)
                 self._thread = threading.Thread(target=self._run_worker, daemon=True,
                                                 name="bench-worker")
                 self._thread.start()

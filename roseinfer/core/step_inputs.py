@@ -229,7 +229,10 @@ class InputStager:
         return self.host_t[self.turn].numpy()[:host.total]
 
     def load(self, packed: np.ndarray, n_tok: int, n_seq: int, n_upd: int) -> PackedInputs:
-        """Ints that ``packed`` gave on another rank, as this rank's host inputs."""
+        """Ints that ``packed`` gave on another rank, as this rank's host inputs. The
+        buffer's previous copy (two orders ago) is complete: rank 0 sends an order only
+        after step n-1's results came back, and its collectives needed this rank's
+        step n-1, which ran after that copy."""
         self.turn = (self.turn + 1) % len(self.host_t)
         buf = self.host_t[self.turn].numpy()
         buf[:len(packed)] = packed
