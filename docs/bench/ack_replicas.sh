@@ -21,6 +21,6 @@ w="--model gpt2-random --dtype float16 --dataset random --input-len 32 --num-req
 for round in 1 2; do for n in 0 1; do
   python3 -m roseinfer.cli bench serve $w --ack-replicas $n \
     --output-json "$OUT/ack$n-$round.json" > "$OUT/ack$n-$round.log" 2>&1
-  echo "ack-replicas $n, round $round: $(grep -E 'completion tok/s' "$OUT/ack$n-$round.log" | tail -1 | tr -s ' │' ' ')"
+  echo "ack-replicas $n, round $round: $(grep -E '│ completion tok/s|TTFT|TPOT' "$OUT/ack$n-$round.log" | tr -s ' │' ' ' | tr '\n' ';')"
 done; done
 python3 -c "import redis; print('replica link', redis.Redis(port=6392).info('replication')['master_link_status'])"
