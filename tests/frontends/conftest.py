@@ -278,6 +278,31 @@ def roseinfer_cmd(*args):
     return [sys.executable, "-m", "roseinfer.cli", *args]
 
 
+@pytest.fixture
+def worker_process(tiny_gpt2_dir, prefix):
+    """start(redis_url, consumer, *flags) -> a `roseinfer worker` process on the tiny GPT-2;
+    all are gone after the test."""
+    import os
+    import subprocess
+
+    procs = []
+
+    def start(url, consumer, *flags):
+        cmd = roseinfer_cmd("worker", "--redis-url", url, "--prefix", prefix, "--consumer",
+                            consumer, "--heartbeat-s", "0.2", *flags, *engine_flags(tiny_gpt2_dir))
+        # One thread each: several workers and the test share a small machine.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True, env=env))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
 def engine_flags(model_dir):
     """The CLI flags of TINY_ENGINE on the tiny model."""
     flags = ["--model", model_dir]

@@ -1,9 +1,7 @@
 """`roseinfer worker` processes on the tiny GPT-2 and a real Redis: one killed with SIGKILL
 mid-flight (the other resumes its requests), one stopped with SIGTERM mid-batch."""
-import os
 import random
 import signal
-import subprocess
 
 import pytest
 
@@ -12,32 +10,15 @@ from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.heartbeat import read_heartbeats
 from roseinfer.frontends.redis_streams.protocol import Keys
 
-from .conftest import (WORDS, assert_well_formed, engine_flags, pending, raw_chunks,
-                       roseinfer_cmd, wait_until)
+from .conftest import WORDS, assert_well_formed, pending, raw_chunks, wait_until
 
 START_TIMEOUT_S = 90  # torch and the model load in each worker process
 
 
 @pytest.fixture
-def worker_processes(tiny_gpt2_dir, redis_server, prefix):
+def worker_processes(worker_process, redis_server):
     """start(consumer, *flags) -> a `roseinfer worker` process; all are gone after the test."""
-    procs = []
-
-    def start(consumer, *flags):
-        cmd = roseinfer_cmd("worker", "--redis-url", redis_server.url, "--prefix", prefix,
-                            "--consumer", consumer, "--heartbeat-s", "0.2", *flags,
-                            *engine_flags(tiny_gpt2_dir))
-        # One thread each: two workers and the test share a small machine.
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True, env=env))
-        return procs[-1]
-
-    yield start
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.communicate()
+    return lambda consumer, *flags: worker_process(redis_server.url, consumer, *flags)
 
 
 def greedy_requests(n, rng, max_tokens):

@@ -120,58 +120,77 @@ def wait_until_named(url: str, port: int, timeout: float) -> bool:
     return False
 
 
-def test_acks_wait_for_a_replica_to_hold_the_chunks(tiny_llm, start_worker_on, prefix):
-    """With ack_replicas=1 a finished request streams whole to its client at once, but its
-    entry leaves the queue only after a replica has joined and holds its chunks."""
+def test_acks_wait_for_the_replica_and_go_without_one(tiny_llm, start_worker_on, prefix):
+    """With ack_replicas=1 a finished request streams whole to its client at once, and its
+    entry leaves the queue only once the replica holds its chunks: a replica that
+    sleeps holds the ack back. Without a replica the ack goes after the timeout."""
+    import threading
+
     from roseinfer.frontends.redis_streams.protocol import Keys
 
     primary = EmbeddedRedis(port=free_port()).start()
-    replica = None
+    replica = EmbeddedRedis(port=free_port(), extra_args=(
+        "--replicaof", "127.0.0.1", str(primary.port))).start()
     try:
-        r = redis.Redis(port=primary.port)
-        start_worker_on(r, tiny_llm.engine, ack_replicas=1, ack_timeout_ms=100)
-        out = Client(primary.url, prefix).generate("Hello there", max_tokens=5, temperature=0,
-                                                   timeout=30)
-        assert out.finish_reason == "length"
-        requests = Keys(prefix).requests
-        time.sleep(0.5)  # a few WAITs time out meanwhile
-        assert r.xlen(requests) == 1 and r.xpending(requests, "workers")["pending"] == 1
-        replica = EmbeddedRedis(port=free_port(), extra_args=(
-            "--replicaof", "127.0.0.1", str(primary.port))).start()
+        r, requests = redis.Redis(port=primary.port), Keys(prefix).requests
+        wait_until(lambda: r.info("replication")["connected_slaves"] == 1)
+        start_worker_on(r, tiny_llm.engine, ack_replicas=1, ack_timeout_ms=4000)
+        client = Client(primary.url, prefix)
+        client.generate("Warm up", max_tokens=2, temperature=0, timeout=30)
+        wait_until(lambda: r.xlen(requests) == 0)
+        asleep = threading.Thread(target=redis.Redis(port=replica.port).execute_command,
+                                  args=("DEBUG", "SLEEP", "2"))
+        asleep.start()
+        out = client.generate("Hello there", max_tokens=5, temperature=0, timeout=30)
+        assert out.finish_reason == "length" and asleep.is_alive()
+        assert r.xlen(requests) == 1  # streamed, not yet acknowledged
+        asleep.join()
+        wait_until(lambda: r.xlen(requests) == 0, 10)
+        replica.stop()
+        wait_until(lambda: r.info("replication")["connected_slaves"] == 0)
+        start = time.monotonic()
+        client.generate("No replica", max_tokens=3, temperature=0, timeout=60)
         wait_until(lambda: r.xlen(requests) == 0, 30)
-        reply = f"{prefix}:out:{out.rid}"
-        assert redis.Redis(port=replica.port).xlen(reply) == r.xlen(reply) > 0
+        assert time.monotonic() - start >= 4  # one WAIT timed out first
     finally:
         for server in (replica, primary):
-            if server is not None:
-                server.stop()
+            server.stop()
 
 
-@pytest.mark.parametrize("ack_replicas", [0, 1])
-def test_requests_streaming_through_a_failover_complete_exactly(group, tiny_llm, start_worker_on,
-                                                                prefix, ack_replicas):
-    """32 greedy requests of 160 tokens stream while the primary is SIGKILLed: each
-    client sees its text whole, every seq once and in order, as without the failover;
-    also with acks that wait for the replica."""
-    import threading
+PROMPTS = [f"Request {i} begins" for i in range(32)]
 
+
+@pytest.fixture(scope="module")
+def want(tiny_llm):
+    """The 32 requests' greedy outputs without any failover."""
     from roseinfer import SamplingParams
 
-    primary, replica, url = group
-    prompts = [f"Request {i} begins" for i in range(32)]
-    want = tiny_llm.generate(prompts, SamplingParams(max_tokens=160, temperature=0,
+    return tiny_llm.generate(PROMPTS, SamplingParams(max_tokens=160, temperature=0,
                                                      ignore_eos=True))
-    start_worker_on(connect(url), tiny_llm.engine, ack_replicas=ack_replicas)
+
+
+def stream_through_a_failover(group, prefix, want, during_failover=lambda: None) -> list[float]:
+    """Stream the 32 requests of 160 tokens, SIGKILL the primary once 8 have replies (and
+    call ``during_failover``), then check that each client saw its text whole, every seq
+    once and in order, as without the failover. Returns each stream's longest wait
+    between two chunks, in seconds."""
+    import threading
+
+    primary, replica, url = group
     client = Client(url, prefix)
     wait_until(lambda: redis.Redis(port=replica.port).info("replication")["master_link_status"]
                == "up")
-    results, errors = {}, []
+    results, gaps, errors = {}, {}, []
 
     def run(i):
         try:
-            rid = client.submit(prompts[i], max_tokens=160, temperature=0, ignore_eos=True)
-            chunks = list(client.stream(rid, timeout=60))
+            rid = client.submit(PROMPTS[i], max_tokens=160, temperature=0, ignore_eos=True)
+            chunks, times = [], [time.monotonic()]
+            for chunk in client.stream(rid, timeout=60):
+                chunks.append(chunk)
+                times.append(time.monotonic())
             results[i] = chunks
+            gaps[i] = max(b - a for a, b in zip(times[1:], times[2:])) if len(times) > 2 else 0.0
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
 
@@ -180,6 +199,7 @@ def test_requests_streaming_through_a_failover_complete_exactly(group, tiny_llm,
         t.start()
     wait_until(lambda: len(redis.Redis(port=primary.port).keys(f"{prefix}:out:*")) >= 8)
     primary.stop(kill=True)
+    during_failover()
     for t in threads:
         t.join(120)
     assert not errors, errors[:3]
@@ -189,3 +209,35 @@ def test_requests_streaming_through_a_failover_complete_exactly(group, tiny_llm,
         assert sum((c.token_ids for c in chunks), []) == want[i].token_ids
         assert "".join(c.text for c in chunks) == want[i].text
         assert chunks[-1].finish_reason == "length"
+    return list(gaps.values())
+
+
+@pytest.mark.parametrize("ack_replicas", [0, 1])
+def test_requests_streaming_through_a_failover_complete_exactly(group, tiny_llm, start_worker_on,
+                                                                prefix, ack_replicas, want):
+    """One worker in this process; also with acks that wait for the replica."""
+    start_worker_on(connect(group[2]), tiny_llm.engine, ack_replicas=ack_replicas)
+    gaps = stream_through_a_failover(group, prefix, want)
+    print(f"longest wait between two chunks of a stream: {max(gaps):.2f} s "
+          "(Sentinel down-after-milliseconds 1000)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(10))
+@pytest.mark.parametrize("case", ["plain", "ack_replicas", "worker_killed"])
+def test_two_worker_processes_through_repeated_failovers(group, worker_process, prefix, want,
+                                                         case, run):
+    """Two `roseinfer worker` processes through Sentinel, the primary SIGKILLed mid-run, ten
+    times each: plain, with acks that wait for the replica, and with one of the workers
+    SIGKILLed during the failover (the other resumes its requests once claimable)."""
+    from roseinfer.frontends.redis_streams.heartbeat import read_heartbeats
+    from roseinfer.frontends.redis_streams.protocol import Keys
+
+    url = group[2]
+    flags = ["--claim-idle-ms", "1000"] + (["--ack-replicas", "1"] if case == "ack_replicas" else [])
+    a, b = worker_process(url, "a", *flags), worker_process(url, "b", *flags)
+    wait_until(lambda: {h["consumer"] for h in read_heartbeats(connect(url), Keys(prefix))}
+               >= {"a", "b"}, 90)
+    gaps = stream_through_a_failover(group, prefix, want,
+                                     a.kill if case == "worker_killed" else lambda: None)
+    print(f"{case} run {run}: longest wait between two chunks of a stream {max(gaps):.2f} s")

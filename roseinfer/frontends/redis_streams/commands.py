@@ -47,7 +47,7 @@ WORKER_SETTINGS = {
     "ack_replicas": (0, int, "acknowledge a finished request only once this many replicas "
                              "hold its chunks (Redis WAIT; docs/operations.md)"),
     "ack_timeout_ms": (1000, int, "with --ack-replicas: wait this long for the replicas, "
-                                  "then send the round again"),
+                                  "then acknowledge anyway (logged as ack_unreplicated)"),
 }
 
 

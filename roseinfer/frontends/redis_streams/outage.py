@@ -30,12 +30,8 @@ class GaveUp(Exception):
     """Redis stayed unreachable past the shutdown deadline."""
 
 
-class NotReplicated(Exception):
-    """Fewer replicas than asked confirmed a round's writes (WAIT): its acks wait."""
-
-
 def is_transient(error: BaseException) -> bool:
-    if isinstance(error, (ConnectionError, TimeoutError, NotReplicated)):  # BusyLoadingError too
+    if isinstance(error, (ConnectionError, TimeoutError)):  # BusyLoadingError included
         return True
     return isinstance(error, ResponseError) and str(error).startswith(TRANSIENT_REPLIES)
 

@@ -26,11 +26,13 @@ go again first: a failed-over Redis may have lost what its old primary took but 
 yet replicated, and a client that missed those chunks would see a gap in seq, while one
 that saw them drops them again.
 
-With ``ack_replicas`` N > 0 a round that finishes requests ends its pipeline with
-``WAIT N timeout`` (on the connection that wrote the chunks, as WAIT needs), and
-acknowledges the entries in a second round trip only once N replicas hold those
-chunks; fewer, and the round goes again as in an outage. A finished request is then
-whole on a replica before its entry leaves the queue, whatever the replication lag.
+With ``ack_replicas`` N > 0 a round that finishes requests puts ``WAIT N timeout``
+between its chunks and its acks, in the same pipeline (WAIT counts the writes of its
+own connection; the acks run once it returns): a finished request is whole on N
+replicas before its entry leaves the queue, however far replication lags. If fewer
+confirm within the timeout (no replica up, say: then no failover can lose it either)
+the acks go anyway and ``ack_unreplicated`` is logged, so a missing replica slows a
+worker's finishing rounds by the timeout instead of stopping it.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from typing import Callable, Optional
 from redis import Redis
 
 from roseinfer.frontends.redis_streams.events import event
-from roseinfer.frontends.redis_streams.outage import NotReplicated, Outage, is_transient
+from roseinfer.frontends.redis_streams.outage import Outage, is_transient
 
 # KEYS: reply streams; ARGV: expiry (s), approximate MAXLEN, one chunk body per key.
 # pcall: a key a client filled with a non-stream value costs its own chunk, not the batch.
@@ -92,20 +94,26 @@ class ReplyBatch:
 
     @property
     def waits(self) -> bool:
-        """Its acks wait for replicas: write() ends with WAIT, ack_now() follows."""
+        """Its acks wait for replicas: write() puts WAIT before them."""
         return bool(self.acked) and self.acks.replicas > 0
 
-    def write(self, pipe) -> None:
+    def write(self, pipe, wait: bool = True) -> None:
+        """``wait``: False for a replay after an outage, whose many batches must not each
+        wait out a missing replica."""
         # EVAL rather than EVALSHA: Redis caches the compiled script by its hash, and a
         # restarted or failed-over Redis needs no SCRIPT LOAD first.
         pipe.eval(PUBLISH_SCRIPT, len(self.keys), *self.keys, self.ttl_s, self.maxlen, *self.bodies)
-        if self.waits:
+        if wait and self.waits:
             pipe.execute_command("WAIT", self.acks.replicas, self.acks.timeout_ms)
-        elif self.acked:  # after the chunks: acknowledged only together with the final one
+        if self.acked:  # after the chunks: acknowledged only together with the final one
             self.acks.ack(pipe, self.acked)
 
-    def ack_now(self, pipe) -> None:
-        self.acks.ack(pipe, self.acked)
+    def check_replicated(self, confirmed) -> None:
+        """Log acks sent before the replicas asked for confirmed (WAIT's reply)."""
+        if isinstance(confirmed, int) and confirmed < self.acks.replicas:
+            event("ack_unreplicated", logging.WARNING, entries=len(self.acked),
+                  replicas=confirmed, wanted=self.acks.replicas,
+                  timeout_ms=self.acks.timeout_ms)
 
 
 class Round:
@@ -279,32 +287,15 @@ class Outbox:
                     # a client wrote a non-stream value under a reply key: its loss only
                     event("write_failed", logging.WARNING, error="not a stream",
                           keys=b",".join(results[i]).decode(errors="replace"))
-            self._ack_replicated([(batch, results[i + 1]) for i, batch in scripts if batch.waits])
+            for i, batch in scripts:
+                if batch.waits:
+                    batch.check_replicated(results[i + 1])
             return results[num_writes:]
 
         results = self.outage.call(once)
         self._remember([fn.__self__ for fn, _, _ in rnd.items
                         if isinstance(getattr(fn, "__self__", None), ReplyBatch)])
         return results
-
-    def _ack_replicated(self, waited: list) -> None:
-        """The acks of batches whose WAIT came back: sent once every one has its replicas."""
-        if not waited:
-            return
-        for _, n in waited:
-            if isinstance(n, Exception):  # e.g. a Redis that refuses WAIT: the loop stops on it
-                raise n
-        short = [n for _, n in waited if n < waited[0][0].acks.replicas]
-        if short:
-            acks = waited[0][0].acks
-            raise NotReplicated(f"{min(short)} of {acks.replicas} replicas confirmed the "
-                                f"chunks before an ack within {acks.timeout_ms} ms")
-        pipe = self.redis.pipeline(transaction=False)
-        for batch, _ in waited:
-            batch.ack_now(pipe)
-        for r in pipe.execute(raise_on_error=False):
-            if isinstance(r, Exception):
-                raise r  # transient: the round goes again; otherwise the loop stops on it
 
     def _replay(self, pipe) -> int:
         """After an outage, the reply batches sent in the REPLAY_S seconds before it, into
@@ -313,7 +304,7 @@ class Outbox:
             return 0
         self._outages_seen = self.outage.outages
         for _, batch in self._recent:
-            batch.write(pipe)
+            batch.write(pipe, wait=False)
         if self._recent:
             event("replayed", logging.WARNING, batches=len(self._recent),
                   reason="chunks of the seconds before an outage may not have been replicated")
