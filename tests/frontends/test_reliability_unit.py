@@ -86,6 +86,22 @@ def test_chunks_a_failover_lost_go_again_before_the_next(worker, client, fake_re
     assert chunks[0].seq == 0
 
 
+def test_an_entry_a_failover_delivers_again_to_its_worker_keeps_streaming(worker, client,
+                                                                           fake_redis):
+    """The Redis that comes back lost the record that the entry was delivered: this worker,
+    which serves it, reads it again as new. It goes on serving it, with no error chunk."""
+    rid = client.submit("ab", max_tokens=6)
+    for _ in range(3):
+        worker.run_once()
+    assert rid in worker._inflight
+    fake_redis.xgroup_setid(KEYS.requests, "workers", "0")  # deliver it again
+    run_until_idle(worker)
+    chunks = raw_chunks(fake_redis, PREFIX, rid)
+    assert_well_formed(chunks)
+    assert sum((c.token_ids for c in chunks), []) == [99, 0, 1, 2, 3, 4]
+    assert fake_redis.xlen(KEYS.requests) == 0
+
+
 def test_a_dead_workers_request_resumes_after_its_last_chunk(worker, client, fake_redis):
     client.submit("ab", rid="r", max_tokens=6)
     # "b" is 98: the toy model goes 99, 0, 1, 2, 3, 4; the dead worker sent 3 of them,

@@ -464,7 +464,14 @@ class Worker:
             req = request or self.admission(entry_id, fields)
             if isinstance(req, Exception):
                 raise req
-            if req.rid in self._inflight:
+            running_one = self._inflight.get(req.rid)
+            if running_one is not None and running_one.entry_id == entry_id:
+                # Delivered to this worker again: a failed-over Redis lost the first
+                # delivery. It is being served; an error would end its stream.
+                event("redelivered", logging.WARNING, rid=req.rid, entry=entry_id,
+                      reason="the Redis that delivered it before failed over")
+                return
+            if running_one is not None:
                 rid, seq, emitted_tokens = entry_id, 0, 0  # P:out:{rid} is the running one's
                 raise InvalidRequestError("rid", f"{req.rid!r} is already in flight; use a new rid")
             running = self._add(req, resume)
