@@ -53,6 +53,35 @@ def test_generate_raises_the_workers_error(client, fake_redis):
     assert (e.value.rid, e.value.code, e.value.message) == ("e", "too_long", "prompt: long")
 
 
+def test_a_stream_added_while_redis_fails_over_is_still_read(client, fake_redis):
+    """Adding a stream rings the reader's bell; when Redis refuses the ring (a failover)
+    the stream is read anyway, by the reader's next read."""
+    import threading
+    import time
+
+    from redis.exceptions import ConnectionError
+
+    first = client.stream("a", timeout=5)
+    put(fake_redis, Chunk("a", 0, [1], "x"))
+    assert next(first).text == "x"  # the reader runs, blocked on "a" now
+    time.sleep(0.05)
+    real = fake_redis.pipeline
+
+    def refusing(*args, **kwargs):
+        pipe = real(*args, **kwargs)
+
+        def execute(*a, **k):
+            raise ConnectionError("primary gone")
+        pipe.execute = execute
+        return pipe
+
+    client.redis.pipeline = refusing
+    threading.Timer(0.2, put, (fake_redis, Chunk("b", 0, [2], "y", "length", USAGE))).start()
+    got = list(client.stream("b", timeout=5))
+    assert [c.text for c in got] == ["y"]
+    client.redis.pipeline = real
+
+
 def test_stream_times_out_with_a_hint(client):
     with pytest.raises(TimeoutError, match="is a worker running with prefix 'c'"):
         list(client.stream("nobody", timeout=0.05))

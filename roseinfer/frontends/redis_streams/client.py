@@ -122,6 +122,13 @@ class _Streams:
         pipe.xadd(self.bell, {"ring": "1"}, maxlen=1)
         pipe.expire(self.bell, self.BELL_TTL_S)
 
+    @staticmethod
+    def ring_failed(error: BaseException) -> None:
+        """A ring that Redis did not take (it is failing over, say) is skipped: the blocked
+        read fails or returns within CHECK_S too, and the next one covers the new stream."""
+        if not is_transient(error):
+            raise error
+
     def next_read(self) -> Optional[tuple[dict, int]]:
         """(XREAD streams, block ms), or None when there is nothing to read."""
         with self._lock:
@@ -247,7 +254,10 @@ class Client:
         if self._streams.waiting:
             pipe = self.redis.pipeline(transaction=False)
             self._streams.ring(pipe)
-            pipe.execute()
+            try:
+                pipe.execute()
+            except Exception as e:
+                self._streams.ring_failed(e)
 
     def _read_loop(self) -> None:
         while True:
@@ -322,7 +332,10 @@ class AsyncClient:
         elif self._streams.waiting:
             pipe = self.redis.pipeline(transaction=False)
             self._streams.ring(pipe)
-            await pipe.execute()
+            try:
+                await pipe.execute()
+            except Exception as e:
+                self._streams.ring_failed(e)
 
     async def _read_loop(self) -> None:
         try:
