@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Tensor parallelism on two GPUs of one host (issue 18's targets): the copy bandwidth that
+# the bytes floor is taken at, Llama-3-8B shape at TP 1 and 2 (batch 1; 64 x 512 -> 256),
+# the 70B shape at TP 2 (decode profile with the all-reduces' share, batch 64, and through
+# Redis). Random bf16 weights built on the GPUs.
+# Usage: OUT=dir bash docs/bench/tensor_parallel.sh [tests] [8b] [70b]
+source "$(dirname "$0")/bench_env.sh"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nvidia-smi topo -m; lscpu | grep -E "Model name|^CPU\(s\)"; git log -1 --format=%H 2>/dev/null
+  date -u; } > "$OUT/machine.txt" 2>&1
+# Read + write bytes of a 4 GiB device-to-device copy per second: what one GPU moves.
+PEAK=$(python3 - <<'EOF'
+import torch
+x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+y = torch.empty_like(x)
+for _ in range(3):
+    y.copy_(x)
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(10):
+    y.copy_(x)
+end.record()
+torch.cuda.synchronize()
+print(f"{2 * x.numel() * 10 / (start.elapsed_time(end) / 1e3) / 1e12:.2f}")
+EOF
+)
+echo "copy bandwidth: $PEAK TB/s" | tee -a "$OUT/machine.txt"
+common="--dtype bfloat16 --dataset random --ignore-eos --no-enable-prefix-cache
+  --max-model-len 4096 --no-progress --warmup-runs 1 --repeat-runs 2 --peak-tb-s $PEAK"
+run() {  # name, flags
+  python3 -m roseinfer.cli bench offline $common "${@:2}" --output-json "$OUT/$1.json" \
+    > "$OUT/$1.log" 2>&1
+  echo "$1: $(grep -E '│ completion tok/s|│ TPOT' "$OUT/$1.log" | tr -s ' │' ' ' | tr '\n' ';')" \
+    "$(grep -o "reaches .* of it" "$OUT/$1.log" | tail -1)"
+}
+shape() { echo "--input-len 512 --num-requests $1 --max-num-seqs $1 --max-new-tokens $2"; }
+for part in ${@:-tests 8b 70b}; do case $part in
+tests)
+  python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py > "$OUT/tests.txt" 2>&1
+  tail -1 "$OUT/tests.txt" ;;
+8b)
+  for tp in 1 2; do
+    run 8b-tp$tp-b1 --model llama3-8b-random --tensor-parallel-size $tp $(shape 1 128)
+    run 8b-tp$tp-b64 --model llama3-8b-random --tensor-parallel-size $tp $(shape 64 256)
+  done
+  PEAK_TB_S=$PEAK python3 docs/bench/decode_profile.py llama3-8b-random:64:512:2 \
+    > "$OUT/8b-tp2-profile.txt" 2>&1; grep -E "decode step|all-reduce" "$OUT/8b-tp2-profile.txt" ;;
+70b)
+  PEAK_TB_S=$PEAK python3 docs/bench/decode_profile.py llama3-70b-random:1:512:2 \
+    > "$OUT/70b-tp2-profile.txt" 2>&1; grep -E "decode step|all-reduce" "$OUT/70b-tp2-profile.txt"
+  run 70b-tp2-b64 --model llama3-70b-random --tensor-parallel-size 2 $(shape 64 256) \
+    --repeat-runs 1
+  python3 -m roseinfer.cli bench serve --model llama3-70b-random --tensor-parallel-size 2 \
+    --dtype bfloat16 --dataset random --input-len 512 --num-requests 64 --max-num-seqs 64 \
+    --max-new-tokens 128 --ignore-eos --no-progress --warmup-runs 0 --repeat-runs 1 \
+    --output-json "$OUT/70b-tp2-serve.json" > "$OUT/70b-tp2-serve.log" 2>&1
+  echo "70b serve: $(grep -E '│ completion tok/s|│ TTFT|│ TPOT' "$OUT/70b-tp2-serve.log" | tr -s ' │' ' ' | tr '\n' ';')" ;;
+esac; done
