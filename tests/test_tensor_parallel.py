@@ -130,6 +130,47 @@ def test_sizes_that_do_not_divide_the_model_are_refused(saved):
         LLM(saved["llama"][1], **CPU, tensor_parallel_size=2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_collectives_replay_inside_cuda_graphs(monkeypatch, gpt2_model):
+    """One GPU: an NCCL group of one, with the helpers made to call NCCL anyway. The
+    decode, window and mixed graphs hold the all-reduces, the logits gather and the
+    ids broadcast, and their replays give transformers' tokens."""
+    import torch.distributed as dist
+
+    from roseinfer.core import runner
+    from roseinfer.core.tp_workers import _free_port
+
+    def all_reduce(x):
+        dist.all_reduce(x)
+        return x
+
+    def gather_columns(x):
+        out = torch.empty_like(x)
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
+
+    def broadcast(x):
+        dist.broadcast(x, 0)
+        return x
+
+    tp.init(0, 1, _free_port(), torch.device("cuda", 0))
+    try:
+        monkeypatch.setattr(tp, "all_reduce", all_reduce)
+        monkeypatch.setattr(tp, "gather_columns", gather_columns)
+        monkeypatch.setattr(tp, "broadcast", broadcast)
+        monkeypatch.setattr(runner.ModelRunner, "_share",
+                            lambda self, n: broadcast(self.sampled[:n]))
+        prompts = mixed_prompts(12, seed=3)
+        llm = LLM(gpt2_model, **{**CPU, "device": "cuda", "max_num_seqs": 16, "num_kv_blocks": 256,
+                                 "decode_steps_min_seqs": 1, "max_num_batched_tokens": 64})
+        for _ in range(2):
+            outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0,
+                                                        ignore_eos=True))
+            assert [o.token_ids for o in outs] == [hf_greedy(gpt2_model, p, 40) for p in prompts]
+    finally:
+        tp.destroy()
+
+
 def test_a_step_order_survives_its_message():
     order = StepOrder(np.arange(40, dtype=np.int32), 8, 4, 2, Layout(8, 4, False), 3, 3, 5, 1,
                       True, [(1, 2), (7, 9)], [0, 5])

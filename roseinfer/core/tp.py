@@ -59,7 +59,7 @@ def destroy() -> None:
     import torch.distributed as dist
 
     global _group
-    if _group.size > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     _group = Group()
 
