@@ -82,6 +82,49 @@ def test_a_stream_added_while_redis_fails_over_is_still_read(client, fake_redis)
     client.redis.pipeline = real
 
 
+def failing_twice(xadd):
+    """``xadd`` that raises a failover's ConnectionError on its first two calls."""
+    from redis.exceptions import ConnectionError
+
+    failures = [ConnectionError("primary gone")] * 2
+
+    def call(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return xadd(*args, **kwargs)
+    return call
+
+
+def test_submit_and_cancel_ride_out_a_failover_window(client, fake_redis, monkeypatch):
+    from redis.exceptions import ResponseError
+
+    monkeypatch.setattr(client.redis, "xadd", failing_twice(fake_redis.xadd))
+    rid = client.submit("Hello", max_tokens=3)
+    ((entry_id, _),) = fake_redis.xrange(KEYS.requests)
+    assert rid == entry_id.decode()
+    monkeypatch.setattr(client.redis, "xadd", failing_twice(fake_redis.xadd))
+    client.cancel(rid)
+    assert fake_redis.xlen(KEYS.cancel) == 1
+
+    def refused(*args, **kwargs):
+        raise ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+    monkeypatch.setattr(client.redis, "xadd", refused)
+    with pytest.raises(ResponseError):  # not transient: at once
+        client.submit("Hello")
+
+
+def test_async_submit_rides_out_a_failover_window(monkeypatch):
+    async def main():
+        redis_client = fakeredis.FakeAsyncRedis()
+        client = AsyncClient(prefix="c", redis_client=redis_client)
+        real = redis_client.xadd
+        calls = failing_twice(lambda *a, **k: real(*a, **k))
+        monkeypatch.setattr(redis_client, "xadd", calls)
+        rid = await client.submit("Hello", max_tokens=3)
+        assert [e.decode() for e, _ in await redis_client.xrange(KEYS.requests)] == [rid]
+    asyncio.run(main())
+
+
 def test_stream_times_out_with_a_hint(client):
     with pytest.raises(TimeoutError, match="is a worker running with prefix 'c'"):
         list(client.stream("nobody", timeout=0.05))

@@ -158,6 +158,7 @@ def test_acks_wait_for_the_replica_and_go_without_one(tiny_llm, start_worker_on,
 
 
 PROMPTS = [f"Request {i} begins" for i in range(32)]
+LATE = 28  # PROMPTS[LATE:] are submitted after the primary is killed
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,7 @@ def want(tiny_llm):
 
 def stream_through_a_failover(group, prefix, want, during_failover=lambda: None) -> list[float]:
     """Stream the 32 requests of 160 tokens, SIGKILL the primary once 8 have replies (and
-    call ``during_failover``), then check that each client saw its text whole, every seq
+    call ``during_failover``), submitting the last 4 right after it, then check that each client saw its text whole, every seq
     once and in order, as without the failover. Returns each stream's longest wait
     between two chunks, in seconds."""
     import threading
@@ -183,13 +184,18 @@ def stream_through_a_failover(group, prefix, want, during_failover=lambda: None)
                == "up")
     results, gaps, errors = {}, {}, []
 
-    # Submitted before the failover: a submit inside its window raises ConnectionError,
-    # for the caller to retry (docs/operations.md).
-    rids = [client.submit(p, max_tokens=160, temperature=0, ignore_eos=True) for p in PROMPTS]
+    # The last 4 are submitted inside the failover's window (the client retries them).
+    rids = [client.submit(p, max_tokens=160, temperature=0, ignore_eos=True)
+            for p in PROMPTS[:LATE]]
+    killed = threading.Event()
 
     def run(i):
         try:
-            rid = rids[i]
+            if i >= LATE:
+                killed.wait()
+                rid = client.submit(PROMPTS[i], max_tokens=160, temperature=0, ignore_eos=True)
+            else:
+                rid = rids[i]
             chunks, times = [], [time.monotonic()]
             for chunk in client.stream(rid, timeout=60):
                 chunks.append(chunk)
@@ -204,6 +210,7 @@ def stream_through_a_failover(group, prefix, want, during_failover=lambda: None)
         t.start()
     wait_until(lambda: len(redis.Redis(port=primary.port).keys(f"{prefix}:out:*")) >= 8)
     primary.stop(kill=True)
+    killed.set()
     during_failover()
     for t in threads:
         t.join(120)

@@ -26,6 +26,42 @@ from roseinfer.frontends.redis_streams.protocol import (
 DEFAULT_URL = "redis://127.0.0.1:6379"
 CANCEL_MAXLEN = 10_000  # cancels matter for seconds; the cap keeps the stream small
 RETRY_S = 0.2  # between reads while Redis is away (a restart, a failover)
+# A submit or cancel that Redis fails transiently (a restart, a failover's window) is
+# tried again for this long. One whose reply alone was lost may be queued twice.
+COMMAND_RETRY_S = 30.0
+
+
+class _Retry:
+    """When to try a submit or cancel again: after a transient error, 0.05 s doubling to
+    1 s, for COMMAND_RETRY_S in all."""
+
+    def __init__(self):
+        self.deadline, self.delay = time.monotonic() + COMMAND_RETRY_S, 0.05
+
+    def wait_after(self, error: Exception) -> float:
+        """Seconds to wait before the next try; raises ``error`` when there is none."""
+        if not is_transient(error) or time.monotonic() + self.delay > self.deadline:
+            raise error
+        delay, self.delay = self.delay, min(2 * self.delay, 1.0)
+        return delay
+
+
+def _retried(command):
+    retry = _Retry()
+    while True:
+        try:
+            return command()
+        except Exception as e:
+            time.sleep(retry.wait_after(e))
+
+
+async def _retried_async(command):
+    retry = _Retry()
+    while True:
+        try:
+            return await command()
+        except Exception as e:
+            await asyncio.sleep(retry.wait_after(e))
 
 
 @dataclass
@@ -225,7 +261,8 @@ class Client:
 
     def submit(self, prompt: Prompt, *, rid: Optional[str] = None, **params) -> str:
         """Queue a request; returns its rid (the entry ID unless ``rid`` is given)."""
-        entry_id = self.redis.xadd(self.keys.requests, encode_request(prompt, rid, **params))
+        fields = encode_request(prompt, rid, **params)
+        entry_id = _retried(lambda: self.redis.xadd(self.keys.requests, fields))
         return rid or entry_id.decode()
 
     def stream(self, rid: str, timeout: Optional[float] = None, n: int = 1) -> Iterator[Chunk]:
@@ -283,7 +320,8 @@ class Client:
         return _results(rid, self.stream(rid, timeout, n), n)
 
     def cancel(self, rid: str) -> None:
-        self.redis.xadd(self.keys.cancel, {"rid": rid}, maxlen=CANCEL_MAXLEN, approximate=True)
+        _retried(lambda: self.redis.xadd(self.keys.cancel, {"rid": rid}, maxlen=CANCEL_MAXLEN,
+                                          approximate=True))
 
     def close(self) -> None:
         self.redis.close()
@@ -308,7 +346,8 @@ class AsyncClient:
         self._reading: Optional[asyncio.Task] = None
 
     async def submit(self, prompt: Prompt, *, rid: Optional[str] = None, **params) -> str:
-        entry_id = await self.redis.xadd(self.keys.requests, encode_request(prompt, rid, **params))
+        fields = encode_request(prompt, rid, **params)
+        entry_id = await _retried_async(lambda: self.redis.xadd(self.keys.requests, fields))
         return rid or entry_id.decode()
 
     async def stream(self, rid: str, timeout: Optional[float] = None,
@@ -359,7 +398,8 @@ class AsyncClient:
         return _results(rid, [c async for c in self.stream(rid, timeout, n)], n)
 
     async def cancel(self, rid: str) -> None:
-        await self.redis.xadd(self.keys.cancel, {"rid": rid}, maxlen=CANCEL_MAXLEN, approximate=True)
+        await _retried_async(lambda: self.redis.xadd(self.keys.cancel, {"rid": rid},
+                                                     maxlen=CANCEL_MAXLEN, approximate=True))
 
     async def close(self) -> None:
         if self._reading is not None:
