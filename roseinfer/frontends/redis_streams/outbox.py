@@ -170,6 +170,11 @@ class Outbox:
                  reply_maxlen: int = 100_000, ack: Optional[Callable] = None,
                  send_thread: bool = True, ack_replicas: int = 0,
                  ack_timeout_ms: int = 1000):
+        socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+        if ack_replicas and socket_timeout and ack_timeout_ms >= 1000 * socket_timeout:
+            raise ValueError(f"ack_timeout_ms ({ack_timeout_ms}) must be below the Redis "
+                             f"client's socket timeout ({socket_timeout} s): a WAIT that "
+                             "outlasts it reads as a lost connection")
         self.redis = redis
         self.outage = outage
         self._reply_args = (reply_ttl_s, reply_maxlen, Acks(ack, ack_replicas, ack_timeout_ms))

@@ -87,11 +87,6 @@ class Worker:
             raise ValueError(f"claim_idle_ms must be at least 100, got {claim_idle_ms}")
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be at least 1, got {max_deliveries}")
-        socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
-        if ack_replicas and socket_timeout and ack_timeout_ms >= 1000 * socket_timeout:
-            raise ValueError(f"ack_timeout_ms ({ack_timeout_ms}) must be below the Redis "
-                             f"client's socket timeout ({socket_timeout} s): a WAIT that "
-                             "outlasts it reads as a lost connection")
         self.engine = engine
         self.redis = redis
         self.keys = Keys(prefix)
