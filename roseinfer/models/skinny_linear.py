@@ -49,9 +49,10 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_x, s_w, s_y, HAS_BIAS:
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def launch_config(k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages), as chosen by the H100 sweep (docs/kernels.md)."""
-    return 32, min(512, max(16, triton.next_power_of_2(k))), 4, 4
+def launch_config(k: int, element_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages), as chosen by the H100 sweep (docs/kernels.md):
+    K blocks of 1 KiB (512 halves), which 4 stages keep within shared memory."""
+    return 32, min(1024 // element_size, max(16, triton.next_power_of_2(k))), 4, 4
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -60,7 +61,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     column strides); float32 accumulation, output in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
-    bn, bk, warps, stages = config or launch_config(k)
+    bn, bk, warps, stages = config or launch_config(k, x.element_size())
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
