@@ -6,11 +6,15 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only install: Triton plugins register nothing
-    triton = tl = None
+triton = tl = None  # not installed, or nothing here can run it: Triton plugins register nothing
+# Imported only where its kernels can run: on CUDA, or interpreted. On a machine
+# without a GPU the import would cost every process 0.3 s of its start.
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        pass
 
 
 def triton_usable(device) -> bool:
