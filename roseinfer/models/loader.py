@@ -18,7 +18,7 @@ from roseinfer.core.triton_support import triton_usable
 from roseinfer.models import model_class, sharding
 from roseinfer.models.cpu_linear import choose_cpu_linears
 from roseinfer.models.layers import RotaryEmbedding
-from roseinfer.models.skinny_linear import use_skinny_linears
+from roseinfer.models.skinny_linear import measured_on, use_skinny_linears
 from roseinfer.models.tokenizers import gpt2_tokenizer, package_dir
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
         if isinstance(m, RotaryEmbedding):
             m.build_tables(device)
     model.bind_head()
-    if torch.device(device).type == "cuda" and triton_usable(device):
+    if triton_usable(device) and measured_on(torch.device(device)):
         use_skinny_linears(model)
     if torch.device(device).type == "cpu" and dtype == torch.float32 and \
             torch.backends.mkldnn.is_available():

@@ -56,16 +56,20 @@ def owner_of(redis, entry_id):
     return p["consumer"].decode(), p["times_delivered"], p["time_since_delivered"]
 
 
-def test_chunks_a_failover_lost_go_again_before_the_next(worker, client, fake_redis):
+@pytest.mark.parametrize("failed_tries", [1, 3])
+def test_chunks_a_failover_lost_go_again_before_the_next(worker, client, fake_redis,
+                                                          failed_tries):
     """The Redis that comes back after an outage lacks the reply stream's first chunks
     (taken by a primary that died before its replica had them): they are sent again,
-    ahead of the next, so the stream has every seq in order."""
+    ahead of the next, so the stream has every seq in order; also when the tries that
+    first carried them failed too (a failover takes several)."""
     client.submit("ab", rid="r", max_tokens=6)
     for _ in range(3):
         worker.run_once()
     assert raw_chunks(fake_redis, PREFIX, "r")
     fake_redis.delete(KEYS.out("r"))  # never replicated
-    real_pipeline, failures = fake_redis.pipeline, [ConnectionError("primary gone")]
+    real_pipeline = fake_redis.pipeline
+    failures = [ConnectionError("primary gone")] * failed_tries
 
     def pipeline(*args, **kwargs):
         pipe = real_pipeline(*args, **kwargs)

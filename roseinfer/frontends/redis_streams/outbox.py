@@ -268,8 +268,10 @@ class Outbox:
         def once():
             pipe = self.redis.pipeline(transaction=False)
             # Only rounds with writes replay: the reader thread's, sent beside the sender's,
-            # could put old chunks after newer ones.
-            replayed = self._replay(pipe) if rnd.items else 0
+            # could put old chunks after newer ones. A replay counts as done once its round
+            # has landed: a failover fails several tries, and each must carry it.
+            outages = self.outage.outages
+            replayed = self._replay(pipe) if rnd.items and outages != self._outages_seen else 0
             scripts = []
             for fn, args, kwargs in rnd.items:
                 if isinstance(getattr(fn, "__self__", None), ReplyBatch):
@@ -280,12 +282,15 @@ class Outbox:
                 rnd.reads(pipe)
             if not len(pipe):
                 return []
-            results = pipe.execute(raise_on_error=False)[replayed:]
+            results = pipe.execute(raise_on_error=False)
+            transient = next((r for r in results if isinstance(r, Exception) and is_transient(r)),
+                             None)
+            if transient is not None:  # the replay's replies included: it goes again
+                raise transient
+            results = results[replayed:]
             num_writes -= replayed
-            for i, r in enumerate(results):
-                if isinstance(r, Exception) and is_transient(r):
-                    raise r
-                if isinstance(r, Exception) and i < num_writes:
+            for i, r in enumerate(results[:num_writes]):
+                if isinstance(r, Exception):
                     event("write_failed", logging.WARNING, error=r)
             for i, batch in scripts:
                 if results[i] and not isinstance(results[i], Exception):
@@ -295,6 +300,12 @@ class Outbox:
             for i, batch in scripts:
                 if batch.waits:
                     batch.check_replicated(results[i + 1])
+            if rnd.items:
+                self._outages_seen = outages
+            if replayed:
+                event("replayed", logging.WARNING, batches=len(self._recent),
+                      reason="chunks of the seconds before an outage may not have been "
+                             "replicated")
             return results[num_writes:]
 
         results = self.outage.call(once)
@@ -303,16 +314,10 @@ class Outbox:
         return results
 
     def _replay(self, pipe) -> int:
-        """After an outage, the reply batches sent in the REPLAY_S seconds before it, into
-        ``pipe`` first; returns how many commands they took."""
-        if self.outage.outages == self._outages_seen:
-            return 0
-        self._outages_seen = self.outage.outages
+        """The reply batches sent in the REPLAY_S seconds before an outage, into ``pipe``
+        first; returns how many commands they took."""
         for _, batch in self._recent:
             batch.write(pipe, wait=False)
-        if self._recent:
-            event("replayed", logging.WARNING, batches=len(self._recent),
-                  reason="chunks of the seconds before an outage may not have been replicated")
         return len(pipe)
 
     def _remember(self, batches: list) -> None:
