@@ -1,5 +1,8 @@
 """Plugin registration, selection by name, outside plugins, the plugins command."""
+import os
+
 import pytest
+import torch
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.core.hookspecs import hookimpl
@@ -73,6 +76,24 @@ def test_duplicate_names_are_refused():
 def test_unknown_name_lists_registered():
     with pytest.raises(UnknownPluginError, match="registered: .*slots.*Is the plugin installed"):
         PluginRegistry(load_entry_points=False).get("metadata", "nope")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton loads wherever CUDA is")
+def test_a_triton_backend_named_on_a_cpu_machine_says_where_it_runs():
+    """Without CUDA and the interpreter Triton is not imported (0.3 s of every start),
+    so its plugins are not registered: the error says why, at engine build."""
+    import subprocess
+    import sys
+
+    code = ("from roseinfer import LLM; from tests.models import tiny_llama\n"
+            "try:\n    LLM(tiny_llama(), device='cpu', attention_backend='triton_paged')\n"
+            "except Exception as e:\n    print(type(e).__name__, e)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert "UnknownPluginError unknown attention plugin 'triton_paged'; registered: " \
+           "torch_sdpa. Triton's plugins load only where their kernels run" in out.stdout, \
+        out.stderr[-2000:]
 
 
 def test_plugins_command_lists_everything(capsys):

@@ -87,12 +87,21 @@ class PluginRegistry:
         if name not in regs:
             raise UnknownPluginError(
                 f"unknown {kind} plugin {name!r}; registered: "
-                f"{', '.join(sorted(regs)) or 'none'}. Is the plugin installed?"
+                f"{', '.join(sorted(regs)) or 'none'}. {_missing_hint(name)}"
             )
         return regs[name]
 
     def create(self, kind: str, name: str, *args, **kwargs):
         return self.get(kind, name).factory(*args, **kwargs)
+
+
+def _missing_hint(name: str) -> str:
+    from roseinfer.core.triton_support import triton
+
+    if name.startswith("triton") and triton is None:
+        return ("Triton's plugins load only where their kernels run: on CUDA, or under "
+                "TRITON_INTERPRET=1 (slow; for tests).")
+    return "Is the plugin installed?"
 
 
 _default: PluginRegistry | None = None
