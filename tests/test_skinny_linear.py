@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.models.skinny_linear import HEAD_COLS, LONG_ROWS, MAX_ROWS, SkinnyLinear, \
-    skinny_linear, use_skinny_linears
+from roseinfer.models.skinny_linear import MAX_ROWS, SkinnyLinear, skinny_linear, \
+    skinny_rows, use_skinny_linears
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -41,24 +41,36 @@ def test_matches_linear(rows, shape, dtype, bias):
 
 def test_rows_past_the_tile_run_cublas_and_strided_rows_are_read_right():
     torch.manual_seed(0)
-    lin = nn.Linear(LONG_ROWS, 48).to(DEVICE).half()
-    use_skinny_linears(lin)
+    lin = nn.Linear(64, 48).to(DEVICE).half()
+    use_skinny_linears(lin, rows_faster=lambda linears: MAX_ROWS)
     assert type(lin) is SkinnyLinear
-    big = torch.randn(MAX_ROWS + 1, LONG_ROWS, device=DEVICE).half()
+    big = torch.randn(MAX_ROWS + 1, 64, device=DEVICE).half()
     assert torch.equal(lin(big), F.linear(big, lin.weight, lin.bias))  # the same op
-    strided = torch.randn(4, 2 * LONG_ROWS, device=DEVICE).half()[:, :LONG_ROWS]
+    strided = torch.randn(4, 128, device=DEVICE).half()[:, :64]
     torch.testing.assert_close(lin(strided).double(),
                                reference(strided, lin.weight, lin.bias), atol=2e-3, rtol=2e-3)
 
 
-def test_swaps_the_half_precision_shapes_it_runs_faster_only():
-    transposed = nn.Linear(LONG_ROWS, 8).half()
+def test_swaps_the_half_precision_shapes_found_faster_by_shape():
+    transposed = nn.Linear(32, 16).half()
     transposed.weight = nn.Parameter(transposed.weight.detach().t().contiguous().t())
-    model = nn.Sequential(nn.Linear(LONG_ROWS, 8).half(), nn.Linear(8, HEAD_COLS).half(),
-                          nn.Linear(LONG_ROWS, 8), transposed, nn.Linear(LONG_ROWS // 2, 8).half())
+    model = nn.Sequential(nn.Linear(32, 16).half(), nn.Linear(16, 64).half(),
+                          nn.Linear(32, 16).half(), nn.Linear(32, 16), transposed,
+                          nn.Linear(16, 32).half(), nn.Linear(32, 16, bias=False).half())
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    use_skinny_linears(model)
-    assert [type(m) for m in model] == [SkinnyLinear] * 2 + [nn.Linear] * 3
+    asked = []
+
+    def rows_faster(linears):  # the kernel "wins" up to 4 rows on 32 -> 16 with a bias only
+        asked.append(linears)
+        return 4 if linears[0].in_features == 32 and linears[0].bias is not None else 0
+
+    use_skinny_linears(model, rows_faster)
+    # float32 and transposed weights are never timed; each other shape once, all together.
+    assert len(asked) == 4 and [model[0], model[2]] in asked
+    assert [type(m) for m in model] == [SkinnyLinear, nn.Linear, SkinnyLinear] + [nn.Linear] * 4
+    assert model[0].max_rows == model[2].max_rows == 4
+    x = torch.randn(5, 32).half()
+    assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))  # past 4: cuBLAS
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
 
 
@@ -76,3 +88,20 @@ def test_replays_inside_a_cuda_graph():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out.double(), reference(x, w, None), atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="times CUDA graphs")
+def test_a_model_timed_at_load_computes_as_before():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048, device="cuda", dtype=torch.bfloat16)
+                            for _ in range(4)])
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    use_skinny_linears(model)  # times both ways on this GPU
+    assert {getattr(lin, "max_rows", 0) for lin in model} <= {0, 1, 4, MAX_ROWS}
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    x = torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16)
+    want = x.double()
+    for lin in model:
+        want = reference(want, lin.weight, lin.bias)
+    torch.testing.assert_close(model(x).double(), want, atol=5e-2, rtol=5e-2)

@@ -22,7 +22,8 @@ SHAPES = {"1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 20
           "8b.down": (4096, 14336), "8b.head": (128256, 4096),
           "gpt2.qkv": (2304, 768), "gpt2.o": (768, 768), "gpt2.fc": (3072, 768),
           "gpt2.proj": (768, 3072), "gpt2.head": (50304, 768),
-          "smollm2.qkv": (960, 576), "smollm2.down": (576, 1536)}
+          "smollm2.qkv": (960, 576), "smollm2.down": (576, 1536),
+          "qwen2.5-1.5b.down": (1536, 8960), "phi3.qkv": (9216, 3072), "phi3.down": (3072, 8192)}
 # (BLOCK_N, BLOCK_K, warps, stages)
 CONFIGS = [c for c in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))]
 

@@ -27,7 +27,7 @@ import struct
 import torch
 
 from roseinfer.core.sampling import SamplingParams
-from roseinfer.core.triton_support import kernel as _kernel, tl
+from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, wait_for_inputs
 
 _const = tl.constexpr if tl is not None else int  # kernels read only constexpr globals
 # Layout of a row's sampling words: floats stored as their bits.
@@ -175,7 +175,9 @@ def sample_row(row_ptr, vocab, params_ptr, position):
 
 @_kernel
 def _sample_kernel(logits_ptr, s_logits, vocab, out_ptr, seq_state_ptr, s_state, params_col,
-                   sample_seq_rows_ptr, sample_idx_ptr, positions_ptr, position_shift):
+                   sample_seq_rows_ptr, sample_idx_ptr, positions_ptr, position_shift,
+                   PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     k = tl.program_id(0)
     params = (seq_state_ptr + tl.load(sample_seq_rows_ptr + k).to(tl.int64) * s_state
               + params_col)
@@ -192,7 +194,9 @@ def sample(logits: torch.Tensor, inp, seq_state: torch.Tensor, params_col: int,
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     out = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    pdl = dependent_launch(logits.device)
     _sample_kernel[(rows,)](logits, logits.stride(0), vocab, out, seq_state, seq_state.stride(0),
                             params_col, inp.sample_seq_rows, inp.sample_idx, inp.positions,
-                            position_shift, num_warps=SAMPLE["num_warps"])
+                            position_shift, PDL=pdl, num_warps=SAMPLE["num_warps"],
+                            launch_pdl=pdl)
     return out

@@ -21,13 +21,16 @@ import torch
 
 from roseinfer.core.sample_kernel import SAMPLE, sample_row
 from roseinfer.core.step_inputs import PackedInputs
-from roseinfer.core.triton_support import kernel as _kernel, tl, triton
+from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
+    wait_for_inputs
 
 BLOCK_IDS = 256
 
 
 @_kernel
-def _take_ids_kernel(input_ids_ptr, src_rows_ptr, sampled_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _take_ids_kernel(input_ids_ptr, src_rows_ptr, sampled_ptr, out_ptr, n, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     src = tl.load(src_rows_ptr + i, mask=ok, other=-1)
@@ -44,8 +47,9 @@ def take_ids(input_ids: torch.Tensor, src_rows: torch.Tensor, sampled: torch.Ten
         return torch.where(src_rows >= 0, sampled[src_rows.clamp(min=0)], input_ids)
     out = torch.empty_like(input_ids)
     n = input_ids.shape[0]
+    pdl = dependent_launch(input_ids.device)
     _take_ids_kernel[(triton.cdiv(n, BLOCK_IDS),)](input_ids, src_rows, sampled, out, n,
-                                                   BLOCK=BLOCK_IDS)
+                                                   BLOCK=BLOCK_IDS, PDL=pdl, launch_pdl=pdl)
     return out
 
 
@@ -53,8 +57,9 @@ def take_ids(input_ids: torch.Tensor, src_rows: torch.Tensor, sampled: torch.Ten
 def _sample_advance_kernel(
     logits_ptr, s_logits, vocab, sampled_ptr, window_ptr, s_window, window_step_ptr,
     positions_ptr, context_lens_ptr, offsets_ptr, block_idx_ptr, src_rows_ptr, seq_rows_ptr,
-    state_ptr, s_state, words_at, block_size,
+    state_ptr, s_state, words_at, block_size, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     # In a decode graph row i is token i and sequence i, and samples into slot i.
     state = state_ptr + tl.load(seq_rows_ptr + row).to(tl.int64) * s_state
@@ -78,9 +83,10 @@ def sample_advance(logits: torch.Tensor, inp: PackedInputs, state: torch.Tensor,
     ``state`` holds each sequence's block table in its first columns."""
     rows = logits.shape[0]
     assert inp.n_tok == inp.n_seq == rows and logits.stride(1) == 1
+    pdl = dependent_launch(logits.device)
     _sample_advance_kernel[(rows,)](
         logits, logits.stride(0), logits.shape[1], sampled, window, window.stride(0),
         inp.window_step, inp.positions, inp.context_lens, inp.offsets, inp.block_idx,
-        inp.src_rows, inp.seq_rows, state, state.stride(0), words_at, block_size,
-        num_warps=SAMPLE["num_warps"])
+        inp.src_rows, inp.seq_rows, state, state.stride(0), words_at, block_size, PDL=pdl,
+        num_warps=SAMPLE["num_warps"], launch_pdl=pdl)
     inp.window_step += 1

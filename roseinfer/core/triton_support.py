@@ -2,6 +2,7 @@
 and, on the CPU, only through Triton's interpreter (TRITON_INTERPRET=1, tests)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,3 +26,25 @@ def triton_usable(device) -> bool:
 def kernel(fn):
     """``triton.jit`` when Triton is installed; the plain function otherwise."""
     return triton.jit(fn) if triton is not None else fn
+
+
+@functools.lru_cache
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch as programmatic dependents (Hopper and
+    later): the GPU starts a kernel while the one before it drains, and the kernel waits
+    in ``wait_for_inputs`` before touching memory. At decode batch sizes a kernel takes
+    a few microseconds, and launching and draining each was a large part of a layer's
+    time (docs/kernels.md, "Dependent launches"). ``ROSEINFER_PDL=0`` turns it off."""
+    return (triton is not None and device.type == "cuda" and os.environ.get("ROSEINFER_PDL") != "0"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+@kernel
+def wait_for_inputs(PDL: tl.constexpr):
+    """With PDL (a kernel launched with ``launch_pdl=dependent_launch(device)``): wait
+    until the kernel before has finished and its writes are visible, then let the next
+    one start. Every program calls it before it reads anything an earlier kernel wrote,
+    and before it writes anything: so a kernel's end still implies its predecessors'."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -19,7 +19,8 @@ from __future__ import annotations  # kernel annotations stay strings without tr
 import torch
 import torch.nn.functional as F
 
-from roseinfer.core.triton_support import kernel as _kernel, tl, triton
+from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
+    wait_for_inputs
 
 def _use_triton(use_triton: bool | None, x: torch.Tensor) -> bool:
     if use_triton is None:
@@ -46,8 +47,9 @@ def _add_norm_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
     s_x, s_res, s_out, s_res_out,                # row strides
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, IS_RMS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, IS_RMS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 on long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -85,12 +87,13 @@ def _add_norm_triton(x, residual, weight, bias, eps, is_rms):
         res = _rows(residual)
         res_out = torch.empty_like(out)
     block = triton.next_power_of_2(n_cols)
+    pdl = dependent_launch(x.device)
     _add_norm_kernel[(n_rows,)](
         rows, res, weight, weight if bias is None else bias, out, res_out,
         rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         n_cols, eps,
-        HAS_RESIDUAL=residual is not None, IS_RMS=is_rms, BLOCK=block,
-        num_warps=_warps(block),
+        HAS_RESIDUAL=residual is not None, IS_RMS=is_rms, BLOCK=block, PDL=pdl,
+        num_warps=_warps(block), launch_pdl=pdl,
     )
     return out.view(x.shape), x if residual is None else res_out.view(x.shape)
 
@@ -132,7 +135,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 # ---------------------------------------------------------------- SwiGLU
 
 @_kernel
-def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_out, n_cols, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -151,8 +156,10 @@ def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch
     x = _rows(gate_up)
     out = torch.empty((x.shape[0], n_cols), dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(n_cols), 1024)
+    pdl = dependent_launch(x.device)
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, block))](
-        x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=_warps(block))
+        x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, PDL=pdl,
+        num_warps=_warps(block), launch_pdl=pdl)
     return out.view(*gate_up.shape[:-1], n_cols)
 
 
@@ -178,8 +185,9 @@ def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
     s_q, s_k, s_pos, s_table,                    # row strides (q/k may be slices of qkv)
     num_heads, num_kv_heads, head_dim, half,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     # One program per token: its cos/sin row is gathered once for all q and k heads.
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row * s_pos).to(tl.int64)
@@ -242,12 +250,14 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return rotate_qk_(q, k, *rope_rows(positions, cos, sin), num_heads, num_kv_heads)
     assert q.stride(1) == k.stride(1) == cos.stride(1) == 1 and sin.stride() == cos.stride()
     block_half = triton.next_power_of_2(half)
+    pdl = dependent_launch(q.device)
     _rope_kernel[(q.shape[0],)](
         q, k, positions, cos, sin,
         q.stride(0), k.stride(0), positions.stride(0), cos.stride(0),
         num_heads, num_kv_heads, head_dim, half,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=block_half,
+        BLOCK_HALF=block_half, PDL=pdl,
         num_warps=_warps(triton.next_power_of_2(num_heads + num_kv_heads) * block_half),
+        launch_pdl=pdl,
     )
     return q, k

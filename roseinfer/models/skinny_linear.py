@@ -3,29 +3,37 @@ weight bytes. One Triton kernel streams each weight once: every program owns
 ``BLOCK_N`` output columns, walks the whole of K, and multiplies all the rows
 (padded to one tile of 16) on the tensor cores.
 
-It runs on Hopper GPUs, on the shapes where it beat cuBLAS on an H100
-(docs/kernels.md, "Skinny linears"): weights with long rows (K >= 4096: 0.87-1.02x
-cuBLAS's time, 0.96x over a Llama-3 8B layer) and LM heads (N >= 65536: 0.91-0.93x).
-Shorter rows are as fast or faster in cuBLAS, and from ``MAX_ROWS`` rows up cuBLAS
-runs every shape.
+It runs on Hopper GPUs, where its settings were swept (docs/kernels.md, "Skinny
+linears"), on the weight shapes where it is faster than cuBLAS: timed when the model
+loads, since neither wins everywhere. On an H100 it wins on every linear of the
+Llama-3 1B and 8B shapes and loses where its grid ends in a mostly idle wave
+(Phi-3-mini's qkv, 1.16x cuBLAS's time). Launched as a dependent
+(``dependent_launch``) it starts while the kernel before it drains, which cuBLAS's
+kernels do not. From ``MAX_ROWS`` rows up cuBLAS runs every shape.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
+
+import logging
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.core.triton_support import kernel as _kernel, tl, triton
+from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
+    wait_for_inputs
 
+log = logging.getLogger(__name__)
 MAX_ROWS = 16        # one tile of rows
-LONG_ROWS = 4096     # K from which the kernel streams a weight faster than cuBLAS
-HEAD_COLS = 65536    # N from which it does at any K (LM heads)
+TIMED_ROWS = (1, 4, MAX_ROWS)
+MIN_GAIN = 0.03      # a shape runs the kernel only this much faster than cuBLAS: no flapping on noise
 
 
 @_kernel
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_x, s_w, s_y, HAS_BIAS: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, 16)
     ks = tl.arange(0, BLOCK_K)
@@ -51,9 +59,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_x, s_w, s_y, HAS_BIAS:
 
 
 def launch_config(k: int, element_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages), as chosen by the H100 sweep (docs/kernels.md):
-    K blocks of 1 KiB (512 halves), which 4 stages keep within shared memory."""
-    return 32, min(1024 // element_size, max(16, triton.next_power_of_2(k))), 4, 4
+    """(BLOCK_N, BLOCK_K, warps, stages), as chosen by the H100 sweeps (docs/kernels.md):
+    K blocks of 1 KiB (512 halves), 4 stages deep on rows of 4096 and more, 3 on
+    shorter ones."""
+    stages = 4 if k >= 4096 else 3
+    return 32, min(1024 // element_size, max(16, triton.next_power_of_2(k))), 4, stages
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -64,36 +74,84 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n = weight.shape[0]
     bn, bk, warps, stages = config or launch_config(k, x.element_size())
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    pdl = dependent_launch(x.device)
     _skinny_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays float32
-        num_warps=warps, num_stages=stages)
+        PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
 
 
 class SkinnyLinear(nn.Linear):
-    """nn.Linear that runs the skinny kernel for inputs of at most MAX_ROWS rows."""
+    """nn.Linear that runs the skinny kernel for inputs of at most ``max_rows`` rows
+    (at most MAX_ROWS: set per weight shape by ``use_skinny_linears``)."""
+
+    max_rows = MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows and x.stride(1) == 1:
             return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 def measured_on(device: torch.device) -> bool:
-    """Hopper (the H100 and H200) is where the shape rule was measured. Other GPUs have
-    other shared memory, caches and bandwidth, and no measurement says the kernel beats
-    cuBLAS there: they keep cuBLAS for every linear."""
+    """Hopper (the H100 and H200) is where the launch settings were swept: 3-4 stages of
+    48 KiB need its shared memory, and other GPUs have other caches and bandwidth.
+    They keep cuBLAS for every linear."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def use_skinny_linears(model: nn.Module) -> None:
-    """Make every plain half-precision nn.Linear of a CUDA model whose shape the
-    kernel runs faster a SkinnyLinear (same parameters: only the class changes)."""
+def use_skinny_linears(model: nn.Module, rows_faster=None) -> None:
+    """Make the plain half-precision nn.Linears of a CUDA model SkinnyLinears (same
+    parameters: only the class changes) up to the row count where the kernel is faster
+    on this GPU. ``rows_faster(linears)``: that count for these linears of one shape,
+    0 for none (default ``skinny_rows``, which times both ways)."""
+    by_shape = defaultdict(list)
     for m in model.modules():
         w = m.weight if type(m) is nn.Linear else None
         if w is not None and w.dtype in (torch.float16, torch.bfloat16) and w.is_contiguous() \
-                and w.numel() < 2 ** 31 and (w.shape[1] >= LONG_ROWS or w.shape[0] >= HEAD_COLS):
+                and w.numel() < 2 ** 31:
+            by_shape[(*w.shape, m.bias is not None)].append(m)
+    for (n, k, _), linears in by_shape.items():
+        rows = (rows_faster or skinny_rows)(linears)
+        log.info("linear %d x %d (%d of them): skinny kernel up to %d rows", n, k, len(linears), rows)
+        for m in linears if rows else ():
             m.__class__ = SkinnyLinear
+            m.max_rows = rows
+
+
+@torch.inference_mode()
+def skinny_rows(linears: list[nn.Linear]) -> int:
+    """The largest of TIMED_ROWS up to which the kernel runs these linears (one shape)
+    at least MIN_GAIN faster than cuBLAS at every timed count, 0 if not at one row.
+    Each way is timed as one CUDA graph of the linears in turn, so that their weights
+    come from memory as in a decode step."""
+    w = linears[0].weight
+    faster_up_to = 0
+    for rows in TIMED_ROWS:
+        x = torch.zeros(rows, w.shape[1], dtype=w.dtype, device=w.device)
+        cublas, skinny = (_graph_time(lambda: [op(x, m.weight, m.bias) for m in linears])
+                          for op in (F.linear, skinny_linear))
+        if skinny > (1 - MIN_GAIN) * cublas:
+            break
+        faster_up_to = rows
+    return faster_up_to
+
+
+def _graph_time(fn, replays: int = 3) -> float:
+    """Milliseconds of the fastest replay of a CUDA graph of ``fn``."""
+    fn()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best

@@ -27,7 +27,8 @@ import math
 import torch
 
 from roseinfer.core.hookspecs import hookimpl
-from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_usable
+from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
+    triton_usable, wait_for_inputs
 
 # Launch settings: prefill, and decode per (head dim, query heads per KV
 # head), measured on an H100 (docs/kernels.md); "decode" is the setting for
@@ -97,8 +98,9 @@ def _paged_attention_kernel(
     bt_stride, table_keys, num_seqs, head_dim, scale_log2,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
@@ -177,10 +179,11 @@ def _paged_decode_kernel(
     bt_stride, head_dim, scale_log2, n_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Decode rows only: program (seq, kv_head, split) owns query row ``seq``
     and the ``G`` query heads of ``kv_head`` (tiles: ``_decode_tile``)."""
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -228,8 +231,9 @@ def _paged_decode_kernel(
 def _merge_splits_kernel(
     out_ptr, acc_ptr, m_ptr, l_ptr,
     so_n, so_h, sa_s, sa_n, sa_h, sm_s, sm_n, num_splits, head_dim,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -283,7 +287,9 @@ class TritonPagedAttention:
         const = {"G": group, "BLOCK_SIZE": k_cache.shape[2],
                  "BLOCK_N": tune["block_n"], "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
                  "num_warps": tune["num_warps"], "num_stages": tune["num_stages"],
-                 "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+                 "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+                 "PDL": dependent_launch(q.device)}
+        const["launch_pdl"] = const["PDL"]
         scale_log2 = scale * math.log2(math.e)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if attn.is_decode:
@@ -320,7 +326,7 @@ class TritonPagedAttention:
                 out, dest, m, l, *out.stride()[:2], *dest.stride()[:3], *m.stride()[:2],
                 splits, head_dim,
                 BLOCK_S=triton.next_power_of_2(splits),
-                BLOCK_D=triton.next_power_of_2(head_dim),
+                BLOCK_D=triton.next_power_of_2(head_dim), PDL=const["PDL"], launch_pdl=const["PDL"],
             )
 
 

@@ -14,7 +14,8 @@ import functools
 
 
 from roseinfer.core.hookspecs import hookimpl
-from roseinfer.core.triton_support import kernel as _kernel, tl, triton, triton_usable
+from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
+    triton_usable, wait_for_inputs
 
 
 @_kernel
@@ -26,8 +27,9 @@ def _append_kernel(
     sc_b, sc_h, sc_o, sc_d,                      # cache strides (K and V alike)
     num_kv_heads, head_dim,
     GATHER: tl.constexpr, SHARED_OFFSET: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     i = tl.program_id(0)
     if GATHER:
         src = tl.load(rows_ptr + i * s_row).to(tl.int64)
@@ -75,6 +77,7 @@ class TritonAppend:
         rows = slots.rows if gather else slots.block_idx
         shared_offset = slots.shared_offset if shared else slots.block_idx
         _, num_kv_heads, _, head_dim = k_cache.shape
+        pdl = dependent_launch(key.device)
         _append_kernel[(len(slots),)](
             key, value, k_cache, v_cache,
             slots.block_idx, slots.offsets, rows, shared_offset,
@@ -83,7 +86,7 @@ class TritonAppend:
             num_kv_heads, head_dim,
             GATHER=gather, SHARED_OFFSET=shared,
             BLOCK_H=triton.next_power_of_2(num_kv_heads),
-            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl, launch_pdl=pdl,
         )
 
 
