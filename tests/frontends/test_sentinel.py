@@ -170,8 +170,10 @@ def want(tiny_llm):
                                                      ignore_eos=True))
 
 
-def stream_through_a_failover(group, prefix, want, during_failover=lambda: None) -> list[float]:
-    """Stream the 32 requests of 160 tokens, SIGKILL the primary once 8 have replies (and
+def stream_through_a_failover(group, prefix, want, during_failover=lambda: None,
+                              started: int = 8) -> list[float]:
+    """Stream the 32 requests of 160 tokens, SIGKILL the primary once ``started`` of its
+    keys are reply streams (and
     call ``during_failover``), submitting the last 4 right after it, then check that each client saw its text whole, every seq
     once and in order, as without the failover. Returns each stream's longest wait
     between two chunks, in seconds."""
@@ -208,7 +210,7 @@ def stream_through_a_failover(group, prefix, want, during_failover=lambda: None)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(redis.Redis(port=primary.port).keys(f"{prefix}:out:*")) >= 8)
+    wait_until(lambda: len(redis.Redis(port=primary.port).keys(f"{prefix}:out:*")) >= started)
     primary.stop(kill=True)
     killed.set()
     during_failover()

@@ -18,7 +18,7 @@ from typing import AsyncIterator, Iterable, Iterator, Optional, Union
 import redis
 import redis.asyncio
 
-from roseinfer.frontends.redis_streams.connection import connect, connect_async
+from roseinfer.frontends.redis_streams.connection import connect, connect_async, is_cluster
 from roseinfer.frontends.redis_streams.outage import is_transient
 from roseinfer.frontends.redis_streams.protocol import (
     DEFAULT_PREFIX, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request)
@@ -26,6 +26,9 @@ from roseinfer.frontends.redis_streams.protocol import (
 DEFAULT_URL = "redis://127.0.0.1:6379"
 CANCEL_MAXLEN = 10_000  # cancels matter for seconds; the cap keeps the stream small
 RETRY_S = 0.2  # between reads while Redis is away (a restart, a failover)
+# On a Redis Cluster the reply streams lie in many slots, and one XREAD reads one slot:
+# the streams are polled, one XREAD per slot in one pipeline, this long apart when idle.
+CLUSTER_POLL_S = 0.005
 # A submit or cancel that Redis fails transiently (a restart, a failover's window) is
 # tried again for this long. One whose reply alone was lost may be queued twice.
 COMMAND_RETRY_S = 30.0
@@ -218,6 +221,21 @@ def _stream_entries(response):
             for k, v in pairs]
 
 
+def _slot_reads(redis, streams: dict) -> list[dict]:
+    """``streams`` split into one XREAD's worth per cluster slot."""
+    groups: dict[int, dict] = {}
+    for key, last_id in streams.items():
+        groups.setdefault(redis.keyslot(key), {})[key] = last_id
+    return list(groups.values())
+
+
+def _merged(replies: list):
+    """The replies of several XREADs as one XREAD's (RESP2 lists or RESP3 maps)."""
+    if any(isinstance(r, dict) for r in replies):
+        return {k: v for r in replies if r for k, v in r.items()}
+    return [pair for r in replies if r for pair in r]
+
+
 def _unwrap(item) -> list[Chunk]:
     """One inbox item as a stream yields it: the chunks, or the exception raised."""
     if isinstance(item, BaseException):
@@ -256,6 +274,7 @@ class Client:
         self.redis = redis_client or connect(url, max_connections)
         self.keys = Keys(prefix)
         self._streams = _Streams(self.keys)
+        self._cluster = is_cluster(self.redis)
         self._reading: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
@@ -288,7 +307,7 @@ class Client:
                                                  name="roseinfer-client-reader")
                 self._reading.start()
                 return
-        if self._streams.waiting:
+        if self._streams.waiting and not self._cluster:  # a cluster's reads do not block
             pipe = self.redis.pipeline(transaction=False)
             self._streams.ring(pipe)
             try:
@@ -304,13 +323,24 @@ class Client:
                     self._reading = None
                     return
             try:
-                delivered = self._streams.deliver(self.redis.xread(read[0], block=read[1]))
+                delivered = self._streams.deliver(self._read(*read))
             except Exception as e:
                 delivered = self._streams.failed(e)
                 if not delivered:
                     time.sleep(RETRY_S)
             for reader, item in delivered:
                 reader.inbox.put(item)
+
+    def _read(self, streams: dict, block_ms: int):
+        if not self._cluster:
+            return self.redis.xread(streams, block=block_ms)
+        pipe = self.redis.pipeline(transaction=False)
+        for group in _slot_reads(self.redis, streams):
+            pipe.xread(group)
+        found = _merged(pipe.execute())
+        if not found:
+            time.sleep(CLUSTER_POLL_S)
+        return found
 
     def generate(self, prompt: Prompt, *, timeout: Optional[float] = None,
                  **params) -> Union[Result, list[Result]]:
@@ -343,6 +373,7 @@ class AsyncClient:
         self.redis = redis_client or connect_async(url, max_connections)
         self.keys = Keys(prefix)
         self._streams = _Streams(self.keys)
+        self._cluster = is_cluster(self.redis)
         self._reading: Optional[asyncio.Task] = None
 
     async def submit(self, prompt: Prompt, *, rid: Optional[str] = None, **params) -> str:
@@ -368,7 +399,7 @@ class AsyncClient:
     async def _wake(self) -> None:
         if self._reading is None:
             self._reading = asyncio.create_task(self._read_loop())
-        elif self._streams.waiting:
+        elif self._streams.waiting and not self._cluster:  # a cluster's reads do not block
             pipe = self.redis.pipeline(transaction=False)
             self._streams.ring(pipe)
             try:
@@ -380,8 +411,7 @@ class AsyncClient:
         try:
             while (read := self._streams.next_read()) is not None:
                 try:
-                    response = await self.redis.xread(read[0], block=read[1])
-                    delivered = self._streams.deliver(response)
+                    delivered = self._streams.deliver(await self._read(*read))
                 except Exception as e:
                     delivered = self._streams.failed(e)
                     if not delivered:
@@ -390,6 +420,17 @@ class AsyncClient:
                     reader.inbox.put_nowait(item)
         finally:
             self._reading = None
+
+    async def _read(self, streams: dict, block_ms: int):
+        if not self._cluster:
+            return await self.redis.xread(streams, block=block_ms)
+        pipe = self.redis.pipeline()
+        for group in _slot_reads(self.redis, streams):
+            pipe.xread(group)
+        found = _merged(await pipe.execute())
+        if not found:
+            await asyncio.sleep(CLUSTER_POLL_S)
+        return found
 
     async def generate(self, prompt: Prompt, *, timeout: Optional[float] = None,
                        **params) -> Union[Result, list[Result]]:

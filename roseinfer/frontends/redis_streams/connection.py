@@ -5,6 +5,9 @@
   that the Sentinels name PRIMARY, found through the first Sentinel that answers and
   found again after a failover (redis-py's Sentinel pool asks them on reconnect). The
   credentials are the data servers'; Sentinels are asked without any.
+- ``redis+cluster://[user:pass@]host:port[,host:port...]``: a Redis Cluster, found
+  through the first of these nodes that answers; redis-py follows its slots as they
+  move (a replica promoted after its primary died, say).
 """
 from __future__ import annotations
 
@@ -14,10 +17,13 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
 import redis.asyncio.sentinel
+import redis.cluster
 import redis.sentinel
 
 SENTINEL_SCHEME = "redis+sentinel"
+CLUSTER_SCHEME = "redis+cluster"
 SENTINEL_TIMEOUT_S = 2.0  # per Sentinel asked: a dead one must not hold the start for long
 
 
@@ -35,25 +41,68 @@ def parse_sentinel(url: str) -> Optional[SentinelURL]:
     parts = urlsplit(url)
     if parts.scheme != SENTINEL_SCHEME:
         return None
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    username, _, password = userinfo.partition(":")
+    sentinels, user = _hosts_and_user(parts, 26379)
     primary = unquote(parts.path.strip("/"))
     try:
-        sentinels = [_host_port(h) for h in hosts.split(",")]
         db = int(parse_qs(parts.query).get("db", ["0"])[0])
     except ValueError:
-        sentinels, db = [], -1
+        db = -1
     if not sentinels or not primary or "/" in primary or db < 0:
         raise ValueError(f"{url!r} is not redis+sentinel://[user:pass@]host:port[,host:port...]"
                          "/PRIMARY[?db=N]")
-    return SentinelURL(sentinels, primary, db, unquote(username) or None,
-                       unquote(password) or None)
+    return SentinelURL(sentinels, primary, db, *user)
 
 
-def _host_port(text: str) -> tuple[str, int]:
+@dataclass(frozen=True)
+class ClusterURL:
+    nodes: list[tuple[str, int]]
+    username: Optional[str] = None
+    password: Optional[str] = None
+
+
+def parse_cluster(url: str) -> Optional[ClusterURL]:
+    """The parts of a ``redis+cluster://`` URL; None for any other scheme."""
+    parts = urlsplit(url)
+    if parts.scheme != CLUSTER_SCHEME:
+        return None
+    nodes, user = _hosts_and_user(parts, 6379)
+    if not nodes or parts.path.strip("/") or parts.query:
+        raise ValueError(f"{url!r} is not redis+cluster://[user:pass@]host:port[,host:port...]")
+    return ClusterURL(nodes, *user)
+
+
+def _hosts_and_user(parts, default_port: int) -> tuple[list, tuple]:
+    """([(host, port)], (user, password)) of a URL's netloc; no hosts if a port is not a
+    number."""
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    try:
+        found = [_host_port(h, default_port) for h in hosts.split(",")]
+    except ValueError:
+        found = []
+    return found, (unquote(username) or None, unquote(password) or None)
+
+
+def is_cluster(client) -> bool:
+    """Whether ``client`` talks to a Redis Cluster (its keys spread over slots)."""
+    return isinstance(client, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster))
+
+
+def follow_slots(client) -> None:
+    """On a cluster, re-read the slot map (a no-op elsewhere): after a failed try, so that
+    the next one finds a promoted replica. redis-py re-reads it on some errors only, and
+    not on those a pipeline keeps in its replies."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        try:
+            client.nodes_manager.initialize()
+        except (redis.RedisError, redis.exceptions.RedisClusterException):
+            pass  # no node answers yet: the next try asks again
+
+
+def _host_port(text: str, default_port: int) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not host:
-        return text, 26379  # Sentinel's default port
+        return text, default_port
     return host.strip("[]"), int(port)
 
 
@@ -73,6 +122,9 @@ def connect_async(url: str, max_connections: Optional[int] = None,
 
 def _connect(url: str, max_connections: Optional[int], options: dict, lib, sentinels):
     """``lib``: redis or redis.asyncio, ``sentinels`` its sentinel module."""
+    cluster = parse_cluster(url)
+    if cluster is not None:
+        return _connect_cluster(cluster, url, max_connections, options, lib)
     found = parse_sentinel(url)
     if found is None:
         pool = lib.BlockingConnectionPool if max_connections else lib.ConnectionPool
@@ -82,6 +134,21 @@ def _connect(url: str, max_connections: Optional[int], options: dict, lib, senti
     _check_primary(redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs=kwargs), found, url)
     return sentinels.Sentinel(found.sentinels, sentinel_kwargs=kwargs).master_for(
         found.primary, db=found.db, username=found.username, password=found.password, **options)
+
+
+def _connect_cluster(found: ClusterURL, url: str, max_connections: Optional[int],
+                     options: dict, lib):
+    """A cluster client; the blocking one reads the slot map now, so a cluster that no
+    node of the URL answers for fails here, saying which were asked."""
+    nodes = [lib.cluster.ClusterNode(h, p) for h, p in found.nodes]
+    limit = {"max_connections": max_connections} if max_connections else {}
+    try:
+        return lib.cluster.RedisCluster(startup_nodes=nodes, username=found.username,
+                                        password=found.password, **limit, **options)
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
+        asked = ", ".join(f"{h}:{p}" for h, p in found.nodes)
+        raise redis.ConnectionError(f"no Redis Cluster node of {asked} answered (from {url}): "
+                                    f"check that they run with cluster-enabled yes ({e})") from None
 
 
 def _limit(max_connections: Optional[int]) -> dict:

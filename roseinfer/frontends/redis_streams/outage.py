@@ -13,7 +13,8 @@ import threading
 import time
 from typing import Callable, Optional, TypeVar
 
-from redis.exceptions import ConnectionError, ResponseError, TimeoutError
+from redis.exceptions import (AskError, ClusterError, ConnectionError, ResponseError,
+                              SlotNotCoveredError, TimeoutError, TryAgainError)
 
 from roseinfer.frontends.redis_streams.events import event
 
@@ -30,22 +31,28 @@ class GaveUp(Exception):
     """Redis stayed unreachable past the shutdown deadline."""
 
 
+# A Redis Cluster mid-failover: its slots unserved, moving, or their map being re-read
+# (redis-py raises these once its own retries are spent).
+CLUSTER_TRANSIENT = (ClusterError, TryAgainError, AskError, SlotNotCoveredError)
+
+
 def is_transient(error: BaseException) -> bool:
-    if isinstance(error, (ConnectionError, TimeoutError)):  # BusyLoadingError included
+    if isinstance(error, (ConnectionError, TimeoutError, *CLUSTER_TRANSIENT)):  # BusyLoading too
         return True
     return isinstance(error, ResponseError) and str(error).startswith(TRANSIENT_REPLIES)
 
 
 class Outage:
     """``Outage(give_up).call(fn)`` runs fn until it does not fail transiently, sleeping
-    0.05 s, 0.1 s, ... up to max_backoff_s between tries. Logs once when Redis goes away
-    and once when it is back, however many threads wait it out; raises GaveUp once
-    give_up() says so."""
+    0.05 s, 0.1 s, ... up to max_backoff_s between tries (and calling before_retry()).
+    Logs once when Redis goes away and once when it is back, however many threads wait
+    it out; raises GaveUp once give_up() says so."""
 
     def __init__(self, give_up: Callable[[], bool], on_outage: Callable[[], None] = lambda: None,
-                 max_backoff_s: float = 2.0):
+                 max_backoff_s: float = 2.0, before_retry: Callable[[], None] = lambda: None):
         self.give_up = give_up
         self.on_outage = on_outage
+        self.before_retry = before_retry
         self.max_backoff_s = max_backoff_s
         self._lock = threading.Lock()
         self._down_since: Optional[float] = None
@@ -63,6 +70,7 @@ class Outage:
                 if self.give_up():
                     raise GaveUp(f"Redis unreachable for {down_s:.1f}s") from e
                 time.sleep(min(self.max_backoff_s, 0.05 * 2 ** attempt) * random.uniform(0.5, 1.0))
+                self.before_retry()
                 attempt += 1
                 continue
             if self._down_since is not None:

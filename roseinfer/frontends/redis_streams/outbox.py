@@ -45,6 +45,7 @@ from typing import Callable, Optional
 
 from redis import Redis
 
+from roseinfer.frontends.redis_streams.connection import is_cluster
 from roseinfer.frontends.redis_streams.events import event
 from roseinfer.frontends.redis_streams.outage import Outage, is_transient
 
@@ -78,13 +79,15 @@ class Acks:
 
 
 class ReplyBatch:
-    """Consecutive chunks of a round, and the entries acknowledged with them."""
+    """Consecutive chunks of a round, and the entries acknowledged with them.
+    ``slot_of``: on a Redis Cluster, a key's slot (a script's keys must share one)."""
 
-    def __init__(self, ttl_s: int, maxlen: int, acks: Acks):
-        self.ttl_s, self.maxlen, self.acks = ttl_s, maxlen, acks
+    def __init__(self, ttl_s: int, maxlen: int, acks: Acks, slot_of: Optional[Callable] = None):
+        self.ttl_s, self.maxlen, self.acks, self.slot_of = ttl_s, maxlen, acks, slot_of
         self.keys: list[str] = []
         self.bodies: list[bytes] = []
         self.acked: list[str] = []
+        self.scripts = 0  # the script calls write() made
 
     def add(self, key: str, body: bytes, ack_entry_id: Optional[str]) -> None:
         self.keys.append(key)
@@ -100,13 +103,28 @@ class ReplyBatch:
     def write(self, pipe, wait: bool = True) -> None:
         """``wait``: False for a replay after an outage, whose many batches must not each
         wait out a missing replica."""
-        # EVAL rather than EVALSHA: Redis caches the compiled script by its hash, and a
-        # restarted or failed-over Redis needs no SCRIPT LOAD first.
-        pipe.eval(PUBLISH_SCRIPT, len(self.keys), *self.keys, self.ttl_s, self.maxlen, *self.bodies)
+        groups = self._by_slot()
+        for keys, bodies in groups:
+            # EVAL rather than EVALSHA: Redis caches the compiled script by its hash, and a
+            # restarted or failed-over Redis needs no SCRIPT LOAD first.
+            pipe.execute_command("EVAL", PUBLISH_SCRIPT, len(keys), *keys, self.ttl_s,
+                                 self.maxlen, *bodies)
+        self.scripts = len(groups)
         if wait and self.waits:
             pipe.execute_command("WAIT", self.acks.replicas, self.acks.timeout_ms)
         if self.acked:  # after the chunks: acknowledged only together with the final one
             self.acks.ack(pipe, self.acked)
+
+    def _by_slot(self) -> list[tuple[list[str], list[bytes]]]:
+        """(keys, bodies) per script call: all in one, or on a cluster one per slot."""
+        if self.slot_of is None:
+            return [(self.keys, self.bodies)]
+        groups: dict[int, tuple[list, list]] = {}
+        for key, body in zip(self.keys, self.bodies):
+            keys, bodies = groups.setdefault(self.slot_of(key), ([], []))
+            keys.append(key)
+            bodies.append(body)
+        return list(groups.values())
 
     def check_replicated(self, confirmed) -> None:
         """Log acks sent before the replicas asked for confirmed (WAIT's reply)."""
@@ -120,8 +138,9 @@ class Round:
     """One loop iteration's writes in order, then its reads. ``later(fn)`` queues work that
     the sender thread runs when it sends the round: fn(round) may write and publish."""
 
-    def __init__(self, reply_ttl_s: int, reply_maxlen: int, acks: Acks):
-        self._reply_args = (reply_ttl_s, reply_maxlen, acks)
+    def __init__(self, reply_ttl_s: int, reply_maxlen: int, acks: Acks,
+                 slot_of: Optional[Callable] = None):
+        self._reply_args = (reply_ttl_s, reply_maxlen, acks, slot_of)
         self.items: list = []        # (fn, args, kwargs) writes, or ("later", fn)
         self.reads: Optional[Callable] = None
         self.parse: Optional[Callable] = None
@@ -170,14 +189,12 @@ class Outbox:
                  reply_maxlen: int = 100_000, ack: Optional[Callable] = None,
                  send_thread: bool = True, ack_replicas: int = 0,
                  ack_timeout_ms: int = 1000):
-        socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
-        if ack_replicas and socket_timeout and ack_timeout_ms >= 1000 * socket_timeout:
-            raise ValueError(f"ack_timeout_ms ({ack_timeout_ms}) must be below the Redis "
-                             f"client's socket timeout ({socket_timeout} s): a WAIT that "
-                             "outlasts it reads as a lost connection")
+        if ack_replicas:
+            _check_wait(redis, ack_timeout_ms)
         self.redis = redis
         self.outage = outage
-        self._reply_args = (reply_ttl_s, reply_maxlen, Acks(ack, ack_replicas, ack_timeout_ms))
+        self._reply_args = (reply_ttl_s, reply_maxlen, Acks(ack, ack_replicas, ack_timeout_ms),
+                            redis.keyslot if is_cluster(redis) else None)
         self.round = Round(*self._reply_args)
         self._sender = _Sender(self._send) if send_thread else None
         self._reader = _Sender(self._send, depth=1) if send_thread else None
@@ -274,9 +291,10 @@ class Outbox:
             replayed = self._replay(pipe) if rnd.items and outages != self._outages_seen else 0
             scripts = []
             for fn, args, kwargs in rnd.items:
-                if isinstance(getattr(fn, "__self__", None), ReplyBatch):
-                    scripts.append((len(pipe) - replayed, fn.__self__))
+                at = len(pipe) - replayed
                 fn(pipe, *args, **kwargs)
+                if isinstance(getattr(fn, "__self__", None), ReplyBatch):
+                    scripts.append((at, fn.__self__))
             num_writes = len(pipe)
             if rnd.reads is not None:
                 rnd.reads(pipe)
@@ -293,13 +311,13 @@ class Outbox:
                 if isinstance(r, Exception):
                     event("write_failed", logging.WARNING, error=r)
             for i, batch in scripts:
-                if results[i] and not isinstance(results[i], Exception):
-                    # a client wrote a non-stream value under a reply key: its loss only
-                    event("write_failed", logging.WARNING, error="not a stream",
-                          keys=b",".join(results[i]).decode(errors="replace"))
-            for i, batch in scripts:
+                for failed in results[i:i + batch.scripts]:
+                    if failed and not isinstance(failed, Exception):
+                        # a client wrote a non-stream value under a reply key: its loss only
+                        event("write_failed", logging.WARNING, error="not a stream",
+                              keys=b",".join(failed).decode(errors="replace"))
                 if batch.waits:
-                    batch.check_replicated(results[i + 1])
+                    batch.check_replicated(results[i + batch.scripts])
             if rnd.items:
                 self._outages_seen = outages
             if replayed:
@@ -325,6 +343,20 @@ class Outbox:
         self._recent.extend((now, b) for b in batches)
         while self._recent and now - self._recent[0][0] > REPLAY_S:
             self._recent.popleft()
+
+
+def _check_wait(redis, ack_timeout_ms: int) -> None:
+    """Acks that wait for replicas need one server's connection (WAIT counts its writes)
+    and a WAIT that ends before the client's socket timeout."""
+    if is_cluster(redis):
+        raise ValueError("ack_replicas needs a single primary (redis:// or redis+sentinel://): "
+                         "on a Redis Cluster a round's writes go to several primaries, and "
+                         "WAIT counts one connection's")
+    socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+    if socket_timeout and ack_timeout_ms >= 1000 * socket_timeout:
+        raise ValueError(f"ack_timeout_ms ({ack_timeout_ms}) must be below the Redis "
+                         f"client's socket timeout ({socket_timeout} s): a WAIT that "
+                         "outlasts it reads as a lost connection")
 
 
 class _Sender:

@@ -30,6 +30,7 @@ from redis.exceptions import ResponseError
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams import engine_health
 from roseinfer.frontends.redis_streams.admission import Admission
+from roseinfer.frontends.redis_streams.connection import follow_slots
 from roseinfer.frontends.redis_streams.events import event, log
 from roseinfer.frontends.redis_streams.heartbeat import Heartbeat
 from roseinfer.frontends.redis_streams.inflight import RUN_ALONE_FROM_DELIVERY, InFlight
@@ -101,7 +102,8 @@ class Worker:
         self.ownership = Ownership(self.keys, group, self.consumer, claim_idle_ms)
         self.heartbeat = Heartbeat(self.keys, self.consumer, heartbeat_s, model=model_name,
                                    max_num_seqs=engine.config.max_num_seqs)
-        self.outage = Outage(self._past_deadline, self.metrics.redis_outages.inc)
+        self.outage = Outage(self._past_deadline, self.metrics.redis_outages.inc,
+                             before_retry=lambda: follow_slots(self.redis))
         # Far above any request's chunk count, reply_maxlen only guards Redis against a runaway.
         # send_thread: chunks go out while the next step runs (off only for step-by-step tests).
         # ack_replicas: a finished request leaves the queue only once that many replicas
