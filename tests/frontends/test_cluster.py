@@ -100,3 +100,31 @@ def test_requests_stream_through_a_primary_killed(cluster, tiny_llm, start_worke
     assert "workers: 1 alive" in status.stdout and "0 waiting" in status.stdout
     assert Client(url, prefix).generate("After the failover", max_tokens=4, temperature=0,
                                         timeout=30).finish_reason == "length"
+
+
+def test_a_worker_process_serves_the_async_client(cluster, worker_process, tiny_llm, prefix):
+    """`roseinfer worker --redis-url redis+cluster://...` and AsyncClient: four requests at
+    once, their replies on different slots, each the text of the engine alone."""
+    import asyncio
+
+    from roseinfer import SamplingParams
+    from roseinfer.frontends.redis_streams.client import AsyncClient
+
+    prompts = [f"Cluster request {i}" for i in range(4)]
+    want = tiny_llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                     ignore_eos=True))
+    worker_process(cluster[2], "w")
+
+    async def run():
+        client = AsyncClient(cluster[2], prefix)
+        try:
+            return await asyncio.gather(*(client.generate(p, max_tokens=12, temperature=0,
+                                                          ignore_eos=True, timeout=90)
+                                          for p in prompts))
+        finally:
+            await client.close()
+
+    got = asyncio.run(run())
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert len({redis.Redis(port=cluster[0].port).cluster("keyslot", Keys(prefix).out(g.rid))
+                for g in got}) > 1
