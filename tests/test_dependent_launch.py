@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from roseinfer.core import triton_support
-from roseinfer.core.triton_support import dependent_launch
+from roseinfer.core.triton_support import PDL_MAX_ROWS, _pdl_device, dependent_launch
 from roseinfer.models.fused import add_rms_norm, silu_and_mul
 from roseinfer.models.skinny_linear import skinny_linear
 
@@ -15,7 +15,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 
 
 
 def test_off_on_the_cpu():
-    assert not dependent_launch(torch.device("cpu"))
+    assert not dependent_launch(torch.device("cpu"), 1)
 
 
 def _layers(n, hidden=1024, inter=2048):
@@ -36,19 +36,21 @@ def _chain(x, layers):
 
 def _eager_without_pdl(x, layers, monkeypatch):
     monkeypatch.setenv("ROSEINFER_PDL", "0")
-    dependent_launch.cache_clear()
+    _pdl_device.cache_clear()
     try:
         return _chain(x, layers)
     finally:
         monkeypatch.delenv("ROSEINFER_PDL")
-        dependent_launch.cache_clear()
+        _pdl_device.cache_clear()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="dependent launches need a Hopper GPU or later")
 def test_graph_replays_with_pdl_equal_eager_launches_without(monkeypatch):
-    dependent_launch.cache_clear()
-    assert dependent_launch(torch.device("cuda")) and triton_support.triton is not None
+    _pdl_device.cache_clear()
+    cuda = torch.device("cuda")
+    assert dependent_launch(cuda, PDL_MAX_ROWS) and not dependent_launch(cuda, PDL_MAX_ROWS + 1)
+    assert triton_support.triton is not None
     layers = _layers(16)
     x = torch.randn(4, 1024, device="cuda").bfloat16()
     _chain(x, layers)  # compile outside the capture

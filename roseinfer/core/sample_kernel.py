@@ -194,7 +194,7 @@ def sample(logits: torch.Tensor, inp, seq_state: torch.Tensor, params_col: int,
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     out = torch.empty(rows, dtype=torch.int32, device=logits.device)
-    pdl = dependent_launch(logits.device)
+    pdl = dependent_launch(logits.device, rows)
     _sample_kernel[(rows,)](logits, logits.stride(0), vocab, out, seq_state, seq_state.stride(0),
                             params_col, inp.sample_seq_rows, inp.sample_idx, inp.positions,
                             position_shift, PDL=pdl, num_warps=SAMPLE["num_warps"],

@@ -47,7 +47,7 @@ def take_ids(input_ids: torch.Tensor, src_rows: torch.Tensor, sampled: torch.Ten
         return torch.where(src_rows >= 0, sampled[src_rows.clamp(min=0)], input_ids)
     out = torch.empty_like(input_ids)
     n = input_ids.shape[0]
-    pdl = dependent_launch(input_ids.device)
+    pdl = dependent_launch(input_ids.device, n)
     _take_ids_kernel[(triton.cdiv(n, BLOCK_IDS),)](input_ids, src_rows, sampled, out, n,
                                                    BLOCK=BLOCK_IDS, PDL=pdl, launch_pdl=pdl)
     return out
@@ -83,7 +83,7 @@ def sample_advance(logits: torch.Tensor, inp: PackedInputs, state: torch.Tensor,
     ``state`` holds each sequence's block table in its first columns."""
     rows = logits.shape[0]
     assert inp.n_tok == inp.n_seq == rows and logits.stride(1) == 1
-    pdl = dependent_launch(logits.device)
+    pdl = dependent_launch(logits.device, rows)
     _sample_advance_kernel[(rows,)](
         logits, logits.stride(0), logits.shape[1], sampled, window, window.stride(0),
         inp.window_step, inp.positions, inp.context_lens, inp.offsets, inp.block_idx,

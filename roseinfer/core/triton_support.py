@@ -28,20 +28,29 @@ def kernel(fn):
     return triton.jit(fn) if triton is not None else fn
 
 
+PDL_MAX_ROWS = 16  # rows (tokens) of a launch up to which dependent launches pay
+
+
+def dependent_launch(device: torch.device, rows: int) -> bool:
+    """Whether a kernel over ``rows`` tokens on ``device`` launches as a programmatic
+    dependent (Hopper and later): the GPU starts it while the kernel before it drains,
+    and it waits in ``wait_for_inputs`` before touching memory. At decode batch sizes a
+    kernel takes a few microseconds, and launching and draining each was a large part
+    of a layer's time: batch 1 ran 3-8 % faster. From 128 rows up it cost GPT-2's
+    decode 3 % (docs/kernels.md, "Dependent launches"), so only launches of at most
+    PDL_MAX_ROWS rows use it. ``ROSEINFER_PDL=0`` turns it off."""
+    return rows <= PDL_MAX_ROWS and _pdl_device(device)
+
+
 @functools.lru_cache
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch as programmatic dependents (Hopper and
-    later): the GPU starts a kernel while the one before it drains, and the kernel waits
-    in ``wait_for_inputs`` before touching memory. At decode batch sizes a kernel takes
-    a few microseconds, and launching and draining each was a large part of a layer's
-    time (docs/kernels.md, "Dependent launches"). ``ROSEINFER_PDL=0`` turns it off."""
+def _pdl_device(device: torch.device) -> bool:
     return (triton is not None and device.type == "cuda" and os.environ.get("ROSEINFER_PDL") != "0"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 @kernel
 def wait_for_inputs(PDL: tl.constexpr):
-    """With PDL (a kernel launched with ``launch_pdl=dependent_launch(device)``): wait
+    """With PDL (a kernel launched with ``launch_pdl=dependent_launch(device, rows)``): wait
     until the kernel before has finished and its writes are visible, then let the next
     one start. Every program calls it before it reads anything an earlier kernel wrote,
     and before it writes anything: so a kernel's end still implies its predecessors'."""

@@ -87,7 +87,7 @@ def _add_norm_triton(x, residual, weight, bias, eps, is_rms):
         res = _rows(residual)
         res_out = torch.empty_like(out)
     block = triton.next_power_of_2(n_cols)
-    pdl = dependent_launch(x.device)
+    pdl = dependent_launch(x.device, n_rows)
     _add_norm_kernel[(n_rows,)](
         rows, res, weight, weight if bias is None else bias, out, res_out,
         rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
@@ -156,7 +156,7 @@ def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch
     x = _rows(gate_up)
     out = torch.empty((x.shape[0], n_cols), dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(n_cols), 1024)
-    pdl = dependent_launch(x.device)
+    pdl = dependent_launch(x.device, x.shape[0])
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, block))](
         x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, PDL=pdl,
         num_warps=_warps(block), launch_pdl=pdl)
@@ -250,7 +250,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return rotate_qk_(q, k, *rope_rows(positions, cos, sin), num_heads, num_kv_heads)
     assert q.stride(1) == k.stride(1) == cos.stride(1) == 1 and sin.stride() == cos.stride()
     block_half = triton.next_power_of_2(half)
-    pdl = dependent_launch(q.device)
+    pdl = dependent_launch(q.device, q.shape[0])
     _rope_kernel[(q.shape[0],)](
         q, k, positions, cos, sin,
         q.stride(0), k.stride(0), positions.stride(0), cos.stride(0),

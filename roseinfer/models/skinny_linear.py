@@ -74,7 +74,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n = weight.shape[0]
     bn, bk, warps, stages = config or launch_config(k, x.element_size())
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    pdl = dependent_launch(x.device)
+    pdl = dependent_launch(x.device, m)
     _skinny_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),

@@ -288,7 +288,7 @@ class TritonPagedAttention:
                  "BLOCK_N": tune["block_n"], "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
                  "num_warps": tune["num_warps"], "num_stages": tune["num_stages"],
                  "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-                 "PDL": dependent_launch(q.device)}
+                 "PDL": dependent_launch(q.device, n)}
         const["launch_pdl"] = const["PDL"]
         scale_log2 = scale * math.log2(math.e)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)

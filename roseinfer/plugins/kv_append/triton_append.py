@@ -77,7 +77,7 @@ class TritonAppend:
         rows = slots.rows if gather else slots.block_idx
         shared_offset = slots.shared_offset if shared else slots.block_idx
         _, num_kv_heads, _, head_dim = k_cache.shape
-        pdl = dependent_launch(key.device)
+        pdl = dependent_launch(key.device, len(slots))
         _append_kernel[(len(slots),)](
             key, value, k_cache, v_cache,
             slots.block_idx, slots.offsets, rows, shared_offset,
