@@ -120,10 +120,11 @@ def wait_until_named(url: str, port: int, timeout: float) -> bool:
     return False
 
 
-def test_acks_wait_for_the_replica_and_go_without_one(tiny_llm, start_worker_on, prefix):
+def test_acks_wait_for_the_replica_and_go_without_one(tiny_llm, start_worker_on, prefix, caplog):
     """With ack_replicas=1 a finished request streams whole to its client at once, and its
     entry leaves the queue only once the replica holds its chunks: a replica that
-    sleeps holds the ack back. Without a replica the ack goes after the timeout."""
+    sleeps holds the ack back. Without a replica the ack goes after the timeout, and the
+    rounds of the next seconds ack without waiting."""
     import threading
 
     from roseinfer.frontends.redis_streams.protocol import Keys
@@ -152,6 +153,11 @@ def test_acks_wait_for_the_replica_and_go_without_one(tiny_llm, start_worker_on,
         client.generate("No replica", max_tokens=3, temperature=0, timeout=60)
         wait_until(lambda: r.xlen(requests) == 0, 30)
         assert time.monotonic() - start >= 4  # one WAIT timed out first
+        # The rounds right after it ack without waiting: one WAIT ran out, not two.
+        client.generate("Still no replica", max_tokens=3, temperature=0, timeout=60)
+        wait_until(lambda: r.xlen(requests) == 0, 30)
+        assert "event=ack_unreplicated" in caplog.text
+        assert caplog.text.count("event=ack_unreplicated") == 1
     finally:
         for server in (replica, primary):
             server.stop()

@@ -31,8 +31,10 @@ between its chunks and its acks, in the same pipeline (WAIT counts the writes of
 own connection; the acks run once it returns): a finished request is whole on N
 replicas before its entry leaves the queue, however far replication lags. If fewer
 confirm within the timeout (no replica up, say: then no failover can lose it either)
-the acks go anyway and ``ack_unreplicated`` is logged, so a missing replica slows a
-worker's finishing rounds by the timeout instead of stopping it.
+the acks go anyway and ``ack_unreplicated`` is logged, and the rounds of the next
+UNREPLICATED_REST_S seconds ack without waiting: a missing replica (as after a failover,
+until the old primary comes back as one) slows one finishing round in that many seconds
+by the timeout instead of stopping the worker or slowing every round.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ return failed
 # Asynchronous replication lags the primary by milliseconds when healthy; chunks older
 # than this are taken to have reached a replica.
 REPLAY_S = 2.0
+UNREPLICATED_REST_S = 5.0
 
 
 class Acks:
@@ -76,6 +79,11 @@ class Acks:
 
     def __init__(self, ack: Optional[Callable], replicas: int = 0, timeout_ms: int = 1000):
         self.ack, self.replicas, self.timeout_ms = ack, replicas, timeout_ms
+        self.rest_until = 0.0  # after a WAIT that ran out, rounds until then do not wait
+
+    def due(self) -> bool:
+        """Whether a finishing round waits for replicas now."""
+        return self.replicas > 0 and time.monotonic() >= self.rest_until
 
 
 class ReplyBatch:
@@ -88,17 +96,13 @@ class ReplyBatch:
         self.bodies: list[bytes] = []
         self.acked: list[str] = []
         self.scripts = 0  # the script calls write() made
+        self.waited = False  # and whether it put WAIT after them
 
     def add(self, key: str, body: bytes, ack_entry_id: Optional[str]) -> None:
         self.keys.append(key)
         self.bodies.append(body)
         if ack_entry_id is not None:
             self.acked.append(ack_entry_id)
-
-    @property
-    def waits(self) -> bool:
-        """Its acks wait for replicas: write() puts WAIT before them."""
-        return bool(self.acked) and self.acks.replicas > 0
 
     def write(self, pipe, wait: bool = True) -> None:
         """``wait``: False for a replay after an outage, whose many batches must not each
@@ -110,7 +114,8 @@ class ReplyBatch:
             pipe.execute_command("EVAL", PUBLISH_SCRIPT, len(keys), *keys, self.ttl_s,
                                  self.maxlen, *bodies)
         self.scripts = len(groups)
-        if wait and self.waits:
+        self.waited = wait and bool(self.acked) and self.acks.due()
+        if self.waited:
             pipe.execute_command("WAIT", self.acks.replicas, self.acks.timeout_ms)
         if self.acked:  # after the chunks: acknowledged only together with the final one
             self.acks.ack(pipe, self.acked)
@@ -129,9 +134,11 @@ class ReplyBatch:
     def check_replicated(self, confirmed) -> None:
         """Log acks sent before the replicas asked for confirmed (WAIT's reply)."""
         if isinstance(confirmed, int) and confirmed < self.acks.replicas:
+            self.acks.rest_until = time.monotonic() + UNREPLICATED_REST_S
             event("ack_unreplicated", logging.WARNING, entries=len(self.acked),
                   replicas=confirmed, wanted=self.acks.replicas,
-                  timeout_ms=self.acks.timeout_ms)
+                  timeout_ms=self.acks.timeout_ms,
+                  note=f"finishing rounds ack without waiting for {UNREPLICATED_REST_S:.0f}s")
 
 
 class Round:
@@ -316,7 +323,7 @@ class Outbox:
                         # a client wrote a non-stream value under a reply key: its loss only
                         event("write_failed", logging.WARNING, error="not a stream",
                               keys=b",".join(failed).decode(errors="replace"))
-                if batch.waits:
+                if batch.waited:
                     batch.check_replicated(results[i + batch.scripts])
             if rnd.items:
                 self._outages_seen = outages
