@@ -48,8 +48,24 @@ def group():
     try:
         yield primary, replica, f"redis+sentinel://{hosts}/{NAME}"
     finally:
+        print_failover_events(sentinels)
         for server in (*sentinels, replica, primary):
             server.stop()
+
+
+FAILOVER_EVENTS = ("+sdown", "+odown", "+try-failover", "+elected-leader", "-failover-abort",
+                   "+promoted-slave", "+switch-master")
+
+
+def print_failover_events(sentinels) -> None:
+    """Each Sentinel's failover events, with their times (shown with -s, or when a test
+    fails): what to read when a failover took long."""
+    for sentinel in sentinels:
+        with open(os.path.join(sentinel._dir, "redis.log")) as f:
+            events = [line.split(" ", 1)[1].strip() for line in f
+                      if any(e in line for e in FAILOVER_EVENTS)]
+        if events:
+            print(f"sentinel {sentinel.port}: " + "; ".join(events))
 
 
 def test_sentinel_urls_parse_and_bad_ones_say_the_form():
