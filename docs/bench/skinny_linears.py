@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from roseinfer.models.skinny_linear import skinny_linear
+from roseinfer.models.skinny_linear import graph_time, skinny_linear
 
 torch.set_grad_enabled(False)
 SHAPES = {"1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 2048),
@@ -28,23 +28,9 @@ SHAPES = {"1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 20
 CONFIGS = [c for c in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))]
 
 
-def timed(fn, reps=5) -> float:
-    """Microseconds of one replay of a CUDA graph of ``fn``."""
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3)
-    return best
+def timed(fn) -> float:
+    """Microseconds of one replay of a CUDA graph of ``fn``, the best of 5."""
+    return graph_time(fn, replays=5) * 1e3
 
 
 def shape_rows(sweep: bool):

@@ -132,7 +132,7 @@ def skinny_rows(linears: list[nn.Linear]) -> int:
     faster_up_to = 0
     for rows in TIMED_ROWS:
         x = torch.zeros(rows, w.shape[1], dtype=w.dtype, device=w.device)
-        cublas, skinny = (_graph_time(lambda: [op(x, m.weight, m.bias) for m in linears])
+        cublas, skinny = (graph_time(lambda: [op(x, m.weight, m.bias) for m in linears])
                           for op in (F.linear, skinny_linear))
         if skinny > (1 - MIN_GAIN) * cublas:
             break
@@ -140,7 +140,7 @@ def skinny_rows(linears: list[nn.Linear]) -> int:
     return faster_up_to
 
 
-def _graph_time(fn, replays: int = 3) -> float:
+def graph_time(fn, replays: int = 3) -> float:
     """Milliseconds of the fastest replay of a CUDA graph of ``fn``."""
     fn()  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
