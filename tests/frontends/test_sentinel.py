@@ -11,7 +11,8 @@ import redis
 import redis.sentinel
 
 from roseinfer.frontends.redis_streams.client import Client
-from roseinfer.frontends.redis_streams.connection import SentinelURL, connect, parse_sentinel
+from roseinfer.frontends.redis_streams.connection import AsyncNamingSentinel, NamingSentinel, \
+    SentinelURL, connect, parse_sentinel
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis, find_redis_server, free_port
 
 from .conftest import roseinfer_cmd, wait_until
@@ -53,8 +54,8 @@ def group():
             server.stop()
 
 
-FAILOVER_EVENTS = ("+sdown", "+odown", "+try-failover", "+elected-leader", "-failover-abort",
-                   "+promoted-slave", "+switch-master")
+FAILOVER_EVENTS = ("+sdown", "-sdown", "+odown", "-odown", "+try-failover", "+elected-leader",
+                   "-failover-abort", "+promoted-slave", "+switch-master")
 
 
 def print_failover_events(sentinels) -> None:
@@ -76,6 +77,49 @@ def test_sentinel_urls_parse_and_bad_ones_say_the_form():
                 "redis+sentinel://a:1/main?db=-1"):
         with pytest.raises(ValueError, match=r"redis\+sentinel://\[user:pass@\]host:port"):
             parse_sentinel(bad)
+
+
+class FakeSentinel:
+    """What a Sentinel answers about NAME: its state in SENTINEL MASTERS (None: unknown)."""
+
+    def __init__(self, port, down):
+        self.state = None if port is None else {
+            "ip": "10.0.0.1", "port": port, "is_master": True, "is_sdown": down,
+            "is_odown": down, "num-other-sentinels": 2}
+
+    def sentinel_masters(self):
+        return {NAME: self.state} if self.state else {}
+
+    def sentinel_get_master_addr_by_name(self, name):
+        return (self.state["ip"], self.state["port"]) if self.state and name == NAME else None
+
+
+class AsyncFakeSentinel(FakeSentinel):
+    async def sentinel_masters(self):
+        return super().sentinel_masters()
+
+    async def sentinel_get_master_addr_by_name(self, name):
+        return super().sentinel_get_master_addr_by_name(name)
+
+
+def test_a_primary_that_every_sentinel_marks_down_is_still_the_one_they_name():
+    import asyncio
+
+    def discover(naming, fake, answers):
+        sentinel = naming([("127.0.0.1", 1)])  # asks nothing until discover_master
+        sentinel.sentinels = [fake(port, down) for port, down in answers]
+        found = sentinel.discover_master(NAME)
+        return asyncio.run(found) if asyncio.iscoroutine(found) else found
+
+    # redis-py alone finds no primary here (a promoted one, say, before its first PING).
+    with pytest.raises(redis.sentinel.MasterNotFoundError):
+        discover(redis.sentinel.Sentinel, FakeSentinel, [(6380, True), (6380, True)])
+    for naming, fake in [(NamingSentinel, FakeSentinel), (AsyncNamingSentinel, AsyncFakeSentinel)]:
+        assert discover(naming, fake, [(6380, True), (6380, True)]) == ("10.0.0.1", 6380)
+        # A Sentinel that sees the primary up is believed first.
+        assert discover(naming, fake, [(6380, True), (6381, False)]) == ("10.0.0.1", 6381)
+        with pytest.raises(redis.exceptions.ConnectionError, match="No master found"):
+            discover(naming, fake, [(None, False)])
 
 
 def test_unknown_primary_or_no_sentinel_fails_at_once_saying_so(group):

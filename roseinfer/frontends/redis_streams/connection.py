@@ -4,7 +4,8 @@
 - ``redis+sentinel://[user:pass@]host:port[,host:port...]/PRIMARY[?db=N]``: the primary
   that the Sentinels name PRIMARY, found through the first Sentinel that answers and
   found again after a failover (redis-py's Sentinel pool asks them on reconnect). The
-  credentials are the data servers'; Sentinels are asked without any.
+  credentials are the data servers'; Sentinels are asked without any. A primary that
+  every Sentinel marks down is still the one they name (``NamingSentinel``).
 - ``redis+cluster://[user:pass@]host:port[,host:port...]``: a Redis Cluster, found
   through the first of these nodes that answers; redis-py follows its slots as they
   move (a replica promoted after its primary died, say).
@@ -132,8 +133,47 @@ def _connect(url: str, max_connections: Optional[int], options: dict, lib, senti
                                                        **options))
     kwargs = _sentinel_kwargs(options)
     _check_primary(redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs=kwargs), found, url)
-    return sentinels.Sentinel(found.sentinels, sentinel_kwargs=kwargs).master_for(
+    naming = NamingSentinel if sentinels is redis.sentinel else AsyncNamingSentinel
+    return naming(found.sentinels, sentinel_kwargs=kwargs).master_for(
         found.primary, db=found.db, username=found.username, password=found.password, **options)
+
+
+class NamingSentinel(redis.sentinel.Sentinel):
+    """redis-py's Sentinel client, except that when every Sentinel marks the primary down
+    it takes the address they name for it (``SENTINEL GET-MASTER-ADDR-BY-NAME``), as
+    ioredis and Jedis do, instead of failing. A Sentinel marks a just-promoted primary
+    down until its first PING reply (more often with a `down-after-milliseconds` under
+    2 s: redis/redis#8607), and redis-py would let no client in for that while. A primary
+    really down refuses the connection, and a demoted one answers READONLY, which sends
+    redis-py back to the Sentinels: both are retried as before."""
+
+    def discover_master(self, service_name):
+        try:
+            return super().discover_master(service_name)
+        except redis.sentinel.MasterNotFoundError:
+            for sentinel in self.sentinels:
+                try:
+                    if named := sentinel.sentinel_get_master_addr_by_name(service_name):
+                        return named
+                except (redis.ConnectionError, redis.TimeoutError):
+                    continue
+            raise
+
+
+class AsyncNamingSentinel(redis.asyncio.sentinel.Sentinel):
+    """``NamingSentinel`` for asyncio clients."""
+
+    async def discover_master(self, service_name):
+        try:
+            return await super().discover_master(service_name)
+        except redis.asyncio.sentinel.MasterNotFoundError:
+            for sentinel in self.sentinels:
+                try:
+                    if named := await sentinel.sentinel_get_master_addr_by_name(service_name):
+                        return named
+                except (redis.ConnectionError, redis.TimeoutError):
+                    continue
+            raise
 
 
 def _connect_cluster(found: ClusterURL, url: str, max_connections: Optional[int],
