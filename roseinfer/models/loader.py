@@ -9,13 +9,14 @@ import glob
 import json
 import logging
 import os
+import types
 
 import torch
 
 from roseinfer.core import tp
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.triton_support import triton_usable
-from roseinfer.models import model_class, sharding
+from roseinfer.models import json_tokenizer, model_class, sharding
 from roseinfer.models.cpu_linear import choose_cpu_linears
 from roseinfer.models.layers import RotaryEmbedding
 from roseinfer.models.skinny_linear import measured_on, use_skinny_linears
@@ -24,9 +25,22 @@ from roseinfer.models.tokenizers import gpt2_tokenizer, package_dir
 log = logging.getLogger(__name__)
 CACHE_DIR = os.environ.get("ROSEINFER_CACHE", os.path.expanduser("~/.cache/roseinfer"))
 # A converted model's whole config (not config.json's diff from the defaults): it loads
-# as a plain PretrainedConfig, without the import chain of transformers' LlamaConfig
-# module (2.5-3.6 s on 2 cores, docs/benchmarks.md).
+# as a PlainConfig, without importing transformers (1.1-1.7 s on 2 cores) or the chain
+# of its LlamaConfig module (2.5-3.6 s more, docs/benchmarks.md).
 FULL_CONFIG = "roseinfer_config.json"
+
+
+class PlainConfig(types.SimpleNamespace):
+    """A config read from a JSON of transformers' ``to_dict()``: the same attributes, no
+    transformers. What the model families and the engine read of a config."""
+
+    def __init__(self, **fields):
+        if "id2label" in fields:  # JSON made its int keys strings, as transformers undoes
+            fields["id2label"] = {int(k): v for k, v in fields["id2label"].items()}
+        super().__init__(**fields)
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
 
 
 def _smollm2_gguf() -> str:
@@ -239,15 +253,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 
 
 def _load_tokenizer(path, config=None):
-    """``config``: the model's, already loaded (AutoTokenizer would load it again,
-    through AutoConfig)."""
-    from transformers import AutoTokenizer
-
+    """A JsonTokenizer where the directory's tokenizer.json is the whole tokenizer,
+    transformers' otherwise. ``config``: the model's, already loaded (AutoTokenizer
+    would load it again, through AutoConfig)."""
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
                                        for f in TOKENIZER_FILES):
         return None  # transformers would build an empty tokenizer instead of failing
-    try:
-        return AutoTokenizer.from_pretrained(path, config=config)
+    if os.path.isdir(path) and (fast := json_tokenizer.load(path)) is not None:
+        return fast
+    from transformers import AutoTokenizer
+
+    try:  # a PlainConfig is not transformers': AutoTokenizer then reads the config itself
+        return AutoTokenizer.from_pretrained(
+            path, config=None if isinstance(config, PlainConfig) else config)
     except (OSError, ValueError) as e:
         log.warning("no tokenizer at %s (%s); prompts must be token ids", path, e)
         return None
@@ -296,8 +314,7 @@ def _config(path: str):
     (converted models), else AutoConfig's."""
     full = os.path.join(path, FULL_CONFIG)
     if os.path.exists(full):
-        from transformers.configuration_utils import PretrainedConfig
         with open(full) as f:
-            return PretrainedConfig(**json.load(f))
+            return PlainConfig(**json.load(f))
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(path)

@@ -25,8 +25,10 @@ class XGrammarOutput:
         self.xgr, self.ctx = xgr, ctx
         self.compiler = None
         if ctx.tokenizer is not None:
+            # xgrammar reads a transformers tokenizer: a JsonTokenizer loads its own here.
+            hf = getattr(ctx.tokenizer, "hf", ctx.tokenizer)
             info = xgr.TokenizerInfo.from_huggingface(
-                ctx.tokenizer, vocab_size=ctx.vocab_size, stop_token_ids=sorted(ctx.eos_ids))
+                hf, vocab_size=ctx.vocab_size, stop_token_ids=sorted(ctx.eos_ids))
             # It caches compiled grammars (least recently used out past the limit):
             # prepare() compiles, start() finds it there.
             self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)

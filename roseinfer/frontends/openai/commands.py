@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from roseinfer.frontends.redis_streams.client import DEFAULT_URL
-from roseinfer.frontends.redis_streams.protocol import DEFAULT_PREFIX
+from roseinfer.frontends.redis_streams.protocol import DEFAULT_PREFIX, DEFAULT_URL
 
 log = logging.getLogger("roseinfer.gateway")
 

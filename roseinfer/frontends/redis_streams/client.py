@@ -20,10 +20,9 @@ import redis.asyncio
 
 from roseinfer.frontends.redis_streams.connection import connect, connect_async, is_cluster
 from roseinfer.frontends.redis_streams.outage import is_transient
-from roseinfer.frontends.redis_streams.protocol import (
-    DEFAULT_PREFIX, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request)
+from roseinfer.frontends.redis_streams.protocol import (  # noqa: F401 - DEFAULT_URL: the API's
+    DEFAULT_PREFIX, DEFAULT_URL, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request)
 
-DEFAULT_URL = "redis://127.0.0.1:6379"
 CANCEL_MAXLEN = 10_000  # cancels matter for seconds; the cap keeps the stream small
 RETRY_S = 0.2  # between reads while Redis is away (a restart, a failover)
 # On a Redis Cluster the reply streams lie in many slots, and one XREAD reads one slot:

@@ -17,6 +17,7 @@ from roseinfer.core.sampling import MAX_N, SamplingParams, is_int
 
 VERSION = "1"
 DEFAULT_PREFIX = "roseinfer"
+DEFAULT_URL = "redis://127.0.0.1:6379"
 DEFAULT_GROUP = "workers"
 RID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 SAMPLING_KEYS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
