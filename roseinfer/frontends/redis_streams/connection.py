@@ -132,7 +132,7 @@ def _connect(url: str, max_connections: Optional[int], options: dict, lib, senti
         return lib.Redis(connection_pool=pool.from_url(url, **_limit(max_connections),
                                                        **options))
     kwargs = _sentinel_kwargs(options)
-    _check_primary(redis.sentinel.Sentinel(found.sentinels, sentinel_kwargs=kwargs), found, url)
+    _check_primary(NamingSentinel(found.sentinels, sentinel_kwargs=kwargs), found, url)
     naming = NamingSentinel if sentinels is redis.sentinel else AsyncNamingSentinel
     return naming(found.sentinels, sentinel_kwargs=kwargs).master_for(
         found.primary, db=found.db, username=found.username, password=found.password, **options)
