@@ -46,7 +46,7 @@ def _assert_same(path, mine):
 
     hf = AutoTokenizer.from_pretrained(path)
     assert mine.eos_token_id == hf.eos_token_id is not None
-    assert mine.get_vocab() == hf.get_vocab()
+    assert mine.get_vocab() == hf.get_vocab() and len(mine) == len(hf)
     for text in TEXTS:
         assert mine.encode(text) == hf.encode(text), text
         assert mine.encode(text, add_special_tokens=False) == \
@@ -94,6 +94,7 @@ def test_what_it_does_not_render_itself_is_rendered_by_transformers(tmp_path):
         "name": "f", "parameters": {"type": "object", "properties": {}}}}]) == \
         "Be brief.HiHello!Bye1"
     assert mine.model_max_length == mine.hf.model_max_length  # any other attribute: transformers'
+    assert mine("Hi Bye")["input_ids"] == mine.hf("Hi Bye")["input_ids"]
 
 
 @pytest.mark.slow

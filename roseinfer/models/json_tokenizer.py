@@ -60,6 +60,12 @@ class JsonTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)
 
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, *args, **kwargs):
+        return self.hf(*args, **kwargs)
+
     def apply_chat_template(self, conversation, tokenize: bool = False,
                             add_generation_prompt: bool = False, **kwargs):
         """A conversation of plain string messages through the template, as text; any
