@@ -83,23 +83,36 @@ def test_no_node_answering_fails_at_once_saying_which():
     assert time.monotonic() - start < 10
 
 
-def test_requests_stream_through_a_primary_killed(cluster, tiny_llm, start_worker_on, prefix,
-                                                  want):  # noqa: F811 - the fixture
+def _through_a_kill(cluster, tiny_llm, start_worker_on, prefix, want, label=""):
     """The 32 requests of the Sentinel test, their reply streams spread over three
     primaries; the one holding the request stream is SIGKILLed once 3 of its keys are
     reply streams, and its replica takes over its slots."""
     primary, replica, url = cluster
     start_worker_on(connect(url), tiny_llm.engine)
     gaps = stream_through_a_failover(cluster, prefix, want, started=3)
-    print(f"longest wait between two chunks of a stream: {max(gaps):.2f} s "
+    print(f"{label}longest wait between two chunks of a stream: {max(gaps):.2f} s "
           "(cluster-node-timeout 1000 ms)")
     assert redis.Redis(port=replica.port).info("replication")["role"] == "master"
+
+
+def test_requests_stream_through_a_primary_killed(cluster, tiny_llm, start_worker_on, prefix,
+                                                  want):  # noqa: F811 - the fixture
+    _through_a_kill(cluster, tiny_llm, start_worker_on, prefix, want)
+    url = cluster[2]
     status = subprocess.run(roseinfer_cmd("status", "--redis-url", url, "--prefix", prefix),
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     assert "workers: 1 alive" in status.stdout and "0 waiting" in status.stdout
     assert Client(url, prefix).generate("After the failover", max_tokens=4, temperature=0,
                                         timeout=30).finish_reason == "length"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(9))
+def test_requests_stream_through_nine_more_kills(cluster, tiny_llm, start_worker_on, prefix,
+                                                want, run):  # noqa: F811 - the fixture
+    """The failover above nine times more: ten runs in all."""
+    _through_a_kill(cluster, tiny_llm, start_worker_on, prefix, want, f"run {run}: ")
 
 
 def test_a_worker_process_serves_the_async_client(cluster, worker_process, tiny_llm, prefix):
