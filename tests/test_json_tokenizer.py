@@ -79,6 +79,8 @@ def test_tokenizers_that_transformers_reads_differently_are_left_to_it(tmp_path)
         is None
     assert json_tokenizer.load(_tokenizer_dir(tmp_path / "c", clean_up_tokenization_spaces=True)) \
         is None
+    named = [{"name": "default", "template": TEMPLATE}]
+    assert json_tokenizer.load(_tokenizer_dir(tmp_path / "d", template=named)) is None
     assert json_tokenizer.load(str(tmp_path)) is None  # no tokenizer files at all
 
 

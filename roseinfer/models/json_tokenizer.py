@@ -30,11 +30,11 @@ def load(path: str) -> Optional["JsonTokenizer"]:
     settings = _read_json(os.path.join(path, "tokenizer_config.json"))
     if settings is None or not os.path.exists(os.path.join(path, "tokenizer.json")):
         return None
-    if settings.get("tokenizer_class") not in AS_IS_CLASSES or settings.get(
-            "clean_up_tokenization_spaces") or any(k in settings for k in ("add_bos_token",
-                                                                          "add_eos_token")):
-        return None
-    return JsonTokenizer(path, settings)
+    as_is = settings.get("tokenizer_class") in AS_IS_CLASSES and \
+        not settings.get("clean_up_tokenization_spaces") and \
+        not {"add_bos_token", "add_eos_token"} & set(settings) and \
+        isinstance(settings.get("chat_template", ""), str)  # not a list of named templates
+    return JsonTokenizer(path, settings) if as_is else None
 
 
 class JsonTokenizer:
