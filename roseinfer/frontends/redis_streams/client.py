@@ -18,7 +18,8 @@ from typing import AsyncIterator, Iterable, Iterator, Optional, Union
 import redis
 import redis.asyncio
 
-from roseinfer.frontends.redis_streams.connection import connect, connect_async, is_cluster
+from roseinfer.frontends.redis_streams.connection import by_slot, connect, connect_async, \
+    is_cluster
 from roseinfer.frontends.redis_streams.outage import is_transient
 from roseinfer.frontends.redis_streams.protocol import (  # noqa: F401 - DEFAULT_URL: the API's
     DEFAULT_PREFIX, DEFAULT_URL, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request)
@@ -222,10 +223,7 @@ def _stream_entries(response):
 
 def _slot_reads(redis, streams: dict) -> list[dict]:
     """``streams`` split into one XREAD's worth per cluster slot."""
-    groups: dict[int, dict] = {}
-    for key, last_id in streams.items():
-        groups.setdefault(redis.keyslot(key), {})[key] = last_id
-    return list(groups.values())
+    return [dict(group) for group in by_slot(redis.keyslot, streams.items())]
 
 
 def _merged(replies: list):

@@ -89,6 +89,15 @@ def is_cluster(client) -> bool:
     return isinstance(client, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster))
 
 
+def by_slot(slot_of, pairs) -> list[list[tuple]]:
+    """``pairs`` of (key, value) grouped by the cluster slot ``slot_of(key)``, in order:
+    one command's worth each, since a command's keys must share a slot."""
+    groups: dict[int, list] = {}
+    for key, value in pairs:
+        groups.setdefault(slot_of(key), []).append((key, value))
+    return list(groups.values())
+
+
 def follow_slots(client) -> None:
     """On a cluster, re-read the slot map (a no-op elsewhere): after a failed try, so that
     the next one finds a promoted replica. redis-py re-reads it on some errors only, and

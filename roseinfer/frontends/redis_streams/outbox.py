@@ -47,7 +47,7 @@ from typing import Callable, Optional
 
 from redis import Redis
 
-from roseinfer.frontends.redis_streams.connection import is_cluster
+from roseinfer.frontends.redis_streams.connection import by_slot, is_cluster
 from roseinfer.frontends.redis_streams.events import event
 from roseinfer.frontends.redis_streams.outage import Outage, is_transient
 
@@ -124,12 +124,8 @@ class ReplyBatch:
         """(keys, bodies) per script call: all in one, or on a cluster one per slot."""
         if self.slot_of is None:
             return [(self.keys, self.bodies)]
-        groups: dict[int, tuple[list, list]] = {}
-        for key, body in zip(self.keys, self.bodies):
-            keys, bodies = groups.setdefault(self.slot_of(key), ([], []))
-            keys.append(key)
-            bodies.append(body)
-        return list(groups.values())
+        return [([k for k, _ in group], [b for _, b in group])
+                for group in by_slot(self.slot_of, zip(self.keys, self.bodies))]
 
     def check_replicated(self, confirmed) -> None:
         """Log acks sent before the replicas asked for confirmed (WAIT's reply)."""
