@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The real-shape rows of docs/benchmarks.md: Llama-3-8B and Llama-3.2-1B shapes with
 # random bf16 weights built on the GPU, `roseinfer bench offline`, each run's decode
-# bytes floor (3.0 TB/s) and the fraction of it in its JSON.
+# bytes floor (3.0 TB/s) and the fraction of it in its JSON; transformers `generate`
+# (dynamic cache, the same random weights made on the GPU) in the same process for the
+# rows of one prompt and output length (the nano-vllm shape's lengths vary per request).
 # Usage: OUT=dir bash docs/bench/real_shapes.sh [8b] [1b] [nano]
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -16,7 +18,8 @@ run() {  # name, flags
     "$(grep -o "reaches .* of it" "$OUT/$1.log" | tail -1)"
 }
 shape() {  # batch, new tokens
-  echo "--input-len 512 --num-requests $1 --max-num-seqs $1 --max-new-tokens $2"
+  echo "--input-len 512 --num-requests $1 --max-num-seqs $1 --max-new-tokens $2
+    --compare-hf --hf-variants dynamic"
 }
 nano="--input-len 562 --max-new-tokens 562 --range-ratio 0.822 --num-requests 256
   --max-num-seqs 256 --repeat-runs 1"   # prompts and outputs uniform in 100..1024

@@ -22,11 +22,11 @@ class VariantUnavailable(Exception):
     """This variant cannot run here (e.g. torch.compile fails); the bench goes on without it."""
 
 
-def load_hf_model(spec: str, seed: int = 0):
+def load_hf_model(spec: str, seed: int = 0, device="cpu", dtype=torch.float32):
     """(transformers model, tokenizer or None) with the same weights the engine loads."""
     from roseinfer.models import loader
 
-    return loader.hf_model(spec, seed)
+    return loader.hf_model(spec, seed, device, dtype)
 
 
 def left_padded(prompt_ids: list[list[int]], pad_id: int,

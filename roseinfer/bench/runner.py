@@ -91,13 +91,16 @@ class BenchRun:
     def _build(self):
         """The engine; with --compare-hf built from the very transformers model timed next."""
         from roseinfer.core.config import config_from_args
+        from roseinfer.core.engine import resolve_device, resolve_dtype
         from roseinfer.core.llm import LLM, llm_from_args
 
         a = self.args
         if not self.variants:
             return llm_from_args(a), None
         config = config_from_args(a)
-        hf_model, tok = hf_baseline.load_hf_model(a.model, seed=config.seed or 0)
+        device = resolve_device(config.device)
+        hf_model, tok = hf_baseline.load_hf_model(a.model, config.seed or 0, device,
+                                                  resolve_dtype(config.dtype, device))
         llm = LLM(hf_model, tokenizer=a.tokenizer or tok, **dataclasses.asdict(config))
         hf_model.to(device=llm.engine.device, dtype=llm.engine.dtype)
         return llm, hf_model

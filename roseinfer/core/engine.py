@@ -46,7 +46,7 @@ class Engine:
                  plugins: Optional[PluginRegistry] = None):
         self.config = config = config or EngineConfig()
         self.plugins = plugins = plugins or default_registry()
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
         self.peers = None
         if config.tensor_parallel_size > 1:
             self.device = rank_device(self.device, 0, config.tensor_parallel_size)
@@ -62,7 +62,7 @@ class Engine:
 
     def _build(self, model, tokenizer) -> None:
         config, plugins = self.config, self.plugins
-        self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.model, self.hf_config, self.tokenizer = loader.load(
@@ -363,7 +363,7 @@ def build_device_side(spec, cfg: EngineConfig, device: torch.device) -> ModelRun
     KV cache and a runner, built as the Engine builds rank 0's (the same
     collectives in the same order). It uses the default plugin registry."""
     plugins = default_registry()
-    dtype = _resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     model, hf_config, _ = loader.load(spec, None, dtype, device, seed=cfg.seed or 0,
@@ -394,7 +394,7 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def _resolve_device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -402,7 +402,7 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":

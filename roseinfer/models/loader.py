@@ -216,15 +216,18 @@ def check_shards(spec, plugins=None) -> None:
         model_class(hf_config, plugins)(hf_config)
 
 
-def hf_model(spec, seed: int = 0):
+def hf_model(spec, seed: int = 0, device="cpu", dtype=torch.float32):
     """The transformers model (and tokenizer or None) for a spec, with the weights
-    ``load`` gives our module: the reference for tests and benchmarks."""
+    ``load`` gives our module: the reference for tests and benchmarks. A random-weight
+    spec is made on ``device`` in ``dtype`` (an 8B shape in float32 on the CPU would take
+    minutes and 32 GB); a checkpoint loads in float32 on the CPU."""
     from transformers import AutoModelForCausalLM
 
     if spec in RANDOM:
         cfg, tok = RANDOM[spec]()
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(cfg).eval(), tok
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval(), tok
     path = ALIASES[spec]() if spec in ALIASES else spec
     if str(path).endswith(".gguf"):
         path = _converted_gguf(path)
