@@ -3,7 +3,8 @@
 # the bytes floor is taken at, Llama-3-8B shape at TP 1 and 2 (batch 1; 64 x 512 -> 256),
 # the 70B shape at TP 2 (decode profile with the all-reduces' share, batch 64, and through
 # Redis). Random bf16 weights built on the GPUs.
-# Usage: OUT=dir bash docs/bench/tensor_parallel.sh [tests] [8b] [70b]
+# Usage: OUT=dir [LIMIT_S=400] bash docs/bench/tensor_parallel.sh [tests] [8b] [70b]
+# (LIMIT_S: the seconds each command may take before it is stopped with its stacks printed)
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m; lscpu | grep -E "Model name|^CPU\(s\)"; git log -1 --format=%H 2>/dev/null
@@ -27,32 +28,48 @@ EOF
 echo "copy bandwidth: $PEAK TB/s" | tee -a "$OUT/machine.txt"
 common="--dtype bfloat16 --dataset random --ignore-eos --no-enable-prefix-cache
   --max-model-len 4096 --no-progress --warmup-runs 1 --repeat-runs 2 --peak-tb-s $PEAK"
+# A run that overstays its limit (a collective that never completes) is stopped with SIGABRT,
+# ranks first: with PYTHONFAULTHANDLER each process prints its Python stacks into the log.
+export PYTHONFAULTHANDLER=1
+guarded() {  # seconds, log, command...
+  "${@:3}" > "$2" 2>&1 & local pid=$!
+  for _ in $(seq "$1"); do sleep 1; kill -0 $pid 2>/dev/null || break; done
+  if kill -0 $pid 2>/dev/null; then
+    echo "HUNG: stopped after $1 s" | tee -a "$2"
+    pkill -ABRT -f roseinfer.core.tp_workers; sleep 2; kill -ABRT $pid; sleep 2
+    pkill -KILL -f roseinfer.core.tp_workers; kill -KILL $pid 2>/dev/null
+  fi
+  wait $pid
+}
 run() {  # name, flags
-  python3 -m roseinfer.cli bench offline $common "${@:2}" --output-json "$OUT/$1.json" \
-    > "$OUT/$1.log" 2>&1
+  guarded ${LIMIT_S:-400} "$OUT/$1.log" python3 -m roseinfer.cli bench offline $common "${@:2}" \
+    --output-json "$OUT/$1.json"
   echo "$1: $(grep -E '│ completion tok/s|│ TPOT' "$OUT/$1.log" | tr -s ' │' ' ' | tr '\n' ';')" \
     "$(grep -o "reaches .* of it" "$OUT/$1.log" | tail -1)"
 }
 shape() { echo "--input-len 512 --num-requests $1 --max-num-seqs $1 --max-new-tokens $2"; }
 for part in ${@:-tests 8b 70b}; do case $part in
 tests)
-  python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py > "$OUT/tests.txt" 2>&1
-  tail -1 "$OUT/tests.txt" ;;
+  # -v names each test as it starts; pytest's faulthandler_timeout prints the stacks of a
+  # test that takes over 120 s (a two-GPU case made no progress for 9 minutes on 2026-11-24).
+  guarded ${LIMIT_S:-400} "$OUT/tests.txt" python3 -m pytest -v -p no:cacheprovider \
+    -o faulthandler_timeout=120 tests/test_tensor_parallel.py
+  grep -E "PASSED|FAILED|ERROR|HUNG" "$OUT/tests.txt" | tail -25; tail -1 "$OUT/tests.txt" ;;
 8b)
   for tp in 1 2; do
     run 8b-tp$tp-b1 --model llama3-8b-random --tensor-parallel-size $tp $(shape 1 128)
     run 8b-tp$tp-b64 --model llama3-8b-random --tensor-parallel-size $tp $(shape 64 256)
   done
-  PEAK_TB_S=$PEAK python3 docs/bench/decode_profile.py llama3-8b-random:64:512:2 \
-    > "$OUT/8b-tp2-profile.txt" 2>&1; grep -E "decode step|all-reduce" "$OUT/8b-tp2-profile.txt" ;;
+  PEAK_TB_S=$PEAK guarded ${LIMIT_S:-400} "$OUT/8b-tp2-profile.txt" \
+    python3 docs/bench/decode_profile.py llama3-8b-random:64:512:2; grep -E "decode step|all-reduce" "$OUT/8b-tp2-profile.txt" ;;
 70b)
-  PEAK_TB_S=$PEAK python3 docs/bench/decode_profile.py llama3-70b-random:1:512:2 \
-    > "$OUT/70b-tp2-profile.txt" 2>&1; grep -E "decode step|all-reduce" "$OUT/70b-tp2-profile.txt"
+  PEAK_TB_S=$PEAK guarded ${LIMIT_S:-400} "$OUT/70b-tp2-profile.txt" \
+    python3 docs/bench/decode_profile.py llama3-70b-random:1:512:2; grep -E "decode step|all-reduce" "$OUT/70b-tp2-profile.txt"
   run 70b-tp2-b64 --model llama3-70b-random --tensor-parallel-size 2 $(shape 64 256) \
     --repeat-runs 1
-  python3 -m roseinfer.cli bench serve --model llama3-70b-random --tensor-parallel-size 2 \
-    --dtype bfloat16 --dataset random --input-len 512 --num-requests 64 --max-num-seqs 64 \
+  guarded ${LIMIT_S:-400} "$OUT/70b-tp2-serve.log" python3 -m roseinfer.cli bench serve \
+    --model llama3-70b-random --tensor-parallel-size 2 --dtype bfloat16 --dataset random --input-len 512 --num-requests 64 --max-num-seqs 64 \
     --max-new-tokens 128 --ignore-eos --no-progress --warmup-runs 0 --repeat-runs 1 \
-    --output-json "$OUT/70b-tp2-serve.json" > "$OUT/70b-tp2-serve.log" 2>&1
+    --output-json "$OUT/70b-tp2-serve.json"
   echo "70b serve: $(grep -E '│ completion tok/s|│ TTFT|│ TPOT' "$OUT/70b-tp2-serve.log" | tr -s ' │' ' ' | tr '\n' ';')" ;;
 esac; done
