@@ -31,6 +31,7 @@ common="--dtype bfloat16 --dataset random --ignore-eos --no-enable-prefix-cache
 # A run that overstays its limit (a collective that never completes) is stopped with SIGABRT,
 # ranks first: with PYTHONFAULTHANDLER each process prints its Python stacks into the log.
 export PYTHONFAULTHANDLER=1
+limit=${LIMIT_S:-400}
 guarded() {  # seconds, log, command...
   "${@:3}" > "$2" 2>&1 & local pid=$!
   for _ in $(seq "$1"); do sleep 1; kill -0 $pid 2>/dev/null || break; done
@@ -42,7 +43,7 @@ guarded() {  # seconds, log, command...
   wait $pid
 }
 run() {  # name, flags
-  guarded ${LIMIT_S:-400} "$OUT/$1.log" python3 -m roseinfer.cli bench offline $common "${@:2}" \
+  guarded $limit "$OUT/$1.log" python3 -m roseinfer.cli bench offline $common "${@:2}" \
     --output-json "$OUT/$1.json"
   echo "$1: $(grep -E '│ completion tok/s|│ TPOT' "$OUT/$1.log" | tr -s ' │' ' ' | tr '\n' ';')" \
     "$(grep -o "reaches .* of it" "$OUT/$1.log" | tail -1)"
@@ -52,7 +53,7 @@ for part in ${@:-tests 8b 70b}; do case $part in
 tests)
   # -v names each test as it starts; pytest's faulthandler_timeout prints the stacks of a
   # test that takes over 120 s (a two-GPU case made no progress for 9 minutes on 2026-11-24).
-  guarded ${LIMIT_S:-400} "$OUT/tests.txt" python3 -m pytest -v -p no:cacheprovider \
+  guarded $limit "$OUT/tests.txt" python3 -m pytest -v -p no:cacheprovider \
     -o faulthandler_timeout=120 tests/test_tensor_parallel.py
   grep -E "PASSED|FAILED|ERROR|HUNG" "$OUT/tests.txt" | tail -25; tail -1 "$OUT/tests.txt" ;;
 8b)
@@ -60,15 +61,18 @@ tests)
     run 8b-tp$tp-b1 --model llama3-8b-random --tensor-parallel-size $tp $(shape 1 128)
     run 8b-tp$tp-b64 --model llama3-8b-random --tensor-parallel-size $tp $(shape 64 256)
   done
-  PEAK_TB_S=$PEAK guarded ${LIMIT_S:-400} "$OUT/8b-tp2-profile.txt" \
-    python3 docs/bench/decode_profile.py llama3-8b-random:64:512:2; grep -E "decode step|all-reduce" "$OUT/8b-tp2-profile.txt" ;;
+  PEAK_TB_S=$PEAK guarded $limit "$OUT/8b-tp2-profile.txt" \
+    python3 docs/bench/decode_profile.py llama3-8b-random:64:512:2
+  grep -E "decode step|all-reduce" "$OUT/8b-tp2-profile.txt" ;;
 70b)
-  PEAK_TB_S=$PEAK guarded ${LIMIT_S:-400} "$OUT/70b-tp2-profile.txt" \
-    python3 docs/bench/decode_profile.py llama3-70b-random:1:512:2; grep -E "decode step|all-reduce" "$OUT/70b-tp2-profile.txt"
+  PEAK_TB_S=$PEAK guarded $limit "$OUT/70b-tp2-profile.txt" \
+    python3 docs/bench/decode_profile.py llama3-70b-random:1:512:2
+  grep -E "decode step|all-reduce" "$OUT/70b-tp2-profile.txt"
   run 70b-tp2-b64 --model llama3-70b-random --tensor-parallel-size 2 $(shape 64 256) \
     --repeat-runs 1
-  guarded ${LIMIT_S:-400} "$OUT/70b-tp2-serve.log" python3 -m roseinfer.cli bench serve \
-    --model llama3-70b-random --tensor-parallel-size 2 --dtype bfloat16 --dataset random --input-len 512 --num-requests 64 --max-num-seqs 64 \
+  guarded $limit "$OUT/70b-tp2-serve.log" python3 -m roseinfer.cli bench serve \
+    --model llama3-70b-random --tensor-parallel-size 2 --dtype bfloat16 --dataset random \
+    --input-len 512 --num-requests 64 --max-num-seqs 64 \
     --max-new-tokens 128 --ignore-eos --no-progress --warmup-runs 0 --repeat-runs 1 \
     --output-json "$OUT/70b-tp2-serve.json"
   echo "70b serve: $(grep -E '│ completion tok/s|│ TTFT|│ TPOT' "$OUT/70b-tp2-serve.log" | tr -s ' │' ' ' | tr '\n' ';')" ;;
