@@ -1,10 +1,11 @@
-"""The default model on the CPU: bfloat16 against float32 weights, and load time.
+"""The default model on the CPU: lower-precision weights against float32, and load time.
 
     python3 docs/bench/cpu_default.py [--model SmolLM2-135M-Instruct] [--prompts 16]
 
-Prints, for each dtype, batch-1 decode ms/token (64 new tokens of one chat
-prompt, after a warm-up) and how many of N greedy 64-token chat continuations
-equal float32's, then the time of ``LLM(model)`` in this process (imports done).
+Prints, for float32, bfloat16 and int8 linear weights (``cpu_weight_dtype``) and
+for a bfloat16 model (``dtype``), batch-1 decode ms/token (64 new tokens of one
+chat prompt, after a warm-up), how many of N greedy 64-token chat continuations
+equal float32's, and the time of ``LLM(model)`` in this process (imports done).
 Speed against transformers: ``roseinfer bench offline --compare-hf`` (docs/benchmarks.md).
 """
 import argparse
@@ -42,15 +43,17 @@ def main() -> None:
     greedy = SamplingParams(max_tokens=64, temperature=0)
     prompts = QUESTIONS[:args.prompts]
     reference = None
-    for dtype in ("float32", "bfloat16"):
+    variants = {"float32": {}, "bfloat16 weights": {"cpu_weight_dtype": "bfloat16"},
+                "int8 weights": {"cpu_weight_dtype": "int8"}, "bfloat16 model": {"dtype": "bfloat16"}}
+    for name, options in variants.items():
         start = time.perf_counter()
-        llm = LLM(args.model, device="cpu", dtype=dtype)
+        llm = LLM(args.model, device="cpu", **{"dtype": "float32", **options})
         load_s = time.perf_counter() - start
         ids = [o.token_ids for o in llm.generate(prompts, greedy)]
         reference = reference or ids
         same = sum(a == b for a, b in zip(ids, reference))
-        print(f"{dtype:9s} load {load_s:5.2f} s  batch 1: {decode_ms(llm, prompts[0]):6.1f} ms/token  "
-              f"greedy equal to float32: {same}/{len(prompts)}")
+        print(f"{name:16s} load {load_s:5.2f} s  batch 1: {decode_ms(llm, prompts[0]):6.1f} "
+              f"ms/token  greedy equal to float32: {same}/{len(prompts)}")
         del llm
 
 

@@ -3,7 +3,9 @@
 # process, pinned to two cores (the CI machine has two):
 #   smollm2-b1  the default model, one chat prompt, 64 new tokens
 #   gpt2-16x64  GPT-2 small (random weights), 16 requests of 1 or 4 tokens, 64 new
-# Usage: OUT=dir [CPUS=0,1] [MODEL=SmolLM2-135M-Instruct] [REPEAT=3] bash docs/bench/cpu_default.sh
+# Usage: OUT=dir [CPUS=0,1] [MODEL=SmolLM2-135M-Instruct] [REPEAT=3] [WEIGHTS="bfloat16 int8"] \
+#   bash docs/bench/cpu_default.sh
+# WEIGHTS: lower-precision linear weights (cpu_weight_dtype) to run each row with as well.
 # (MODEL=smollm2-random has the same shapes, for machines without the weights package.)
 source "$(dirname "$0")/bench_env.sh"
 cpus=${CPUS:-0,1}
@@ -16,7 +18,11 @@ run() {  # name, flags
     --output-json "$OUT/$1.json" > "$OUT/$1.log" 2>&1
   echo "$1: $(grep -E "^roseinfer / transformers" "$OUT/$1.log" | tr '\n' ' ')"
 }
-run smollm2-b1 --model "${MODEL:-SmolLM2-135M-Instruct}" --num-requests 1 \
-  --prompt "What is the capital of France?" --max-new-tokens 64
-run gpt2-16x64 --model gpt2-random --num-requests 16 --prompt Hello --prompt-repeats 1,4 \
-  --max-new-tokens 64
+for weights in float32 ${WEIGHTS:-}; do
+  suffix=${weights/float32/}
+  run smollm2-b1${suffix:+-$suffix} --cpu-weight-dtype "$weights" \
+    --model "${MODEL:-SmolLM2-135M-Instruct}" --num-requests 1 \
+    --prompt "What is the capital of France?" --max-new-tokens 64
+  run gpt2-16x64${suffix:+-$suffix} --cpu-weight-dtype "$weights" \
+    --model gpt2-random --num-requests 16 --prompt Hello --prompt-repeats 1,4 --max-new-tokens 64
+done

@@ -53,6 +53,11 @@ class EngineConfig:
     # Processes (one per GPU, cuda:0..N-1) that each hold 1/N of every layer's
     # heads and MLP and of the vocabulary (docs/architecture.md, "Tensor parallelism").
     tensor_parallel_size: int = 1
+    # A float32 model on the CPU may keep its linear weights (not the LM head's)
+    # as bfloat16 or int8: a batch-1 step reads every weight once, so fewer bytes
+    # make it faster, and greedy output drifts from float32's (models/cpu_weights.py;
+    # docs/benchmarks.md measures both).
+    cpu_weight_dtype: str = "float32"
     seed: Optional[int] = None
 
     def __post_init__(self):
@@ -80,6 +85,9 @@ class EngineConfig:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 0.95]")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.cpu_weight_dtype not in ("float32", "bfloat16", "int8"):
+            raise ConfigError(f"cpu_weight_dtype must be float32, bfloat16 or int8, got "
+                              f"{self.cpu_weight_dtype!r}")
         if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

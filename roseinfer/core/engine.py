@@ -66,7 +66,8 @@ class Engine:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.model, self.hf_config, self.tokenizer = loader.load(
-            model, tokenizer, self.dtype, self.device, seed=config.seed or 0, plugins=plugins)
+            model, tokenizer, self.dtype, self.device, seed=config.seed or 0, plugins=plugins,
+            cpu_weight_dtype=_cpu_weight_dtype(config, self.device, self.dtype))
         self.vocab_size = self.hf_config.vocab_size
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
         self.kv_cache = build_kv_cache(self.model, config, plugins, self.device, self.dtype)
@@ -358,6 +359,13 @@ def build_runner(model, kv_cache: KVCache, cfg: EngineConfig, plugins: PluginReg
                        peers)
 
 
+def _cpu_weight_dtype(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    if cfg.cpu_weight_dtype != "float32" and (device.type != "cpu" or dtype != torch.float32):
+        raise ConfigError(f"cpu_weight_dtype {cfg.cpu_weight_dtype} applies to float32 models "
+                          f"on the CPU, not {dtype} on {device}: on a GPU use dtype bfloat16")
+    return cfg.cpu_weight_dtype
+
+
 def build_device_side(spec, cfg: EngineConfig, device: torch.device) -> ModelRunner:
     """What a tensor-parallel rank other than 0 runs: its shards of the model, its
     KV cache and a runner, built as the Engine builds rank 0's (the same
@@ -367,7 +375,8 @@ def build_device_side(spec, cfg: EngineConfig, device: torch.device) -> ModelRun
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     model, hf_config, _ = loader.load(spec, None, dtype, device, seed=cfg.seed or 0,
-                                      plugins=plugins)
+                                      plugins=plugins,
+                                      cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype))
     kv_cache = build_kv_cache(model, cfg, plugins, device, dtype)
     max_model_len = _max_model_len(cfg, hf_config, kv_cache.scratch_block)
     return build_runner(model, kv_cache, cfg, plugins, device, max_model_len)

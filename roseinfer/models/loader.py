@@ -18,6 +18,7 @@ from roseinfer.core.errors import ConfigError
 from roseinfer.core.triton_support import triton_usable
 from roseinfer.models import json_tokenizer, model_class, sharding
 from roseinfer.models.cpu_linear import choose_cpu_linears
+from roseinfer.models.cpu_weights import round_linears
 from roseinfer.models.layers import RotaryEmbedding
 from roseinfer.models.skinny_linear import measured_on, use_skinny_linears
 from roseinfer.models.tokenizers import gpt2_tokenizer, package_dir
@@ -107,9 +108,11 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
 ALIASES = {"SmolLM2-135M-Instruct": _smollm2_gguf, "smollm2": _smollm2_gguf}
 
 
-def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0, plugins=None):
+def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0, plugins=None,
+         cpu_weight_dtype: str = "float32"):
     """Returns (module, hf_config, tokenizer); ``plugins`` (a PluginRegistry) has the
-    model architectures (default: the default registry's)."""
+    model architectures (default: the default registry's); ``cpu_weight_dtype``: see
+    models/cpu_weights.py."""
     if isinstance(spec, str) and spec in RANDOM:
         hf_config, tok = RANDOM[spec]()
         model = _empty_module(hf_config, dtype, device, plugins)
@@ -137,8 +140,10 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
     model.bind_head()
     if triton_usable(device) and measured_on(torch.device(device)):
         use_skinny_linears(model)
-    if torch.device(device).type == "cpu" and dtype == torch.float32 and \
-            torch.backends.mkldnn.is_available():
+    cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    if cpu32 and cpu_weight_dtype != "float32":
+        round_linears(model, cpu_weight_dtype)
+    if cpu32 and torch.backends.mkldnn.is_available():
         choose_cpu_linears(model, os.path.join(CACHE_DIR, "cpu_linear_timings.json"))
     return model.eval().requires_grad_(False), hf_config, tok
 
