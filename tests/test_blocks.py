@@ -75,6 +75,24 @@ def test_freed_blocks_stay_cached_until_reused(store):
 
 
 @pytest.mark.parametrize("store", STORES)
+def test_blocks_freed_without_a_hash_are_handed_out_first(store):
+    """Blocks with nothing cached in them come back before never-used ones (their
+    memory is mapped already) and before blocks that hold a cached prefix."""
+    bm = manager(store, num_blocks=8)
+    cached = make_seq("a", list(range(8)))       # two full blocks: both get a hash
+    run_prefill(bm, cached)
+    partial = make_seq("b", [50, 51, 52])        # one partial block: no hash
+    run_prefill(bm, partial)
+    used = partial.block_table[0]
+    bm.free_seq(cached)
+    bm.free_seq(partial)
+    nxt = make_seq("c", [60, 61, 62])
+    run_prefill(bm, nxt)
+    assert nxt.block_table == [used]
+    assert bm.match_prefix(make_seq("d", list(range(8)) + [9])) == 8
+
+
+@pytest.mark.parametrize("store", STORES)
 def test_copy_on_write_of_shared_partial_block(store):
     cache = torch.arange(8.0)[:, None].repeat(1, 3)   # one row of "KV" per block
     copies = []

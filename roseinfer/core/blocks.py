@@ -3,7 +3,8 @@
 One block table per sequence serves every layer, so bookkeeping happens once
 per step. Per-block fields live in a MetadataStore plugin. Freed blocks keep
 their hash and go to the back of an LRU free list, so a later request with
-the same prefix can take them back until they are reused.
+the same prefix can take them back until they are reused; freed blocks with
+no hash go to the front.
 """
 from __future__ import annotations
 
@@ -148,3 +149,8 @@ class BlockManager:
         self.store.set_ref(b, n)
         if n == 0:
             self.free[b] = None
+            if self.store.hash(b) == NO_HASH:
+                # Nothing in it to reuse: hand it out next. Its memory is warm and, on
+                # the CPU, mapped; a block not written before costs a page fault per
+                # head in every layer on first write.
+                self.free.move_to_end(b, last=False)

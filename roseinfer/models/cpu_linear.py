@@ -8,8 +8,8 @@ kernels on this machine, measured when the model loads.
 
 Neither wins everywhere (docs/benchmarks.md): on a 2-core AMD EPYC (Zen 1, AVX2)
 packed is 1.5-5x faster from 4 rows up and about even at one row; on two cores
-of an Intel Xeon with AVX-512 and AMX plain is 1.15-1.5x faster at one row, and
-packed 1.2-1.9x faster on the LM head from 4 rows up.
+of an Intel Xeon with AVX-512 and AMX, with the weights coming from memory as in
+a step, plain is up to 2x faster at one row and packed 1.1-1.6x faster at 16.
 """
 from __future__ import annotations
 
