@@ -97,3 +97,27 @@ def test_timings_are_cached_per_machine_and_shape(tmp_path, monkeypatch):
     monkeypatch.undo()
     choose_cpu_linears(make(), str(cache))
     assert len(json.loads(cache.read_text())) == 2
+
+
+@pytest.mark.parametrize("cpuinfo, expected", [
+    ("processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 23\nmodel\t\t: 1\n\n"
+     "processor\t: 1\nmodel name\t: AMD EPYC\ncpu family\t: 23\nmodel\t\t: 1\n",
+     "AMD EPYC (family 23, model 1)"),
+    ("processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 26\nmodel\t\t: 2\n",
+     "AMD EPYC (family 26, model 2)"),
+    ("processor\t: 0\nBogoMIPS\t: 50.00\n", None),  # no model name (an Arm VM): the platform's
+])
+def test_cpu_model_tells_apart_cpus_of_one_name(tmp_path, monkeypatch, cpuinfo, expected):
+    """Timings are kept per CPU: two generations that a VM names alike get two keys."""
+    import builtins
+    import platform
+
+    from roseinfer.models import cpu_linear
+
+    fake = tmp_path / "cpuinfo"
+    fake.write_text(cpuinfo)
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(
+        fake if path == "/proc/cpuinfo" else path, *a, **k))
+    got = cpu_linear.cpu_model()
+    assert got == (expected or platform.processor() or platform.machine())

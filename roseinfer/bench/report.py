@@ -18,26 +18,17 @@ def machine_info(device) -> dict:
     import torch
     import transformers
 
+    from roseinfer.models.cpu_linear import cpu_model
+
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "platform": platform.platform(), "python": platform.python_version(),
-            "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
+            "cpu": cpu_model(), "cpu_count": os.cpu_count(),
             "load_avg_1m_at_start": os.getloadavg()[0],
             "torch": torch.__version__, "transformers": transformers.__version__,
             "device": str(device), "git_commit": _git_commit()}
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
-
-
-def _cpu_model() -> Optional[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def _git_commit() -> Optional[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mmap
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
@@ -26,6 +26,8 @@ class SlotBatch:
     offsets: torch.Tensor
     rows: Optional[torch.Tensor] = None
     shared_offset: Optional[torch.Tensor] = None
+    # What a backend derives from the slots alike for every layer, computed by the first.
+    memo: dict = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return self.block_idx.shape[0]

@@ -114,7 +114,8 @@ class ModelRunner:
     def forward(self, ctx: StepContext, inp: PackedInputs, logits_rows=None) -> torch.Tensor:
         """Model forward under ``ctx``; logits of ``logits_rows`` (all rows if None)."""
         ctx.attn.block_tables = self.tables[inp.seq_rows]
-        ctx.attn.memo.clear()
+        ctx.attn.memo.clear()  # a decode window runs several forwards under one context
+        ctx.slots.memo.clear()
         ids = take_ids(inp.input_ids, inp.src_rows, self.sampled)
         self.kv_cache.begin_step(ctx.slots)
         set_context(ctx)

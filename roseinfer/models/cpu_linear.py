@@ -43,7 +43,9 @@ class CpuLinear(nn.Module):
         weight = linear.weight.detach()
         self.kernels = kernels
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.plain = weight if "plain" in kernels else None
+        # Transposed once: torch.mm on it skips F.linear's linear -> t -> matmul
+        # dispatches, three a call and 121 calls a batch-1 step of the default model.
+        self.plain_t = weight.t() if "plain" in kernels else None
         self.packed = _pack(weight) if "packed" in kernels else None
         self.bias = None if linear.bias is None else linear.bias.detach()
 
@@ -54,8 +56,15 @@ class CpuLinear(nn.Module):
         if self.kernels[0 if small else 1] == "packed":
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed, self.bias, "none" if gelu is None else "gelu", [], gelu or "")
-        out = F.linear(x, self.plain, self.bias)
+        out = _mm(x, self.plain_t, self.bias)
         return out if gelu is None else F.gelu(out, approximate=gelu)
+
+
+def _mm(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on a weight transposed ahead."""
+    if x.dim() != 2:
+        return F.linear(x, weight_t.t(), bias)
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -93,7 +102,7 @@ def _time_kernels(weights: list[torch.Tensor]) -> dict[str, dict[int, float]]:
     row chose plain and 16 rows half the shapes wrongly, by 1.3-1.6x
     (docs/benchmarks.md)."""
     weights = _streamed(weights)
-    forms = {"plain": weights, "packed": [_pack(w) for w in weights]}
+    forms = {"plain": [w.t() for w in weights], "packed": [_pack(w) for w in weights]}
     times = {k: {} for k in KERNELS}
     for rows in ROWS:
         x = torch.randn(rows, weights[0].shape[1])
@@ -112,17 +121,24 @@ def _streamed(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _timing_key(shape: tuple[int, int]) -> str:
     """Timings hold for one CPU model, thread count and torch build."""
-    return (f"{_cpu_model()}|{torch.get_num_threads()} threads|torch {torch.__version__}|"
+    return (f"{cpu_model()}|{torch.get_num_threads()} threads|torch {torch.__version__}|"
             f"{STREAM_BYTES >> 20} MB streamed|{shape[0]}x{shape[1]}")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's name with its family and model numbers: a VM may name Zen 1 and
+    Zen 5 alike ("AMD EPYC"), and their kernels' speeds differ by 2-3x."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
+            first = f.read().split("\n\n", 1)[0]
+    except OSError:
         return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields:
+        name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    return name
 
 
 def _read_timings(path: str | None) -> dict:
@@ -153,7 +169,7 @@ def _write_timings(path: str | None, timings: dict) -> None:
 
 def _runner(kernel, x, weights):
     if kernel == "plain":
-        return lambda: [F.linear(x, w) for w in weights]
+        return lambda: [torch.mm(x, w) for w in weights]
     return lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                     for w in weights]
 
