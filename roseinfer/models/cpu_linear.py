@@ -43,9 +43,7 @@ class CpuLinear(nn.Module):
         weight = linear.weight.detach()
         self.kernels = kernels
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # Transposed once: torch.mm on it skips F.linear's linear -> t -> matmul
-        # dispatches, three a call and 121 calls a batch-1 step of the default model.
-        self.plain_t = weight.t() if "plain" in kernels else None
+        self.plain = weight if "plain" in kernels else None
         self.packed = _pack(weight) if "packed" in kernels else None
         self.bias = None if linear.bias is None else linear.bias.detach()
 
@@ -56,15 +54,8 @@ class CpuLinear(nn.Module):
         if self.kernels[0 if small else 1] == "packed":
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed, self.bias, "none" if gelu is None else "gelu", [], gelu or "")
-        out = _mm(x, self.plain_t, self.bias)
+        out = F.linear(x, self.plain, self.bias)
         return out if gelu is None else F.gelu(out, approximate=gelu)
-
-
-def _mm(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear on a weight transposed ahead."""
-    if x.dim() != 2:
-        return F.linear(x, weight_t.t(), bias)
-    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -102,7 +93,7 @@ def _time_kernels(weights: list[torch.Tensor]) -> dict[str, dict[int, float]]:
     row chose plain and 16 rows half the shapes wrongly, by 1.3-1.6x
     (docs/benchmarks.md)."""
     weights = _streamed(weights)
-    forms = {"plain": [w.t() for w in weights], "packed": [_pack(w) for w in weights]}
+    forms = {"plain": weights, "packed": [_pack(w) for w in weights]}
     times = {k: {} for k in KERNELS}
     for rows in ROWS:
         x = torch.randn(rows, weights[0].shape[1])
@@ -169,7 +160,7 @@ def _write_timings(path: str | None, timings: dict) -> None:
 
 def _runner(kernel, x, weights):
     if kernel == "plain":
-        return lambda: [torch.mm(x, w) for w in weights]
+        return lambda: [F.linear(x, w) for w in weights]
     return lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                     for w in weights]
 
