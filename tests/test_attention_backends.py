@@ -24,6 +24,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 # (context_len, query_len) per sequence: context includes this step's queries.
 BATCHES = {
     "decode": [(1, 1), (7, 1), (13, 1), (20, 1)],
+    "decode_one": [(37, 1)],  # one sequence: torch_sdpa gathers its rows without padding
     "prefill_prefix": [(12, 5), (9, 9), (70, 40)],
     "mixed": [(10, 1), (45, 6), (1, 1), (25, 25), (5, 1)],
 }

@@ -102,6 +102,15 @@ class KVCache:
             v[dst].copy_(v[src])
 
 
+def cache_rows(block_idx: torch.Tensor, offsets: torch.Tensor, num_kv_heads: int,
+               block_size: int) -> torch.Tensor:
+    """[N, H_kv]: where token i's head h lies in a layer's cache seen as
+    [blocks * H_kv * block_size, head_dim], for the token at ``offsets[i]`` of
+    block ``block_idx[i]``. One index op then moves many tokens' rows at once."""
+    head = torch.arange(num_kv_heads, device=block_idx.device)
+    return (block_idx.long()[:, None] * num_kv_heads + head) * block_size + offsets.long()[:, None]
+
+
 def _zeros(shape, dtype, device) -> torch.Tensor:
     """A zeroed cache tensor. On the CPU, anonymous memory from the OS: zero
     already, and faulted in as blocks are first written (torch.zeros writes

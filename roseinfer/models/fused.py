@@ -151,6 +151,9 @@ def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch
     """``silu(gate) * up`` for ``gate_up = [..., 2I]`` (gate first); returns ``[..., I]``."""
     n_cols = gate_up.shape[-1] // 2
     if not _use_triton(use_triton, gate_up):
+        if gate_up.dtype == torch.float32:  # nothing to round: no casts (30 layers a step)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
         gate, up = gate_up.float().chunk(2, dim=-1)
         return (F.silu(gate) * up).to(gate_up.dtype)
     x = _rows(gate_up)
@@ -211,9 +214,10 @@ def rotate_half_(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.
     """The plain-torch RoPE of ``x`` [N, heads*D], in place, by ``rope_rows``' rows:
     ``x * cos + swap(x) * sin`` over the first R dims of each head, where swap
     exchanges the two halves of those R."""
-    rot = x.view(x.shape[0], num_heads, -1)[..., :cos.shape[-1]]
-    x1, x2 = rot.chunk(2, dim=-1)
-    swapped = torch.cat((x2, x1), dim=-1)
+    rot, rotated = x.view(x.shape[0], num_heads, -1), cos.shape[-1]
+    if rotated < rot.shape[-1]:  # partial rotary
+        rot = rot[..., :rotated]
+    swapped = rot.roll(rotated // 2, -1)  # one op where chunk + cat are two (61 layers a step)
     if rot.dtype == torch.float32:  # nothing to round: 3 ops, not 4 (61 layers a step)
         return rot.mul_(cos).addcmul_(swapped, sin)
     return rot.copy_(torch.addcmul(rot.float() * cos, swapped.float(), sin))

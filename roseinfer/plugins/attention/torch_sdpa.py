@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 from roseinfer.core.attention import AttnMetadata
 from roseinfer.core.hookspecs import hookimpl
+from roseinfer.core.kv_cache import cache_rows
 
 
 def context_index(block_tables, max_context_len, block_size):
@@ -58,22 +59,27 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, sc
     through the same block ids and mask: the first computes them into ``memo``."""
     if "decode" not in memo:
         memo["decode"] = _decode_plan(block_tables, context_lens, max_context_len,
-                                      k_cache.shape[2])
+                                      k_cache.shape[2], k_cache.shape[1])
     index, padding = memo["decode"]
     if padding is not None:
         return _decode_blocks(q, k_cache, v_cache, index, padding, scale)
-    k = gather_context(k_cache, index, max_context_len)
-    v = gather_context(v_cache, index, max_context_len)
+    # One sequence: its rows, head by head, in one index op a cache and no second copy.
+    _, hkv, _, d = k_cache.shape
+    k = k_cache.view(-1, d).index_select(0, index).view(1, hkv, -1, d)
+    v = v_cache.view(-1, d).index_select(0, index).view(1, hkv, -1, d)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
-def _decode_plan(block_tables, context_lens, max_context_len, block_size):
-    """Block ids, and for a batch the padding of its gathered blocks, [S, 1, 1,
-    blocks * block_size], True past each context (one sequence is not padded)."""
+def _decode_plan(block_tables, context_lens, max_context_len, block_size, num_kv_heads):
+    """For one sequence, the rows of its context in the cache seen as [rows, D],
+    head-major ([H_kv * context]). For a batch, the block ids and the padding of the
+    gathered blocks, [S, 1, 1, blocks * block_size], True past each context."""
     index = context_index(block_tables, max_context_len, block_size)
     if block_tables.shape[0] == 1:
-        return index, None
+        t = torch.arange(max_context_len, device=block_tables.device)
+        rows = cache_rows(index[0][t // block_size], t % block_size, num_kv_heads, block_size)
+        return rows.t().flatten(), None
     kpos = torch.arange(index.shape[1] * block_size, device=block_tables.device)
     return index, kpos[None, None, None, :] >= context_lens[:, None, None, None]
 
