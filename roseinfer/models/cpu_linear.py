@@ -89,9 +89,9 @@ def choose_cpu_linears(model: nn.Module, cache: str | None = None) -> None:
 def _time_kernels(weights: list[torch.Tensor]) -> dict[str, dict[int, float]]:
     """Seconds per call of each kernel at each of ROWS, the best of two passes over
     the weights in turn, with copies added up to STREAM_BYTES. In a step every
-    weight comes from memory; timed over a few weights that stay in the cache, one
-    row chose plain and 16 rows half the shapes wrongly, by 1.3-1.6x
-    (docs/benchmarks.md)."""
+    weight comes from memory, and where the two kernels are close (one row on an
+    Intel Xeon, docs/benchmarks.md) a weight timed from the cache picks by what the
+    step never sees."""
     weights = _streamed(weights)
     forms = {"plain": weights, "packed": [_pack(w) for w in weights]}
     times = {k: {} for k in KERNELS}
