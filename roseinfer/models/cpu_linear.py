@@ -6,10 +6,12 @@ kernels on this machine, measured when the model loads.
   ``mkldnn._linear_pointwise`` (the op Inductor emits on the CPU) on dense
   inputs and outputs.
 
-Neither wins everywhere (docs/benchmarks.md): on a 2-core AMD EPYC (Zen 1, AVX2)
-packed is 1.5-5x faster from 4 rows up and about even at one row; on two cores
-of an Intel Xeon with AVX-512 and AMX, with the weights coming from memory as in
-a step, plain is up to 2x faster at one row and packed 1.1-1.6x faster at 16.
+Neither wins everywhere (docs/benchmarks.md), with the weights coming from memory
+as in a step, on two cores: on an AMD EPYC with Zen 1 cores packed is 1.5-5x faster
+from 4 rows up and about even at one row; with Zen 5 cores it is 2-4.7x faster
+everywhere; on an Intel Xeon with AVX-512 and AMX plain is 1.1-1.4x faster on the
+one-row layer shapes, and at 16 rows each wins some shapes (packed by 1.6x on the
+LM head).
 """
 from __future__ import annotations
 
@@ -118,7 +120,7 @@ def _timing_key(shape: tuple[int, int]) -> str:
 
 def cpu_model() -> str:
     """The CPU's name with its family and model numbers: a VM may name Zen 1 and
-    Zen 5 alike ("AMD EPYC"), and their kernels' speeds differ by 2-3x."""
+    Zen 5 alike ("AMD EPYC"), and their kernels' timings differ 2-4x."""
     try:
         with open("/proc/cpuinfo") as f:
             first = f.read().split("\n\n", 1)[0]

@@ -217,7 +217,7 @@ def rotate_half_(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.
     rot, rotated = x.view(x.shape[0], num_heads, -1), cos.shape[-1]
     if rotated < rot.shape[-1]:  # partial rotary
         rot = rot[..., :rotated]
-    swapped = rot.roll(rotated // 2, -1)  # one op where chunk + cat are two (61 layers a step)
+    swapped = rot.roll(rotated // 2, -1)  # one op where chunk + cat are two (30 a step)
     if rot.dtype == torch.float32:  # nothing to round: 3 ops, not 4 (61 layers a step)
         return rot.mul_(cos).addcmul_(swapped, sin)
     return rot.copy_(torch.addcmul(rot.float() * cos, swapped.float(), sin))
