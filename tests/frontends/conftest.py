@@ -300,7 +300,8 @@ def worker_process(tiny_gpt2_dir, prefix):
     for p in procs:
         if p.poll() is None:
             p.kill()
-        p.communicate()
+        # Shown when a test fails: each worker's events say what it did and when.
+        print(f"worker {p.args[p.args.index('--consumer') + 1]} log:\n{p.communicate()[1]}")
 
 
 def engine_flags(model_dir):

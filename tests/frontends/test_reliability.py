@@ -98,6 +98,30 @@ def test_worker_rides_out_a_redis_restart(tmp_path, caplog):
     assert events.count("event=redis_unavailable") == 1 and events.count("event=redis_back") == 1
 
 
+def test_worker_holds_its_chunks_while_redis_is_full(start_worker, real_redis, prefix,
+                                                    redis_server, caplog):
+    """Redis at maxmemory (noeviction) refuses the chunks: the worker waits, as for an
+    outage, and sends them once there is room; none is lost."""
+    caplog.set_level(logging.INFO, logger="roseinfer.worker")
+    worker = start_worker(FakeEngine(step_s=0.01))
+    client = Client(redis_server.url, prefix)
+    rid = client.submit("full", max_tokens=50)
+    wait_until(lambda: len(raw_chunks(real_redis, prefix, rid)) >= 3)
+    policy = real_redis.config_get("maxmemory-policy")["maxmemory-policy"]
+    try:
+        real_redis.config_set("maxmemory-policy", "noeviction")
+        real_redis.config_set("maxmemory", 1)
+        wait_until(lambda: "event=redis_unavailable" in caplog.text)
+        time.sleep(0.3)  # the worker retries meanwhile
+    finally:
+        real_redis.config_set("maxmemory", 0)
+        real_redis.config_set("maxmemory-policy", policy)
+    chunks = list(client.stream(rid, timeout=20))
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert sum((c.token_ids for c in chunks), []) == fake_tokens("full", 50)
+    assert "OutOfMemoryError" in caplog.text and worker.alive()
+
+
 def scrape(port) -> dict:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value

@@ -239,10 +239,10 @@ def want(tiny_llm):
 def stream_through_a_failover(group, prefix, want, during_failover=lambda: None,
                               started: int = 8) -> list[float]:
     """Stream the 32 requests of 160 tokens, SIGKILL the primary once ``started`` of its
-    keys are reply streams (and
-    call ``during_failover``), submitting the last 4 right after it, then check that each client saw its text whole, every seq
-    once and in order, as without the failover. Returns each stream's longest wait
-    between two chunks, in seconds."""
+    keys are reply streams (and call ``during_failover``), submitting the last 4 right
+    after it, then check that each client saw its text whole, every seq once and in order,
+    as without the failover. Returns each stream's longest wait between two chunks, in
+    seconds."""
     import threading
     import traceback
 

@@ -13,18 +13,13 @@ import threading
 import time
 from typing import Callable, Optional, TypeVar
 
-from redis.exceptions import (AskError, ClusterError, ConnectionError, ResponseError,
+from redis.exceptions import (AskError, ClusterError, ConnectionError, MasterDownError,
+                              OutOfMemoryError, ReadOnlyError, ResponseError,
                               SlotNotCoveredError, TimeoutError, TryAgainError)
 
 from roseinfer.frontends.redis_streams.events import event
 
 T = TypeVar("T")
-
-# Replies that mean "not now" rather than "never": retried like a lost connection.
-# (A full Redis under maxmemory-policy noeviction answers OOM; a replica being promoted
-# answers READONLY or MASTERDOWN.)
-TRANSIENT_REPLIES = ("OOM", "MISCONF", "LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN",
-                     "CLUSTERDOWN", "NOREPLICAS")
 
 
 class GaveUp(Exception):
@@ -34,10 +29,18 @@ class GaveUp(Exception):
 # A Redis Cluster mid-failover: its slots unserved, moving, or their map being re-read
 # (redis-py raises these once its own retries are spent).
 CLUSTER_TRANSIENT = (ClusterError, TryAgainError, AskError, SlotNotCoveredError)
+# Replies that mean "not now" rather than "never": retried like a lost connection. (A full
+# Redis under maxmemory-policy noeviction answers OOM; a replica being promoted answers
+# READONLY or MASTERDOWN.) redis-py raises a class of its own for some, the code cut from
+# the message; the others stay ResponseErrors that start with their code.
+TRANSIENT_ERRORS = (ConnectionError, TimeoutError, OutOfMemoryError, ReadOnlyError,
+                    MasterDownError, *CLUSTER_TRANSIENT)  # ConnectionError: LOADING too
+TRANSIENT_REPLIES = ("OOM", "MISCONF", "LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN",
+                     "CLUSTERDOWN", "NOREPLICAS")
 
 
 def is_transient(error: BaseException) -> bool:
-    if isinstance(error, (ConnectionError, TimeoutError, *CLUSTER_TRANSIENT)):  # BusyLoading too
+    if isinstance(error, TRANSIENT_ERRORS):
         return True
     return isinstance(error, ResponseError) and str(error).startswith(TRANSIENT_REPLIES)
 

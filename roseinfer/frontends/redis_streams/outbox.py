@@ -24,7 +24,8 @@ since clients drop chunks whose seq they have seen and acks, claims and expiries
 idempotent. After an outage the chunks (and acks) of the last REPLAY_S seconds before it
 go again first: a failed-over Redis may have lost what its old primary took but had not
 yet replicated, and a client that missed those chunks would see a gap in seq, while one
-that saw them drops them again.
+that saw them drops them again. A request taken over in those seconds counts the chunks
+its stream held as this worker's (``vouch``): they were read from the same primary.
 
 With ``ack_replicas`` N > 0 a round that finishes requests puts ``WAIT N timeout``
 between its chunks and its acks, in the same pipeline (WAIT counts the writes of its
@@ -53,11 +54,18 @@ from roseinfer.frontends.redis_streams.outage import Outage, is_transient
 
 # KEYS: reply streams; ARGV: expiry (s), approximate MAXLEN, one chunk body per key.
 # pcall: a key a client filled with a non-stream value costs its own chunk, not the batch.
+# Any other error (OOM, READONLY: Redis full, or a replica) fails the call, which then goes
+# again like any transient error; the chunks it added before are dropped by clients as seen.
 PUBLISH_SCRIPT = """
 local failed = {}
 for i, key in ipairs(KEYS) do
   local reply = redis.pcall('XADD', key, 'MAXLEN', '~', ARGV[2], '*', 'v', '1', 'body', ARGV[i + 2])
   if type(reply) == 'table' and reply.err then
+    -- The error's own code and text: Redis 6 puts a script position before them.
+    local message = string.match(reply.err, '(%u%u+ .-)%s*$') or reply.err
+    if string.sub(message, 1, 9) ~= 'WRONGTYPE' then
+      return redis.error_reply(message)
+    end
     failed[#failed + 1] = key
   else
     redis.pcall('EXPIRE', key, ARGV[1])
@@ -204,6 +212,7 @@ class Outbox:
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self.reads_out = 0  # rounds whose reads have not been delivered yet
         self._recent: deque = deque()  # (sent at, ReplyBatch) of the last REPLAY_S seconds
+        self._recent_lock = threading.Lock()  # both threads and the loop remember batches
         self._outages_seen = 0
 
     # the current round ---------------------------------------------------------------
@@ -215,6 +224,16 @@ class Outbox:
 
     def later(self, fn: Callable[[Round], None]) -> None:
         self.round.later(fn)
+
+    def vouch(self, key: str, bodies: list[bytes]) -> None:
+        """Replay after an outage, as if this worker had just sent them, chunks that another
+        worker sent and this one builds on (a request taken over resumes after them): read
+        from a primary that then failed over, they may be lost with it, and their worker
+        may be gone, leaving a gap in seq before this worker's next chunk."""
+        batch = ReplyBatch(*self._reply_args)
+        for body in bodies:
+            batch.add(key, body, None)
+        self._remember([batch])
 
     # sending -------------------------------------------------------------------------
     def post(self, add_reads: Optional[Callable] = None, on_replies: Optional[Callable] = None,
@@ -337,15 +356,18 @@ class Outbox:
     def _replay(self, pipe) -> int:
         """The reply batches sent in the REPLAY_S seconds before an outage, into ``pipe``
         first; returns how many commands they took."""
-        for _, batch in self._recent:
+        with self._recent_lock:
+            batches = [batch for _, batch in self._recent]
+        for batch in batches:
             batch.write(pipe, wait=False)
         return len(pipe)
 
     def _remember(self, batches: list) -> None:
         now = time.monotonic()
-        self._recent.extend((now, b) for b in batches)
-        while self._recent and now - self._recent[0][0] > REPLAY_S:
-            self._recent.popleft()
+        with self._recent_lock:
+            self._recent.extend((now, b) for b in batches)
+            while self._recent and now - self._recent[0][0] > REPLAY_S:
+                self._recent.popleft()
 
 
 def _check_wait(redis, ack_timeout_ms: int) -> None:

@@ -41,8 +41,7 @@ from roseinfer.frontends.redis_streams.ownership import Ownership
 from roseinfer.frontends.redis_streams.pace import Pace
 from roseinfer.frontends.redis_streams.publisher import Publisher
 from roseinfer.frontends.redis_streams.protocol import (
-    DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, entry_time,
-    error_chunk, reply_rid)
+    DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, chunk_body, entry_time, error_chunk, reply_rid)
 from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, read_takeovers
 
 # Cancels of requests this worker has not read yet: remembered so that a request cancelled
@@ -351,6 +350,7 @@ class Worker:
         for t in takeovers:
             if self._still_mine(t):
                 continue
+            self.outbox.vouch(self.keys.out(t.rid), [chunk_body(c) for c in t.chunks])
             if t.finished:  # its worker died between the final chunk and the ack
                 self.outbox.write(self.ownership.ack, [t.entry_id])
                 event("acked", rid=t.rid, entry=t.entry_id, reason="already finished")
