@@ -58,6 +58,10 @@ class EngineConfig:
     # make it faster, and greedy output drifts from float32's (models/cpu_weights.py;
     # docs/benchmarks.md measures both).
     cpu_weight_dtype: str = "float32"
+    # One sequence's decode step on the CPU as AOTInductor code (core/cpu_step.py):
+    # "auto" uses it once built for this model shape and machine, where it measured
+    # faster than eager; "build" builds it first if missing (minutes, once); "off".
+    cpu_compiled_step: str = "auto"
     seed: Optional[int] = None
 
     def __post_init__(self):
@@ -88,6 +92,9 @@ class EngineConfig:
         if self.cpu_weight_dtype not in ("float32", "bfloat16", "int8"):
             raise ConfigError(f"cpu_weight_dtype must be float32, bfloat16 or int8, got "
                               f"{self.cpu_weight_dtype!r}")
+        if self.cpu_compiled_step not in ("auto", "build", "off"):
+            raise ConfigError(f"cpu_compiled_step must be auto, build or off, got "
+                              f"{self.cpu_compiled_step!r}")
         if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-from roseinfer.core import tp
+from roseinfer.core import cpu_step, tp
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
 from roseinfer.core.detokenizer import IncrementalDetokenizer
@@ -75,6 +75,7 @@ class Engine:
         self.max_model_len = _max_model_len(config, self.hf_config, num_blocks)
         self.runner = build_runner(self.model, self.kv_cache, config, plugins, self.device,
                                    self.max_model_len, self.peers)
+        self.runner.compiled = _compiled_step(self)
         store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, store,
                                    config.enable_prefix_cache, self.runner.copy_block)
@@ -380,6 +381,26 @@ def build_device_side(spec, cfg: EngineConfig, device: torch.device) -> ModelRun
     kv_cache = build_kv_cache(model, cfg, plugins, device, dtype)
     max_model_len = _max_model_len(cfg, hf_config, kv_cache.scratch_block)
     return build_runner(model, kv_cache, cfg, plugins, device, max_model_len)
+
+
+def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
+    """The compiled one-sequence decode step (core/cpu_step.py), where it applies: a
+    float32 model on the CPU, on one process, through the CPU's own cache and
+    attention plugins."""
+    cfg = engine.config
+    applies = (engine.device.type == "cpu" and engine.dtype == torch.float32
+               and cfg.cpu_weight_dtype == "float32" and cfg.tensor_parallel_size == 1
+               and cfg.kv_append_backend in ("auto", "torch_index")
+               and _attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
+    if not applies:
+        if cfg.cpu_compiled_step == "build":
+            raise ConfigError("cpu_compiled_step build applies to a float32 model on the CPU "
+                              "with the default KV-append and attention plugins, "
+                              "cpu_weight_dtype float32 and no tensor parallelism")
+        return None
+    return cpu_step.prepare(cfg.cpu_compiled_step, engine.model, engine.hf_config,
+                            engine.kv_cache, engine.kv_cache.backends["torch_index"],
+                            engine.runner.attention, engine.max_model_len, loader.CACHE_DIR)
 
 
 def _attention_name(cfg: EngineConfig, plugins: PluginRegistry, device: torch.device) -> str:

@@ -99,6 +99,7 @@ class ModelRunner:
         self.launches = 0
         self.logits_work = LogitsWork(max_num_seqs + 1, model.head.vocab_size, device)
         self.graphs = None
+        self.compiled = None  # core/cpu_step.py: a one-sequence decode step on the CPU
         self.mixed_graph_tokens = min(mixed_graph_tokens, tokens)
         if cuda_graphs and device.type == "cuda":
             self.graphs = StepGraphs(self, max_num_seqs, decode_steps, self.mixed_graph_tokens)
@@ -118,6 +119,10 @@ class ModelRunner:
         ctx.slots.memo.clear()
         ids = take_ids(inp.input_ids, inp.src_rows, self.sampled)
         self.kv_cache.begin_step(ctx.slots)
+        if self.compiled is not None and ids.shape[0] == 1 and ctx.attn.is_decode:
+            logits = self.compiled(ids, inp.positions, ctx.attn.block_tables,
+                                   ctx.attn.max_context_len, ctx.slots)
+            return logits if logits_rows is None else logits[logits_rows]
         set_context(ctx)
         try:
             hidden = self.model(ids, inp.positions)

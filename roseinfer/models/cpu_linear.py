@@ -45,9 +45,11 @@ class CpuLinear(nn.Module):
         weight = linear.weight.detach()
         self.kernels = kernels
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.plain = weight if "plain" in kernels else None
-        self.packed = _pack(weight) if "packed" in kernels else None
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        # Parameters, as nn.Linear's weight is: a compiled step (core/cpu_step.py) finds
+        # them by name, and takes them as they are (buffers it would copy).
+        self.plain = _frozen(weight if "plain" in kernels else None)
+        self.packed = _frozen(_pack(weight) if "packed" in kernels else None)
+        self.bias = _frozen(None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
         """``gelu`` ("tanh" or "none"): the activation, fused into the packed
@@ -58,6 +60,10 @@ class CpuLinear(nn.Module):
                 x, self.packed, self.bias, "none" if gelu is None else "gelu", [], gelu or "")
         out = F.linear(x, self.plain, self.bias)
         return out if gelu is None else F.gelu(out, approximate=gelu)
+
+
+def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -75,11 +75,12 @@ def _decode_plan(block_tables, context_lens, max_context_len, block_size, num_kv
     """For one sequence, the rows of its context in the cache seen as [rows, D],
     head-major ([H_kv * context]). For a batch, the block ids and the padding of the
     gathered blocks, [S, 1, 1, blocks * block_size], True past each context."""
-    index = context_index(block_tables, max_context_len, block_size)
     if block_tables.shape[0] == 1:
         t = torch.arange(max_context_len, device=block_tables.device)
-        rows = cache_rows(index[0][t // block_size], t % block_size, num_kv_heads, block_size)
+        rows = cache_rows(block_tables[0][t // block_size], t % block_size, num_kv_heads,
+                          block_size)
         return rows.t().flatten(), None
+    index = context_index(block_tables, max_context_len, block_size)
     kpos = torch.arange(index.shape[1] * block_size, device=block_tables.device)
     return index, kpos[None, None, None, :] >= context_lens[:, None, None, None]
 

@@ -1,0 +1,198 @@
+"""One sequence's decode step on the CPU, compiled ahead of time (AOTInductor).
+
+At batch 1 a CPU step is its weights' bytes plus some 1,100 small ops, and after
+each linear has streamed megabytes of weights through the caches those ops cost
+several times their hot-cache time: 18-20 ms of a 47-54 ms step on an Intel Xeon
+(docs/benchmarks.md). Compiled, the same forward runs as one C++ function: the
+chains of small ops fuse into loops, the linears call the kernels the eager step
+chose (oneDNN's packed GEMM or MKL's), and no Python or dispatcher runs between.
+
+What is compiled is the model's own forward and LM head, traced by torch.export
+with the step's context as inputs (the block table row, the context length as a
+dynamic size, the new token's slot) and the KV cache tensors, written in place as
+in the eager step. The package holds code only: it takes the module's weights as
+they are (user-managed constants), so one build serves every checkpoint of a shape.
+
+A build takes minutes (80 s for the default model on two cores), so it happens
+only when asked (``cpu_compiled_step="build"``); it is kept under
+``CACHE_DIR/cpu_steps``, keyed by the model's config and weight layouts, the CPU,
+torch's version and roseinfer's source, and used from then on (``"auto"``, the
+default) where it measured faster than the eager step at build.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from roseinfer.core.attention import AttnMetadata, StepContext, set_context
+from roseinfer.core.kv_cache import SlotBatch
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "build", "off")
+TIMED_CONTEXT = 64  # the context the build's timing decodes at
+TIMED_STEPS = 10
+
+
+class _InputCache:
+    """The KV cache as the traced step sees it: its tensors are the step's inputs."""
+
+    def __init__(self, k, v, append, slots: SlotBatch):
+        self.k, self.v, self._append, self._slots = k, v, append, slots
+
+    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self._append.append(self.k[layer], self.v[layer], key, value, self._slots)
+
+
+class DecodeStep(nn.Module):
+    """The model's forward and logits for one sequence's decode step, under a step
+    context built from its inputs: what is exported, and the eager twin it is timed
+    against."""
+
+    def __init__(self, model: nn.Module, append, attention):
+        super().__init__()
+        self.model, self.kv_append, self.attention = model, append, attention
+
+    def forward(self, ids, positions, table, context, slot_block, slot_offset, k, v):
+        """``context``: any tensor of the context's length (its size is the dynamic one)."""
+        slots = SlotBatch(slot_block, slot_offset)
+        attn = AttnMetadata(table, None, None, 1, context.shape[0])
+        set_context(StepContext(_InputCache(k, v, self.kv_append, slots), self.attention, attn,
+                                slots))
+        try:
+            return self.model.compute_logits(self.model(ids, positions))
+        finally:
+            set_context(None)
+
+
+class CompiledStep:
+    """The loaded package, called as the runner's forward of a one-sequence decode step."""
+
+    def __init__(self, package, kv_cache, max_model_len: int):
+        self.package = package
+        self.caches = [*kv_cache.k, *kv_cache.v]
+        self.lengths = torch.empty(max_model_len + 1, dtype=torch.uint8)
+        self.steps = 0
+
+    def __call__(self, ids, positions, table, context_len: int, slots: SlotBatch) -> torch.Tensor:
+        self.steps += 1
+        return self.package.boxed_run([ids, positions, table, self.lengths[:context_len],
+                                       slots.block_idx, slots.offsets, *self.caches])[0]
+
+
+def prepare(mode: str, model, hf_config, kv_cache, append, attention, max_model_len: int,
+            cache_dir: str) -> CompiledStep | None:
+    """The compiled step to use, or None: loaded if built before for this model and
+    machine and faster than eager there; built first when ``mode`` is "build"."""
+    if mode == "off":
+        return None
+    step = DecodeStep(model, append, attention)
+    key = step_key(model, hf_config, kv_cache)
+    path = Path(cache_dir, "cpu_steps", key)
+    if not path.with_suffix(".json").exists():
+        if mode != "build":
+            return None
+        build(step, kv_cache, path)
+    record = json.loads(path.with_suffix(".json").read_text())
+    if record["compiled_ms"] >= record["eager_ms"]:
+        log.info("compiled CPU step not used: %.1f ms against eager %.1f ms at build",
+                 record["compiled_ms"], record["eager_ms"])
+        return None
+    return CompiledStep(load(path.with_suffix(".pt2"), step), kv_cache, max_model_len)
+
+
+def step_key(model: nn.Module, hf_config, kv_cache) -> str:
+    """What the compiled code depends on: the config (norm epsilons, flags), each
+    tensor's name, shape and layout (the linear kernels chosen), the cache's block
+    shape, the CPU, torch and roseinfer's source."""
+    from roseinfer.models.cpu_linear import cpu_model
+
+    config = {k: v for k, v in hf_config.to_dict().items()
+              if k not in ("_name_or_path", "transformers_version")}
+    tensors = [(name, tuple(t.shape), str(t.dtype), str(t.layout))
+               for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    parts = [json.dumps(config, sort_keys=True, default=str), repr(tensors),
+             repr(tuple(kv_cache.k[0].shape[1:])), cpu_model(), torch.__version__,
+             _source_digest()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _source_digest() -> str:
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@torch.inference_mode()
+def build(step: DecodeStep, kv_cache, path: Path) -> None:
+    """Export, compile and time the step; writes ``path``.pt2 and ``path``.json."""
+    from torch._inductor import aoti_compile_and_package, config as inductor_config
+
+    log.warning("building the compiled CPU decode step (a minute or more; once per model "
+                "shape and machine) into %s", path.parent)
+    start = time.perf_counter()
+    args = _example(kv_cache, TIMED_CONTEXT)
+    context = torch.export.Dim("context", min=2, max=1 << 20)
+    blocks, table_width = torch.export.Dim("cache_blocks"), torch.export.Dim("table_width")
+    caches = [{0: blocks}] * len(kv_cache.k)
+    program = torch.export.export(
+        step, args, strict=False,
+        dynamic_shapes=(None, None, {1: table_width}, {0: context}, None, None, caches, caches))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.pt2")
+    with inductor_config.patch({"aot_inductor.package_constants_in_so": False}):
+        aoti_compile_and_package(program, package_path=str(tmp))
+    built_s = time.perf_counter() - start
+    package = load(tmp, step)
+    flat = [*args[:6], *args[6], *args[7]]
+    record = {"eager_ms": _median_ms(lambda: step(*args)),
+              "compiled_ms": _median_ms(lambda: package.boxed_run(list(flat))),
+              "built_s": round(built_s, 1), "torch": torch.__version__}
+    os.replace(tmp, path.with_suffix(".pt2"))
+    path.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    log.warning("compiled CPU decode step built in %.0f s: %.1f ms a step against %.1f eager",
+                built_s, record["compiled_ms"], record["eager_ms"])
+
+
+def load(package_path: Path, step: DecodeStep):
+    """The package, with the module's own tensors as its weights. Through torch's
+    loader itself: torch._inductor's wrapper of it would import torch._inductor,
+    2 s of a start on two cores, and flatten the inputs by their tree spec each call."""
+    package = torch._C._aoti.AOTIModelPackageLoader(str(package_path), "model", False, 1, -1)
+    named = dict(step.named_parameters(remove_duplicate=False))
+    named.update(step.named_buffers(remove_duplicate=False))
+    # (constants, into the inactive buffer, check that all are given, user-managed, copy to device)
+    package.load_constants({name: named[name] for name in package.get_constant_fqns()},
+                           False, True, True, False)
+    return package
+
+
+def _example(kv_cache, context_len: int) -> tuple:
+    """Inputs of a decode step at ``context_len`` over the cache's first blocks; at
+    build nothing lives in the cache, so the rows it writes hurt nobody."""
+    bs, pos = kv_cache.block_size, context_len - 1
+    table = torch.arange(-(-context_len // bs) + 1, dtype=torch.int32)[None, :]
+    ints = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731 (the runner's dtype)
+    return (ints(1), ints(pos), table, torch.empty(context_len, dtype=torch.uint8),
+            ints(pos // bs), ints(pos % bs), list(kv_cache.k), list(kv_cache.v))
+
+
+def _median_ms(fn) -> float:
+    fn()
+    times = []
+    for _ in range(TIMED_STEPS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1000, 3)

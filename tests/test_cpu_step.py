@@ -1,0 +1,75 @@
+"""The compiled one-sequence CPU decode step (core/cpu_step.py): the same greedy ids as
+transformers, built once and reused, and used only where it applies and pays."""
+import json
+
+import pytest
+import torch
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.core import cpu_step
+from roseinfer.core.errors import ConfigError
+from roseinfer.models import loader
+from tests.models import hf_greedy, tiny_family, tiny_gpt2, tiny_llama
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU path")
+
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "qwen3": lambda: tiny_family("qwen3"),
+          "phi3": lambda: tiny_family("phi3", sliding_window=None, rope_parameters={
+              "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})}
+PROMPTS = [[5, 6, 7], list(range(10, 33))]  # contexts cross blocks of 4 from both
+CONFIG = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=64, max_num_seqs=4)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(loader, "CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def greedy(llm, prompts, max_tokens=(14, 14)):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+    return [o.token_ids for o in llm.generate(prompts, params[:len(prompts)])]
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_built_step_decodes_as_transformers(family, cache_dir):
+    hf = MODELS[family]()
+    llm = LLM(hf, cpu_compiled_step="build", **CONFIG)
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None, "a step built here measured slower than eager"
+    for prompt in PROMPTS:  # one sequence at a time: every decode step runs compiled
+        assert greedy(llm, [prompt]) == [hf_greedy(hf, prompt, 14)]
+    assert compiled.steps == 2 * 13
+    # Two sequences decode eagerly together, then the longer one alone, compiled.
+    both = greedy(llm, PROMPTS, (6, 20))
+    assert both == [hf_greedy(hf, PROMPTS[0], 6), hf_greedy(hf, PROMPTS[1], 20)]
+    assert compiled.steps > 2 * 13
+
+
+def test_auto_uses_a_build_and_never_builds(cache_dir, monkeypatch):
+    hf = tiny_llama()
+    built = LLM(hf, cpu_compiled_step="build", **CONFIG).engine.runner.compiled
+    monkeypatch.setattr(cpu_step, "build", lambda *a: pytest.fail("auto must not build"))
+    llm = LLM(hf, **CONFIG)  # "auto" is the default
+    assert llm.engine.runner.compiled is not None and built is not None
+    assert greedy(llm, [PROMPTS[1]]) == [hf_greedy(hf, PROMPTS[1], 14)]
+    assert LLM(hf, cpu_compiled_step="off", **CONFIG).engine.runner.compiled is None
+    other = tiny_llama(rms_norm_eps=1e-3)  # its epsilon is compiled in: another key
+    assert LLM(other, **CONFIG).engine.runner.compiled is None
+
+
+def test_a_step_slower_than_eager_is_not_used(cache_dir):
+    hf = tiny_gpt2()
+    LLM(hf, cpu_compiled_step="build", **CONFIG)
+    (record,) = (cache_dir / "cpu_steps").glob("*.json")
+    found = json.loads(record.read_text())
+    record.write_text(json.dumps({**found, "compiled_ms": found["eager_ms"] * 2}))
+    assert LLM(hf, **CONFIG).engine.runner.compiled is None
+
+
+def test_build_is_refused_where_it_does_not_apply(cache_dir):
+    with pytest.raises(ConfigError, match="cpu_compiled_step build applies to"):
+        LLM(tiny_gpt2(), cpu_compiled_step="build", cpu_weight_dtype="int8", **CONFIG)
+    with pytest.raises(ConfigError, match="cpu_compiled_step must be"):
+        LLM(tiny_gpt2(), cpu_compiled_step="always", **CONFIG)
+    assert not (cache_dir / "cpu_steps").exists()
