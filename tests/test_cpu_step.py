@@ -73,3 +73,17 @@ def test_build_is_refused_where_it_does_not_apply(cache_dir):
     with pytest.raises(ConfigError, match="cpu_compiled_step must be"):
         LLM(tiny_gpt2(), cpu_compiled_step="always", **CONFIG)
     assert not (cache_dir / "cpu_steps").exists()
+
+
+def test_a_package_torch_cannot_load_is_recorded_and_not_used(cache_dir, tmp_path, monkeypatch):
+    broken = tmp_path / "broken.pt2"
+    broken.write_bytes(b"not a package")
+    assert "loading the package ended its process with code" in cpu_step._load_fails(broken)
+    hf = tiny_gpt2()
+    monkeypatch.setattr(cpu_step, "_load_fails", lambda path: "the loader crashed (code -11)")
+    assert LLM(hf, cpu_compiled_step="build", **CONFIG).engine.runner.compiled is None
+    (record,) = (cache_dir / "cpu_steps").glob("*.json")
+    assert json.loads(record.read_text())["failed"] == "the loader crashed (code -11)"
+    assert not list((cache_dir / "cpu_steps").glob("*.pt2"))
+    monkeypatch.setattr(cpu_step, "build", lambda *a: pytest.fail("recorded: no second build"))
+    assert LLM(hf, cpu_compiled_step="build", **CONFIG).engine.runner.compiled is None

@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,18 +97,23 @@ def prepare(mode: str, model, hf_config, kv_cache, append, attention, max_model_
     if mode == "off":
         return None
     step = DecodeStep(model, append, attention)
-    key = step_key(model, hf_config, kv_cache)
-    path = Path(cache_dir, "cpu_steps", key)
-    if not path.with_suffix(".json").exists():
-        if mode != "build":
-            return None
-        build(step, kv_cache, path)
-    record = json.loads(path.with_suffix(".json").read_text())
-    if record["compiled_ms"] >= record["eager_ms"]:
-        log.info("compiled CPU step not used: %.1f ms against eager %.1f ms at build",
-                 record["compiled_ms"], record["eager_ms"])
+    path = Path(cache_dir, "cpu_steps", step_key(model, hf_config, kv_cache))
+    if path.with_suffix(".json").exists():
+        record = json.loads(path.with_suffix(".json").read_text())
+        package = load(path.with_suffix(".pt2"), step) if _pays(record) else None
+    elif mode == "build":
+        package = build(step, kv_cache, path)
+    else:
         return None
-    return CompiledStep(load(path.with_suffix(".pt2"), step), kv_cache, max_model_len)
+    return None if package is None else CompiledStep(package, kv_cache, max_model_len)
+
+
+def _pays(record: dict) -> bool:
+    if record["compiled_ms"] is not None and record["compiled_ms"] < record["eager_ms"]:
+        return True
+    log.info("the compiled CPU step built here is not used: %s", record.get(
+        "failed", f"{record['compiled_ms']} ms a step against {record['eager_ms']} eager"))
+    return False
 
 
 def step_key(model: nn.Module, hf_config, kv_cache) -> str:
@@ -135,17 +142,40 @@ def _source_digest() -> str:
 
 
 @torch.inference_mode()
-def build(step: DecodeStep, kv_cache, path: Path) -> None:
-    """Export, compile and time the step; writes ``path``.pt2 and ``path``.json."""
-    from torch._inductor import aoti_compile_and_package, config as inductor_config
-
+def build(step: DecodeStep, kv_cache, path: Path):
+    """Export, compile and time the step, writing ``path``.pt2 and ``path``.json;
+    returns the loaded package if it is faster than the eager step, else None."""
     log.warning("building the compiled CPU decode step (a minute or more; once per model "
                 "shape and machine) into %s", path.parent)
     start = time.perf_counter()
     args = _example(kv_cache, TIMED_CONTEXT)
+    tmp = _compile(step, args, path)
+    record = {"eager_ms": _median_ms(lambda: step(*args)), "compiled_ms": None,
+              "built_s": round(time.perf_counter() - start, 1), "torch": torch.__version__}
+    failed = _load_fails(tmp)
+    if failed:
+        record["failed"] = failed
+        tmp.unlink()
+        package = None
+    else:
+        package = load(tmp, step)
+        flat = [*args[:6], *args[6], *args[7]]
+        record["compiled_ms"] = _median_ms(lambda: package.boxed_run(list(flat)))
+        os.replace(tmp, path.with_suffix(".pt2"))
+    path.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    log.warning("compiled CPU decode step built in %.0f s: %s", record["built_s"],
+                failed or f"{record['compiled_ms']:.1f} ms a step against "
+                          f"{record['eager_ms']:.1f} eager")
+    return package if _pays(record) else None
+
+
+def _compile(step: DecodeStep, args: tuple, path: Path) -> Path:
+    """The AOTInductor package of ``step``, at a temporary path beside ``path``."""
+    from torch._inductor import aoti_compile_and_package, config as inductor_config
+
     context = torch.export.Dim("context", min=2, max=1 << 20)
     blocks, table_width = torch.export.Dim("cache_blocks"), torch.export.Dim("table_width")
-    caches = [{0: blocks}] * len(kv_cache.k)
+    caches = [{0: blocks}] * len(args[6])
     program = torch.export.export(
         step, args, strict=False,
         dynamic_shapes=(None, None, {1: table_width}, {0: context}, None, None, caches, caches))
@@ -153,16 +183,23 @@ def build(step: DecodeStep, kv_cache, path: Path) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.pt2")
     with inductor_config.patch({"aot_inductor.package_constants_in_so": False}):
         aoti_compile_and_package(program, package_path=str(tmp))
-    built_s = time.perf_counter() - start
-    package = load(tmp, step)
-    flat = [*args[:6], *args[6], *args[7]]
-    record = {"eager_ms": _median_ms(lambda: step(*args)),
-              "compiled_ms": _median_ms(lambda: package.boxed_run(list(flat))),
-              "built_s": round(built_s, 1), "torch": torch.__version__}
-    os.replace(tmp, path.with_suffix(".pt2"))
-    path.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    log.warning("compiled CPU decode step built in %.0f s: %.1f ms a step against %.1f eager",
-                built_s, record["compiled_ms"], record["eager_ms"])
+    return tmp
+
+
+def _load_fails(package_path: Path) -> str | None:
+    """Why torch's loader cannot open the package, tried in a process of its own (it
+    ended one with a segmentation fault under torch 2.11 on an Intel Xeon); None if it can."""
+    code = ("import sys, torch; "
+            "torch._C._aoti.AOTIModelPackageLoader(sys.argv[1], 'model', False, 1, -1)")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(package_path)],
+                              capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "loading the package took over 300 s"
+    if done.returncode == 0:
+        return None
+    return (f"loading the package ended its process with code {done.returncode}: "
+            f"{done.stderr.strip()[-300:]}")
 
 
 def load(package_path: Path, step: DecodeStep):
