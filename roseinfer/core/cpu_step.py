@@ -102,7 +102,7 @@ def prepare(mode: str, model, hf_config, kv_cache, append, attention, max_model_
         record = json.loads(path.with_suffix(".json").read_text())
         package = load(path.with_suffix(".pt2"), step) if _pays(record) else None
     elif mode == "build":
-        package = build(step, kv_cache, path)
+        package = build(step, kv_cache, path, min(TIMED_CONTEXT, max_model_len))
     else:
         return None
     return None if package is None else CompiledStep(package, kv_cache, max_model_len)
@@ -142,16 +142,16 @@ def _source_digest() -> str:
 
 
 @torch.inference_mode()
-def build(step: DecodeStep, kv_cache, path: Path):
+def build(step: DecodeStep, kv_cache, path: Path, context_len: int):
     """Export, compile and time the step, writing ``path``.pt2 and ``path``.json;
     returns the loaded package if it is faster than the eager step, else None."""
     log.warning("building the compiled CPU decode step (a minute or more; once per model "
                 "shape and machine) into %s", path.parent)
     start = time.perf_counter()
-    args = _example(kv_cache, TIMED_CONTEXT)
+    args = _example(kv_cache, context_len)
     tmp = _compile(step, args, path)
-    record = {"eager_ms": _median_ms(lambda: step(*args)), "compiled_ms": None,
-              "built_s": round(time.perf_counter() - start, 1), "torch": torch.__version__}
+    record = {"built_s": round(time.perf_counter() - start, 1), "torch": torch.__version__,
+              "eager_ms": _median_ms(lambda: step(*args)), "compiled_ms": None}
     failed = _load_fails(tmp)
     if failed:
         record["failed"] = failed
