@@ -13,7 +13,7 @@ dynamic size, the new token's slot) and the KV cache tensors, written in place a
 in the eager step. The package holds code only: it takes the module's weights as
 they are (user-managed constants), so one build serves every checkpoint of a shape.
 
-A build takes minutes (80 s for the default model on two cores), so it happens
+A build takes a minute or more (87 s for the default model on two cores), so it happens
 only when asked (``cpu_compiled_step="build"``); it is kept under
 ``CACHE_DIR/cpu_steps``, keyed by the model's config and weight layouts, the CPU,
 torch's version and roseinfer's source, and used from then on (``"auto"``, the
@@ -39,8 +39,8 @@ from roseinfer.core.kv_cache import SlotBatch
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "build", "off")
 TIMED_CONTEXT = 64  # the context the build's timing decodes at
+MIN_CONTEXT = 2     # export would specialize a context of 1
 TIMED_STEPS = 10
 
 
@@ -84,6 +84,12 @@ class CompiledStep:
         self.lengths = torch.empty(max_model_len + 1, dtype=torch.uint8)
         self.steps = 0
 
+    @staticmethod
+    def serves(num_tokens: int, attn: AttnMetadata) -> bool:
+        """One sequence's decode step, within the context lengths it was exported for
+        (from 2: a one-token prompt's prefill runs eagerly)."""
+        return num_tokens == 1 and attn.is_decode and attn.max_context_len >= MIN_CONTEXT
+
     def __call__(self, ids, positions, table, context_len: int, slots: SlotBatch) -> torch.Tensor:
         self.steps += 1
         return self.package.boxed_run([ids, positions, table, self.lengths[:context_len],
@@ -98,14 +104,34 @@ def prepare(mode: str, model, hf_config, kv_cache, append, attention, max_model_
         return None
     step = DecodeStep(model, append, attention)
     path = Path(cache_dir, "cpu_steps", step_key(model, hf_config, kv_cache))
-    if path.with_suffix(".json").exists():
-        record = json.loads(path.with_suffix(".json").read_text())
-        package = load(path.with_suffix(".pt2"), step) if _pays(record) else None
+    record = _read_record(path)
+    if record is not None:
+        package = _load_built(path, step) if _pays(record) else None
     elif mode == "build":
         package = build(step, kv_cache, path, min(TIMED_CONTEXT, max_model_len))
     else:
         return None
     return None if package is None else CompiledStep(package, kv_cache, max_model_len)
+
+
+def _read_record(path: Path) -> dict | None:
+    """The build's record; None if there is none, or its package went missing."""
+    try:
+        record = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("compiled_ms") is not None and not path.with_suffix(".pt2").exists():
+        return None
+    return record
+
+
+def _load_built(path: Path, step: DecodeStep):
+    try:
+        return load(path.with_suffix(".pt2"), step)
+    except RuntimeError as e:  # a damaged file: the start goes on eagerly
+        log.warning("cannot load the compiled CPU step %s (%s); decoding eagerly. Delete it "
+                    "and start with cpu_compiled_step=build to build it again", path, e)
+        return None
 
 
 def _pays(record: dict) -> bool:
@@ -162,7 +188,9 @@ def build(step: DecodeStep, kv_cache, path: Path, context_len: int):
         flat = [*args[:6], *args[6], *args[7]]
         record["compiled_ms"] = _median_ms(lambda: package.boxed_run(list(flat)))
         os.replace(tmp, path.with_suffix(".pt2"))
-    path.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    written = path.with_name(f"{path.name}.{os.getpid()}.json")
+    written.write_text(json.dumps(record, indent=1))
+    os.replace(written, path.with_suffix(".json"))  # a concurrent start reads all or nothing
     log.warning("compiled CPU decode step built in %.0f s: %s", record["built_s"],
                 failed or f"{record['compiled_ms']:.1f} ms a step against "
                           f"{record['eager_ms']:.1f} eager")
@@ -173,7 +201,7 @@ def _compile(step: DecodeStep, args: tuple, path: Path) -> Path:
     """The AOTInductor package of ``step``, at a temporary path beside ``path``."""
     from torch._inductor import aoti_compile_and_package, config as inductor_config
 
-    context = torch.export.Dim("context", min=2, max=1 << 20)
+    context = torch.export.Dim("context", min=MIN_CONTEXT, max=1 << 20)
     blocks, table_width = torch.export.Dim("cache_blocks"), torch.export.Dim("table_width")
     caches = [{0: blocks}] * len(args[6])
     program = torch.export.export(

@@ -119,7 +119,7 @@ class ModelRunner:
         ctx.slots.memo.clear()
         ids = take_ids(inp.input_ids, inp.src_rows, self.sampled)
         self.kv_cache.begin_step(ctx.slots)
-        if self.compiled is not None and ids.shape[0] == 1 and ctx.attn.is_decode:
+        if self.compiled is not None and self.compiled.serves(ids.shape[0], ctx.attn):
             logits = self.compiled(ids, inp.positions, ctx.attn.block_tables,
                                    ctx.attn.max_context_len, ctx.slots)
             return logits if logits_rows is None else logits[logits_rows]
