@@ -227,8 +227,10 @@ def rotate_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotate_half_`` of q and k, in one pass where k's columns follow q's in
     memory (column slices of a fused qkv)."""
+    # Traced (core/cpu_step.py), tensors have no data pointer; the compiler fuses both anyway.
     joined = not torch.compiler.is_compiling() and q.stride() == k.stride() and \
-        q.stride(1) == 1 and q.dtype == k.dtype and k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size()
+        q.stride(1) == 1 and q.dtype == k.dtype and \
+        k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size()
     if joined:
         qk = q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride())
         rotate_half_(qk, num_heads + num_kv_heads, cos, sin)
