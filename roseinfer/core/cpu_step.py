@@ -145,7 +145,8 @@ def _pays(record: dict) -> bool:
 def step_key(model: nn.Module, hf_config, kv_cache) -> str:
     """What the compiled code depends on: the config (norm epsilons, flags), each
     tensor's name, shape and layout (the linear kernels chosen), the cache's block
-    shape, the CPU, torch and roseinfer's source."""
+    shape, the CPU and the thread count (Inductor plans its loops' parallelism for the
+    count it compiles with), torch and roseinfer's source."""
     from roseinfer.models.cpu_linear import cpu_model
 
     config = {k: v for k, v in hf_config.to_dict().items()
@@ -153,8 +154,8 @@ def step_key(model: nn.Module, hf_config, kv_cache) -> str:
     tensors = [(name, tuple(t.shape), str(t.dtype), str(t.layout))
                for name, t in [*model.named_parameters(), *model.named_buffers()]]
     parts = [json.dumps(config, sort_keys=True, default=str), repr(tensors),
-             repr(tuple(kv_cache.k[0].shape[1:])), cpu_model(), torch.__version__,
-             _source_digest()]
+             repr(tuple(kv_cache.k[0].shape[1:])), cpu_model(), str(torch.get_num_threads()),
+             torch.__version__, _source_digest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
