@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-from roseinfer.core import cpu_step, tp
+from roseinfer.core import cpu_step, faults, tp
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
 from roseinfer.core.detokenizer import IncrementalDetokenizer
@@ -222,13 +222,28 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> None:
+        for seq in self._samples(request_id):
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+            self._aborted.append(seq)
+
+    def fail(self, seq: Sequence, error: Exception) -> list[RequestOutput]:
+        """End ``seq``'s request, every sample of it, with an internal error naming
+        ``error``; returns their final outputs."""
+        log.error("event=request_failed rid=%s", seq.request_id, exc_info=error)
+        outputs = []
+        for s in self._samples(seq.request_id):
+            self.scheduler.finish(s)
+            s.finish_reason, s.error = "error", f"{type(error).__name__}: {error}"
+            outputs.append(self._output(s, []))
+            self._forget(s)
+        return outputs
+
+    def _samples(self, request_id: str) -> list[Sequence]:
+        """The request's unfinished sequences (its samples, when n > 1)."""
         n = self.groups.get(request_id)
         keys = [request_id] if n is None else [f"{request_id}#{i}" for i in range(n)]
-        for seq in filter(None, map(self.seqs.get, keys)):
-            if not seq.finished:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
-                self._aborted.append(seq)
+        return [seq for seq in map(self.seqs.get, keys) if seq is not None and not seq.finished]
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
@@ -245,26 +260,37 @@ class Engine:
         """Launch the next batch, then collect the previous one while it runs.
 
         Outputs therefore trail the launch by one step; a request that turns
-        out finished has at most one extra token computed and dropped.
+        out finished has at most one extra token computed and dropped. A step
+        that raises costs only the request that made it raise (core/faults.py).
         """
         outputs = [self._output(seq, []) for seq in self._aborted]
         for seq in self._aborted:
             self._forget(seq)
         self._aborted.clear()
+        try:
+            return outputs + self._advance()
+        except Exception as error:
+            if self.peers is not None:
+                raise  # the other ranks may wait in this step's collectives
+            return outputs + faults.isolate(self, error)
+
+    def _advance(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
         if batch.seqs:
-            self._in_flight = self.runner.launch(batch, previous)
-            for seq, n in zip(batch.seqs, batch.num_tokens):
-                seq.num_computed += n * batch.steps  # steps > 1 only when every n is 1
+            self._in_flight = self._launch(batch, previous)
         if self._forks:
             self._share_prompts()
-        if previous is not None:
-            outputs += self._collect(previous)
-        return outputs
+        return self._collect(previous) if previous is not None else []
+
+    def _launch(self, batch, previous):
+        launched = self.runner.launch(batch, previous)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n * batch.steps  # steps > 1 only when every n is 1
+        return launched
 
     def _collect(self, launched) -> list[RequestOutput]:
-        live = []
+        outputs = []
         seqs, steps = launched.batch.seqs, launched.batch.steps
         ids = launched.result()
         logprobs = launched.token_logprobs(ids, self.tokenizer)
@@ -277,12 +303,15 @@ class Engine:
             seq.pending -= steps
             if seq.status is Status.FINISHED:
                 continue  # finished while this step was in flight: drop its tokens
-            before = len(seq.token_ids)
-            self._append(seq, tokens)
-            if k in logprobs:  # one per token taken
-                seq.logprobs += logprobs[k][:len(seq.token_ids) - before]
-            live.append(seq)
-        return [self._emit(seq) for seq in live]
+            try:
+                before = len(seq.token_ids)
+                self._append(seq, tokens)
+                if k in logprobs:  # one per token taken
+                    seq.logprobs += logprobs[k][:len(seq.token_ids) - before]
+                outputs.append(self._emit(seq))
+            except Exception as error:  # its own host work failed: it alone ends
+                outputs += self.fail(seq, error)
+        return outputs
 
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
         """Take a step's tokens up to the first that finishes the sequence."""
@@ -318,15 +347,17 @@ class Engine:
         return self._output(seq, new_ids)
 
     def _forget(self, seq: Sequence) -> None:
-        if self.seqs.pop(seq.key, None) is None:
-            return
+        if self.seqs.get(seq.key) is not seq:
+            return  # forgotten already, or never added (faults.works's probe)
+        del self.seqs[seq.key]
         n = self.groups.get(seq.request_id)
         if n is not None and not any(f"{seq.request_id}#{i}" in self.seqs for i in range(n)):
             del self.groups[seq.request_id]
 
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         final = seq.finish_reason is not None
-        new_text = seq.detok.release(final) if seq.detok is not None else ""
+        # a failed sequence's text is not released: its detokenizer may be what failed
+        new_text = seq.detok.release(final) if seq.detok is not None and not seq.error else ""
         lps = seq.logprobs[len(seq.logprobs) - len(new_ids):] if seq.logprobs is not None else None
         return RequestOutput(seq.request_id, new_ids, new_text, final, seq.finish_reason, seq, lps,
                              seq.index)

@@ -26,8 +26,15 @@ class LLM:
         if len(per) != len(prompts):
             raise ValueError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
         ids = [f"gen-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, per):
-            self.engine.add_request(rid, prompt, p)
+        try:
+            for rid, prompt, p in zip(ids, prompts, per):
+                self.engine.add_request(rid, prompt, p)
+        except BaseException:  # a refused prompt: the ones added before it leave too
+            for rid in ids:
+                self.engine.abort(rid)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
         final: dict[tuple[str, int], RequestOutput] = {}
         for out in self._drive(sum(p.n for p in per), use_tqdm):
             final[out.request_id, out.index] = out

@@ -14,7 +14,7 @@ class RequestOutput:
     new_token_ids: list[int]      # ids generated in this step
     new_text: str                 # text released in this step
     finished: bool
-    finish_reason: Optional[str]  # "stop" | "length" | "abort" once finished
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error" once finished
     seq: Sequence
     new_logprobs: Optional[list[TokenLogprob]] = None  # one per new id, if asked for
     index: int = 0                # the sample's, of the request's n
@@ -39,6 +39,11 @@ class RequestOutput:
         """One entry per prompt token (None for the first), if asked for; complete
         from the first output that carries a generated id."""
         return self.seq.prompt_logprobs
+
+    @property
+    def error(self) -> Optional[str]:
+        """With finish_reason "error": the exception that ended the request."""
+        return self.seq.error
 
     @property
     def text(self) -> str:

@@ -21,7 +21,7 @@ class Sequence:
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
                  "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
                  "row", "synced", "sample_words", "logprobs", "prompt_logprobs",
-                 "constraints", "num_accepted", "index", "key")
+                 "constraints", "num_accepted", "index", "key", "error")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
@@ -36,6 +36,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.status = Status.WAITING
         self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None  # with finish_reason "error": what failed
         self.generator = generator
         self.detok = None
         self.num_emitted = 0           # generated ids already handed out

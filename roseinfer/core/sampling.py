@@ -10,6 +10,14 @@ from roseinfer.core.errors import InvalidRequestError
 MAX_LOGPROBS = 20       # OpenAI's top_logprobs limit
 MAX_LOGIT_BIAS = 300    # OpenAI's limit on logit_bias entries
 MAX_N = 16
+# Temperatures below this sample as greedy (vLLM's rule): 1/T would overflow float32
+# logits long before T reaches zero. Above MAX_TEMPERATURE every kept token is as good
+# as uniform; larger values are refused rather than packed past float32.
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 1e4
+# top_k at or past the vocabulary keeps every token; past this it is stored as this,
+# which means the same and fits the step's int32 rows.
+MAX_TOP_K = (1 << 31) - 1
 
 
 @dataclass
@@ -52,6 +60,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        self.top_k = min(self.top_k, MAX_TOP_K)
         if self.response_format == {"type": "text"}:
             self.response_format = None
 
@@ -63,12 +74,14 @@ class SamplingParams:
             bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not is_number(self.temperature) or self.temperature < 0:
-            bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), "
+                f"got {self.temperature!r}")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            bad("top_k", f"must be an integer >= 0 (0 = off; the vocabulary or more keeps "
+                f"every token), got {self.top_k!r}")
         if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not (is_int(self.seed) and -2**63 <= self.seed < 2**64):

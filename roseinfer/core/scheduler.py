@@ -9,6 +9,7 @@ front of the queue to be recomputed (prompt + generated tokens) later.
 from __future__ import annotations
 
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from roseinfer.core.blocks import BlockManager
@@ -37,6 +38,7 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.aside: tuple = ()  # the queues only() set aside
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -127,11 +129,37 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Free a sequence's blocks and drop it from whichever queue holds it."""
         self.blocks.free_seq(seq)
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        self._drop(seq)
         seq.status = Status.FINISHED
+
+    def _drop(self, seq: Sequence) -> None:
+        for queue in (self.running, self.waiting, *self.aside):
+            if seq in queue:
+                queue.remove(seq)
+                return
+
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """Back to the front of the queue in their order, holding no blocks: they are
+        computed again from their first token (core/faults.py)."""
+        for seq in reversed(seqs):
+            self._drop(seq)
+            self.blocks.free_seq(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
+    @contextmanager
+    def only(self, seqs: list[Sequence]):
+        """Schedule ``seqs`` alone while inside (they wait first, in order); the other
+        sequences wait aside, running ones keeping their blocks, and come back after."""
+        group = set(seqs)
+        running, waiting = self.running, deque(s for s in self.waiting if s not in group)
+        self.running, self.aside = [], (running, waiting)
+        self.waiting = deque(s for s in seqs if s.status is Status.WAITING)
+        try:
+            yield
+        finally:
+            self.running, self.aside = running + self.running, ()
+            self.waiting.extend(waiting)
 
     def num_unfinished(self) -> int:
         return len(self.running) + len(self.waiting)

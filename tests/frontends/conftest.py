@@ -79,6 +79,7 @@ class FakeOutput:
     new_logprobs: object = None
     prompt_logprobs: object = None
     index: int = 0
+    error: object = None
 
 
 @dataclass

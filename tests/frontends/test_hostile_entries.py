@@ -7,13 +7,17 @@ import time
 import msgpack
 import psutil
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from roseinfer import SamplingParams
 from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.plugins import PluginRegistry
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.protocol import Keys
 
-from .conftest import raw_chunks
+from tests.edge_values import edge_params
+
+from .conftest import assert_well_formed, pending, raw_chunks, wait_until
 
 MIB = 1 << 20
 
@@ -87,3 +91,78 @@ def test_memory_comes_back_after_a_huge_entry(tiny_llm, start_worker, real_redis
     assert client.generate("after", max_tokens=2, timeout=10).finish_reason == "length"
     growth = psutil.Process(os.getpid()).memory_info().rss - rss
     assert growth < 200 * MIB, f"RSS stayed {growth / MIB:.0f} MiB up"
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(edge=edge_params())
+def test_each_field_at_its_edges_through_a_worker(edge, tiny_llm, start_worker, real_redis,
+                                                  redis_server, prefix):
+    """Each entry ends with tokens or one refusal within 2 s; its batch-mate is served exactly."""
+    global _EDGE_WORKER
+    expected = _mate_tokens(tiny_llm)
+    if _EDGE_WORKER is None or not _EDGE_WORKER.alive():  # one worker for every example
+        _EDGE_WORKER = start_worker(tiny_llm.engine, chat_template=False)
+    client = Client(redis_server.url, prefix)
+    body = {"v": "1", "body": msgpack.packb({"prompt": "the red fox", **edge})}
+    sent = time.monotonic()
+    entry_id = real_redis.xadd(Keys(prefix).requests, body).decode()
+    mate = client.submit("a red fox", max_tokens=8, temperature=0, ignore_eos=True)
+    chunks = list(client.stream(entry_id, timeout=30))
+    assert time.monotonic() - sent < 2.0, edge
+    if chunks[-1].finish_reason == "error":
+        assert len(chunks) == 1 and chunks[0].error["code"] == "bad_request", (edge, chunks)
+    else:
+        n = edge.get("n", 1)
+        assert_well_formed(chunks, n)
+        assert {c.finish_reason for c in chunks if c.finished} <= {"stop", "length"}
+    mate_ids = sum((c.token_ids for c in client.stream(mate, timeout=30)), [])
+    assert mate_ids == expected, edge
+    assert real_redis.xlen(Keys(prefix).dead) == 0
+
+
+_EDGE_WORKER = None
+_MATE = []
+
+
+def _mate_tokens(llm):
+    """The batch-mate's tokens served alone, by the engine the worker will run (computed
+    before the worker starts: one caller at a time)."""
+    if not _MATE:
+        _MATE.append(llm.generate([llm.tokenizer.encode("a red fox")], SamplingParams(
+            max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids)
+    return _MATE[0]
+
+
+def test_a_request_that_breaks_its_step_fails_alone(tiny_gpt2_dir, start_worker, real_redis,
+                                                     redis_server, prefix):
+    """A logits processor that raises inside the batch's step, on one request of 16: that
+    one ends with an internal error, the other 15 get their tokens, nothing is redelivered."""
+    from roseinfer import LLM
+    from tests.test_faults import FusePlugin
+
+    from .conftest import TINY_ENGINE
+
+    reg = PluginRegistry(load_entry_points=False)
+    reg.register(FusePlugin(), name="fuse")
+    llm = LLM(tiny_gpt2_dir, plugins=reg, **{**TINY_ENGINE, "max_num_seqs": 16})
+    prompts = [f"the {w} fox" for w in "red lazy big small old new hot cold".split()] * 2
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate([llm.tokenizer.encode(p) for p in prompts],
+                                                   greedy)]
+    start_worker(llm.engine, chat_template=False)
+    client = Client(redis_server.url, prefix)
+    fuse = {"fuse": {"after": 3, "where": "apply"}}
+    rids = [client.submit(p, max_tokens=10, temperature=0, ignore_eos=True,
+                          logits_processors=fuse if i == 5 else None)
+            for i, p in enumerate(prompts)]
+    results = [list(client.stream(rid, timeout=30)) for rid in rids]
+    bad = results[5][-1]
+    assert bad.finish_reason == "error" and bad.error["code"] == "internal"
+    assert "the fuse blew" in bad.error["message"]
+    for i, chunks in enumerate(results):
+        if i != 5:
+            assert_well_formed(chunks)
+            assert sum((c.token_ids for c in chunks), []) == expected[i], i
+    wait_until(lambda: pending(real_redis, prefix) == 0)
+    assert real_redis.xlen(Keys(prefix).dead) == 0

@@ -65,6 +65,8 @@ class InFlight:
         h.ids, h.text, h.logprobs, h.sent = [], "", None, True
         if out.finished:
             chunk.finish_reason = out.finish_reason
+            if out.error is not None:  # a step failed on this request alone (core/faults.py)
+                chunk.error = {"code": "internal", "message": out.error}
             chunk.usage = {"prompt_tokens": len(out.prompt_token_ids),
                            "completion_tokens": len(out.token_ids)}
         return chunk

@@ -420,7 +420,8 @@ class Worker:
                 continue  # a request handed back or owned elsewhere now: not ours to publish
             last = False
             if out.finished:
-                f.running -= 1
+                # an error ends every sample's stream with its chunk (its samples all fail)
+                f.running = 0 if out.finish_reason == "error" else f.running - 1
                 last = f.running == 0
                 if last:
                     del self._inflight[f.rid]
