@@ -18,8 +18,9 @@ from typing import AsyncIterator, Iterable, Iterator, Optional, Union
 import redis
 import redis.asyncio
 
-from roseinfer.frontends.redis_streams.connection import by_slot, connect, connect_async, \
-    is_cluster
+from roseinfer.frontends.redis_streams.connection import (by_slot, connect, connect_async,
+                                                         disconnect, disconnect_async,
+                                                         is_cluster)
 from roseinfer.frontends.redis_streams.outage import is_transient
 from roseinfer.frontends.redis_streams.protocol import (  # noqa: F401 - DEFAULT_URL: the API's
     DEFAULT_PREFIX, DEFAULT_URL, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request)
@@ -269,6 +270,7 @@ class Client:
     def __init__(self, url: str = DEFAULT_URL, prefix: str = DEFAULT_PREFIX, *,
                  redis_client: Optional[redis.Redis] = None, max_connections: int = 8):
         self.redis = redis_client or connect(url, max_connections)
+        self._owns_redis = redis_client is None  # a caller's client stays open on close()
         self.keys = Keys(prefix)
         self._streams = _Streams(self.keys)
         self._cluster = is_cluster(self.redis)
@@ -351,7 +353,9 @@ class Client:
                                           approximate=True))
 
     def close(self) -> None:
-        self.redis.close()
+        """Disconnect the pool this client made; a client passed in is left as it was."""
+        if self._owns_redis:
+            disconnect(self.redis)
 
     def __enter__(self) -> "Client":
         return self
@@ -368,6 +372,7 @@ class AsyncClient:
     def __init__(self, url: str = DEFAULT_URL, prefix: str = DEFAULT_PREFIX, *,
                  redis_client: Optional[redis.asyncio.Redis] = None, max_connections: int = 8):
         self.redis = redis_client or connect_async(url, max_connections)
+        self._owns_redis = redis_client is None  # a caller's client stays open on close()
         self.keys = Keys(prefix)
         self._streams = _Streams(self.keys)
         self._cluster = is_cluster(self.redis)
@@ -440,9 +445,12 @@ class AsyncClient:
                                                      maxlen=CANCEL_MAXLEN, approximate=True))
 
     async def close(self) -> None:
+        """Stop reading and disconnect the pool this client made; a client passed in is
+        left as it was."""
         if self._reading is not None:
             self._reading.cancel()
-        await self.redis.aclose()
+        if self._owns_redis:
+            await disconnect_async(self.redis)
 
     async def __aenter__(self) -> "AsyncClient":
         return self

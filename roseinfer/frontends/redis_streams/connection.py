@@ -147,6 +147,23 @@ def _connect(url: str, max_connections: Optional[int], options: dict, lib, senti
         found.primary, db=found.db, username=found.username, password=found.password, **options)
 
 
+def disconnect(client) -> None:
+    """Close ``client`` and every connection of its pool: redis-py leaves open a pool that
+    was passed to the client, as ``connect`` passes it."""
+    client.close()
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        pool.disconnect()
+
+
+async def disconnect_async(client) -> None:
+    """``disconnect`` for asyncio clients."""
+    await client.aclose()
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        await pool.disconnect()
+
+
 class NamingSentinel(redis.sentinel.Sentinel):
     """redis-py's Sentinel client, except that when every Sentinel marks the primary down
     it takes the address they name for it (``SENTINEL GET-MASTER-ADDR-BY-NAME``), as
