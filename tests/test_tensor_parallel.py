@@ -207,3 +207,51 @@ def test_a_rank_that_dies_takes_the_group_down(saved, tmp_path):
         proc.kill()
     assert code != 0
     assert "tensor-parallel rank 1" in proc.stderr.read()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_engines_one_after_another_in_one_process(saved, device):
+    """close(), the context manager, and del plus a collection each leave the group and
+    stop the other rank, so the next tensor-parallel engine starts."""
+    import gc
+
+    path, hf = saved["llama"]
+    expected = [hf_greedy(hf, p, 12) for p in mixed_prompts(2, seed=1)]
+    config = {**CPU, "tensor_parallel_size": 2, "device": device}
+
+    def served(llm):
+        return [o.token_ids for o in llm.generate(mixed_prompts(2, seed=1), GREEDY)] == expected
+
+    llm = LLM(path, **config)
+    ranks = llm.engine.peers.procs
+    assert served(llm)
+    llm.close()
+    assert all(p.poll() is not None for p in ranks) and not tp.group().size > 1
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1, 2]], GREEDY)
+    with LLM(path, **config) as llm:
+        ranks = llm.engine.peers.procs
+        assert served(llm)
+    assert all(p.poll() is not None for p in ranks)
+    llm = LLM(path, **config)
+    ranks = llm.engine.peers.procs
+    assert served(llm)
+    del llm
+    gc.collect()
+    assert all(p.poll() is not None for p in ranks)
+    with LLM(path, **config) as llm:
+        assert served(llm)
+        with pytest.raises(ConfigError, match="close the engine"):
+            LLM(path, **config)  # two groups at once: refused, and the first one goes on
+        assert served(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory")
+def test_close_gives_the_gpu_memory_back(saved):
+    path, _ = saved["llama"]
+    before = torch.cuda.memory_reserved()
+    llm = LLM(path, device="cuda", num_kv_blocks=4096)
+    llm.generate([[1, 2, 3]], GREEDY)
+    assert torch.cuda.memory_reserved() > before
+    llm.close()
+    assert torch.cuda.memory_reserved() <= before

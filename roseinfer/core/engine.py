@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -53,6 +54,8 @@ class Engine:
             with tp.assume(0, config.tensor_parallel_size):
                 loader.check_shards(model, plugins)
             self.peers = Peers.start(model, config, self.device)
+        # Bound to the peers, not to self: the engine must stay collectable for it to run.
+        self._leave = weakref.finalize(self, self.peers.close) if self.peers else lambda: None
         try:
             self._build(model, tokenizer)
         except BaseException:
@@ -101,9 +104,24 @@ class Engine:
                  f", tensor parallel over {config.tensor_parallel_size}" if self.peers else "")
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel group (also done at exit)."""
-        if self.peers is not None:
-            self.peers.close()
+        """Release the model, its KV cache and CUDA graphs, and stop the other ranks of a
+        tensor-parallel group, leaving it; the engine serves nothing after. The group is
+        also left when the engine is garbage-collected, and at exit."""
+        if self.closed:
+            return
+        self._leave()
+        self.seqs.clear()
+        self.groups.clear()
+        self._in_flight = self.runner = self.kv_cache = self.model = None
+        self.blocks = self.scheduler = self.processors = None
+        gc.unfreeze()  # settle_heap froze them: frozen cycles are never collected
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def closed(self) -> bool:
+        return self.scheduler is None
 
     # ---- requests -------------------------------------------------------
     def chat_prompt(self, text: str) -> str:
@@ -123,6 +141,8 @@ class Engine:
         map an index to its own. The samples after the first share its prompt's
         full KV blocks once computed (_share_prompts)."""
         params = params or SamplingParams()
+        if self.closed:
+            raise RuntimeError("this engine is closed; make a new one")
         if request_id in self.seqs or request_id in self.groups:
             raise InvalidRequestError("rid", f"request id {request_id!r} is already in use")
         ids = self._prompt_ids(prompt)

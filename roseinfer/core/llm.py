@@ -14,6 +14,17 @@ class LLM:
         self.engine = Engine(model, tokenizer, EngineConfig.from_kwargs(**config), plugins)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Release the model, its KV cache and GPU memory, and stop the other ranks of a
+        tensor-parallel group; a new LLM can be made in this process after."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: list[Prompt],
                  params: Union[SamplingParams, list[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -9,12 +9,16 @@ captured in CUDA graphs like any kernel), gloo on the CPU.
 """
 from __future__ import annotations
 
+import logging
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from roseinfer.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,13 +59,23 @@ def assume(rank: int, size: int):
         _group = before
 
 
-def destroy() -> None:
+def destroy(timeout: float = 10.0) -> None:
+    """Leave the group. Every rank leaves at once (NCCL's teardown waits for all of
+    them): a rank that does not come within ``timeout`` s (one died, say) gets the
+    group aborted instead of waited for."""
     import torch.distributed as dist
 
     global _group
-    if dist.is_initialized():
-        dist.destroy_process_group()
     _group = Group()
+    if not dist.is_initialized():
+        return
+    left = threading.Thread(target=dist.destroy_process_group, daemon=True, name="tp-leave")
+    left.start()
+    left.join(timeout)
+    if left.is_alive():
+        log.warning("event=tp_abort the other ranks did not leave the group within %.0f s; "
+                    "aborting it", timeout)
+        dist.distributed_c10d._abort_process_group()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ rank whose rank 0 is gone exits too.
 from __future__ import annotations
 
 import argparse
-import atexit
 import dataclasses
 import json
 import logging
@@ -33,6 +32,8 @@ from roseinfer.core.errors import ConfigError
 from roseinfer.core.step_order import STOP, StepOrder, decode
 
 log = logging.getLogger(__name__)
+LEAVE_S = 10.0  # for every rank to leave the group together (tp.destroy)
+EXIT_S = 10.0   # for a rank to exit after it left
 
 
 def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -57,11 +58,11 @@ class Peers:
         for rank, proc in enumerate(procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True,
                              name=f"tp-watch-{rank}").start()
-        atexit.register(self.close)
 
     @classmethod
     def start(cls, spec, config: EngineConfig, device: torch.device) -> "Peers":
         """Start ranks 1..N-1 and join the group as rank 0 (on ``device``)."""
+        _check_no_group()
         size, port = config.tensor_parallel_size, _free_port()
         procs, conns = [], []
         for rank in range(1, size):
@@ -87,24 +88,28 @@ class Peers:
             conn.send_bytes(msg)
 
     def close(self, kill: bool = False) -> None:
-        """Stop the other ranks and leave the group; ``kill``: at once (rank 0 failed
-        and they may wait in a collective that will never complete)."""
+        """Stop the other ranks and leave the group with them, all at once; a rank not
+        gone within EXIT_S after is killed. ``kill``: at once (rank 0 failed, and they
+        may wait in a collective that will never complete)."""
         if self.closing:
             return
         self.closing = True
+        if kill:
+            for proc in self.procs:
+                proc.kill()
         for conn in self.conns:
             try:
                 conn.send_bytes(STOP)
                 conn.close()
             except OSError:
                 pass
+        tp.destroy(timeout=0 if kill else LEAVE_S)
         for proc in self.procs:
             try:
-                proc.wait(timeout=0 if kill else 30)
+                proc.wait(timeout=EXIT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        tp.destroy()
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -117,6 +122,15 @@ class Peers:
         log.critical(msg)
         print(msg, file=sys.stderr, flush=True)
         os._exit(70)
+
+
+def _check_no_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise ConfigError("this process is in a tensor-parallel group already: close the "
+                          "engine that made it first (llm.close(), or `with LLM(...) as "
+                          "llm:`)")
 
 
 def _free_port() -> int:
@@ -163,7 +177,7 @@ def main(argv=None) -> None:
         if order is None:
             break
         runner.follow(order)
-    tp.destroy()
+    tp.destroy(timeout=LEAVE_S)
     sys.stdout.flush()
     sys.stderr.flush()
     # Nothing is left that the OS does not free; the interpreter's teardown
