@@ -86,6 +86,8 @@ def test_worker_rides_out_a_redis_restart(tmp_path, caplog):
             assert [c.seq for c in chunks] == list(range(len(chunks)))
             assert chunks[-1].finish_reason == "length"
             assert sum((c.token_ids for c in chunks), []) == fake_tokens(f"req{i}", 50)
+            # as written: the worker resent only what the restarted Redis lacked
+            assert_well_formed(raw_chunks(client.redis, "r", rid))
         assert worker.alive()
         wait_until(lambda: pending(client.redis, "r") == 0)
         worker.stop()

@@ -1,11 +1,12 @@
 """A worker whose loop stalls inside admission for longer than --claim-idle-ms, while it
 serves other requests: nothing is lost or served twice, alone or beside another worker."""
+import threading
 import time
 
 from roseinfer import SamplingParams
 from roseinfer.frontends.redis_streams.client import Client
 
-from .conftest import FakeEngine
+from .conftest import FakeEngine, assert_well_formed, pending, raw_chunks, wait_until
 from .test_reliability import fake_tokens
 
 STALL_S = 1.2
@@ -70,3 +71,48 @@ def test_a_stall_beside_another_worker_loses_nothing(start_worker, redis_server,
     got = stream_all(client, rids)
     assert [got[r] for r in rids] == [fake_tokens("ab", 60), fake_tokens("slow", SLOW),
                                       fake_tokens("cd", 60)]
+
+
+class StallingStep:
+    """An engine whose step blocks once for ``stall_s`` when ``stall`` is set: the worker
+    is frozen mid-flight, as a SIGSTOP or a swapped-out process would be, and wakes with
+    that step's outputs to publish."""
+
+    def __init__(self, engine, stall_s):
+        self._engine, self.stall_s = engine, stall_s
+        self.stall = threading.Event()
+        self.stalled = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        if self.stall.is_set() and not self.stalled.is_set():
+            self.stalled.set()
+            time.sleep(self.stall_s)
+        return self._engine.step()
+
+
+def test_a_worker_woken_after_a_takeover_writes_nothing_into_streams_it_lost(
+        start_worker, redis_server, real_redis, prefix, caplog):
+    """12 requests in flight; the worker freezes past the claim threshold; a second one
+    takes them over and finishes them; the first wakes with a step's chunks to publish.
+    The fence drops them: no chunk after a final one, no seq twice."""
+    zombie = StallingStep(FakeEngine(max_num_seqs=12, step_s=0.01), stall_s=2.5)
+    start_worker(zombie, consumer="zombie", claim_idle_ms=CLAIM_IDLE_MS)
+    client = Client(redis_server.url, prefix)
+    rids = [client.submit(f"r{i}", max_tokens=50) for i in range(12)]
+    wait_until(lambda: all(len(raw_chunks(real_redis, prefix, r)) >= 3 for r in rids))
+    zombie.stall.set()
+    zombie.stalled.wait(5)
+    start_worker(FakeEngine(max_num_seqs=12, step_s=0.01), consumer="heir",
+                 claim_idle_ms=CLAIM_IDLE_MS)
+    got = stream_all(client, rids)
+    time.sleep(zombie.stall_s)  # the zombie wakes and sends what it had
+    wait_until(lambda: pending(real_redis, prefix) == 0)
+    for i, rid in enumerate(rids):
+        chunks = raw_chunks(real_redis, prefix, rid)  # as written: a repeat would show
+        assert_well_formed(chunks)
+        assert got[rid] == fake_tokens(f"r{i}", 50)
+    events = [r.getMessage().split()[0] for r in caplog.records]
+    assert "event=fenced" in events and "event=ownership_lost" in events

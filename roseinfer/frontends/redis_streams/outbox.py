@@ -23,8 +23,9 @@ Through an outage the same round goes again until Redis takes it: resending is s
 since clients drop chunks whose seq they have seen and acks, claims and expiries are
 idempotent. After an outage the chunks (and acks) of the last REPLAY_S seconds before it
 go again first: a failed-over Redis may have lost what its old primary took but had not
-yet replicated, and a client that missed those chunks would see a gap in seq, while one
-that saw them drops them again. A request taken over in those seconds counts the chunks
+yet replicated, and a client that missed those chunks would see a gap in seq. Rounds sent
+after an outage skip, in the script, each chunk whose seq its stream already holds, so
+the chunks that survived are not written twice. A request taken over in those seconds counts the chunks
 its stream held as this worker's (``vouch``): they were read from the same primary.
 
 With ``ack_replicas`` N > 0 a round that finishes requests puts ``WAIT N timeout``
@@ -51,27 +52,52 @@ from redis import Redis
 from roseinfer.frontends.redis_streams.connection import by_slot, is_cluster
 from roseinfer.frontends.redis_streams.events import event
 from roseinfer.frontends.redis_streams.outage import Outage, is_transient
+from roseinfer.frontends.redis_streams.ownership import OWNER_LUA, Fence
 
-# KEYS: reply streams; ARGV: expiry (s), approximate MAXLEN, one chunk body per key.
+# KEYS: reply streams, then the request stream when fenced. ARGV: expiry (s), approximate
+# MAXLEN, group ('' = no fence: on a Redis Cluster the request stream is in another slot),
+# consumer, '1' to skip chunks whose seq the stream already holds (after an outage), then
+# per chunk its body, its request entry's ID and its seq.
 # pcall: a key a client filled with a non-stream value costs its own chunk, not the batch.
 # Any other error (OOM, READONLY: Redis full, or a replica) fails the call, which then goes
 # again like any transient error; the chunks it added before are dropped by clients as seen.
-PUBLISH_SCRIPT = """
-local failed = {}
-for i, key in ipairs(KEYS) do
-  local reply = redis.pcall('XADD', key, 'MAXLEN', '~', ARGV[2], '*', 'v', '1', 'body', ARGV[i + 2])
-  if type(reply) == 'table' and reply.err then
-    -- The error's own code and text: Redis 6 puts a script position before them.
-    local message = string.match(reply.err, '(%u%u+ .-)%s*$') or reply.err
-    if string.sub(message, 1, 9) ~= 'WRONGTYPE' then
-      return redis.error_reply(message)
+# Returns the keys that were not streams and the keys whose chunks were fenced off.
+PUBLISH_SCRIPT = OWNER_LUA + """
+local fenced = ARGV[3] ~= ''
+local n = fenced and #KEYS - 1 or #KEYS
+local owners, failed, dropped = {}, {}, {}
+local function last_seq(key)
+  local last = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
+  if type(last) ~= 'table' or last.err or #last == 0 then return -1 end
+  local fields = last[1][2]
+  for j = 1, #fields, 2 do
+    if fields[j] == 'seq' then return tonumber(fields[j + 1]) end
+  end
+  return -1
+end
+for i = 1, n do
+  local key, body, entry, seq = KEYS[i], ARGV[3 * i + 3], ARGV[3 * i + 4], ARGV[3 * i + 5]
+  if fenced and owners[entry] == nil then
+    owners[entry] = owner(KEYS[n + 1], ARGV[3], entry)
+  end
+  if fenced and owners[entry] ~= ARGV[4] then
+    dropped[#dropped + 1] = key
+  elseif ARGV[5] ~= '1' or last_seq(key) < tonumber(seq) then
+    local reply = redis.pcall('XADD', key, 'MAXLEN', '~', ARGV[2], '*', 'v', '1', 'seq', seq,
+                              'body', body)
+    if type(reply) == 'table' and reply.err then
+      -- The error's own code and text: Redis 6 puts a script position before them.
+      local message = string.match(reply.err, '(%u%u+ .-)%s*$') or reply.err
+      if string.sub(message, 1, 9) ~= 'WRONGTYPE' then
+        return redis.error_reply(message)
+      end
+      failed[#failed + 1] = key
+    else
+      redis.pcall('EXPIRE', key, ARGV[1])
     end
-    failed[#failed + 1] = key
-  else
-    redis.pcall('EXPIRE', key, ARGV[1])
   end
 end
-return failed
+return {failed, dropped}
 """
 
 
@@ -98,29 +124,36 @@ class ReplyBatch:
     """Consecutive chunks of a round, and the entries acknowledged with them.
     ``slot_of``: on a Redis Cluster, a key's slot (a script's keys must share one)."""
 
-    def __init__(self, ttl_s: int, maxlen: int, acks: Acks, slot_of: Optional[Callable] = None):
-        self.ttl_s, self.maxlen, self.acks, self.slot_of = ttl_s, maxlen, acks, slot_of
+    def __init__(self, ttl_s: int, maxlen: int, acks: Acks, fence: Fence,
+                 slot_of: Optional[Callable] = None):
+        self.ttl_s, self.maxlen, self.acks, self.fence = ttl_s, maxlen, acks, fence
+        self.slot_of = slot_of
         self.keys: list[str] = []
-        self.bodies: list[bytes] = []
+        self.chunks: list[tuple] = []  # (body, entry ID, seq) per key
         self.acked: list[str] = []
         self.scripts = 0  # the script calls write() made
         self.waited = False  # and whether it put WAIT after them
 
-    def add(self, key: str, body: bytes, ack_entry_id: Optional[str]) -> None:
+    def add(self, key: str, body: bytes, entry_id: str, seq: int, ack: bool = False) -> None:
+        """A chunk of the request entry ``entry_id``; ``ack``: the entry is acknowledged
+        after it (its request's last final chunk)."""
         self.keys.append(key)
-        self.bodies.append(body)
-        if ack_entry_id is not None:
-            self.acked.append(ack_entry_id)
+        self.chunks.append((body, entry_id, seq))
+        if ack:
+            self.acked.append(entry_id)
 
-    def write(self, pipe, wait: bool = True) -> None:
+    def write(self, pipe, wait: bool = True, resent: bool = False) -> None:
         """``wait``: False for a replay after an outage, whose many batches must not each
-        wait out a missing replica."""
+        wait out a missing replica. ``resent``: chunks a reply stream already holds (by
+        seq) are skipped, as after an outage."""
         groups = self._by_slot()
-        for keys, bodies in groups:
+        for keys, chunks in groups:
+            keys, fence = self.fence.args(keys)
             # EVAL rather than EVALSHA: Redis caches the compiled script by its hash, and a
             # restarted or failed-over Redis needs no SCRIPT LOAD first.
             pipe.execute_command("EVAL", PUBLISH_SCRIPT, len(keys), *keys, self.ttl_s,
-                                 self.maxlen, *bodies)
+                                 self.maxlen, *fence, int(resent),
+                                 *(arg for chunk in chunks for arg in chunk))
         self.scripts = len(groups)
         self.waited = wait and bool(self.acked) and self.acks.due()
         if self.waited:
@@ -128,12 +161,12 @@ class ReplyBatch:
         if self.acked:  # after the chunks: acknowledged only together with the final one
             self.acks.ack(pipe, self.acked)
 
-    def _by_slot(self) -> list[tuple[list[str], list[bytes]]]:
-        """(keys, bodies) per script call: all in one, or on a cluster one per slot."""
+    def _by_slot(self) -> list[tuple[list[str], list[tuple]]]:
+        """(keys, chunks) per script call: all in one, or on a cluster one per slot."""
         if self.slot_of is None:
-            return [(self.keys, self.bodies)]
-        return [([k for k, _ in group], [b for _, b in group])
-                for group in by_slot(self.slot_of, zip(self.keys, self.bodies))]
+            return [(self.keys, self.chunks)]
+        return [([k for k, _ in group], [c for _, c in group])
+                for group in by_slot(self.slot_of, zip(self.keys, self.chunks))]
 
     def check_replicated(self, confirmed) -> None:
         """Log acks sent before the replicas asked for confirmed (WAIT's reply)."""
@@ -149,9 +182,9 @@ class Round:
     """One loop iteration's writes in order, then its reads. ``later(fn)`` queues work that
     the sender thread runs when it sends the round: fn(round) may write and publish."""
 
-    def __init__(self, reply_ttl_s: int, reply_maxlen: int, acks: Acks,
+    def __init__(self, reply_ttl_s: int, reply_maxlen: int, acks: Acks, fence: Fence,
                  slot_of: Optional[Callable] = None):
-        self._reply_args = (reply_ttl_s, reply_maxlen, acks, slot_of)
+        self._reply_args = (reply_ttl_s, reply_maxlen, acks, fence, slot_of)
         self.items: list = []        # (fn, args, kwargs) writes, or ("later", fn)
         self.reads: Optional[Callable] = None
         self.parse: Optional[Callable] = None
@@ -167,12 +200,12 @@ class Round:
         self.items.append((fn, args, kwargs))
         self._batch = None
 
-    def publish(self, key: str, body: bytes, ack_entry_id: Optional[str] = None) -> None:
+    def publish(self, key: str, body: bytes, entry_id: str, seq: int, ack: bool = False) -> None:
         """Queue a reply chunk (and the ack of its request entry, for a final chunk)."""
         if self._batch is None:
             self._batch = ReplyBatch(*self._reply_args)
             self.items.append((self._batch.write, (), {}))
-        self._batch.add(key, body, ack_entry_id)
+        self._batch.add(key, body, entry_id, seq, ack)
 
     def later(self, fn: Callable[["Round"], None]) -> None:
         self.items.append(("later", fn))
@@ -196,7 +229,7 @@ class Round:
 
 
 class Outbox:
-    def __init__(self, redis: Redis, outage: Outage, reply_ttl_s: int = 3600,
+    def __init__(self, redis: Redis, outage: Outage, fence: Fence, reply_ttl_s: int = 3600,
                  reply_maxlen: int = 100_000, ack: Optional[Callable] = None,
                  send_thread: bool = True, ack_replicas: int = 0,
                  ack_timeout_ms: int = 1000):
@@ -205,7 +238,7 @@ class Outbox:
         self.redis = redis
         self.outage = outage
         self._reply_args = (reply_ttl_s, reply_maxlen, Acks(ack, ack_replicas, ack_timeout_ms),
-                            redis.keyslot if is_cluster(redis) else None)
+                            fence, redis.keyslot if is_cluster(redis) else None)
         self.round = Round(*self._reply_args)
         self._sender = _Sender(self._send) if send_thread else None
         self._reader = _Sender(self._send, depth=1) if send_thread else None
@@ -219,20 +252,20 @@ class Outbox:
     def write(self, fn, *args, **kwargs) -> None:
         self.round.write(fn, *args, **kwargs)
 
-    def publish(self, key: str, body: bytes, ack_entry_id: Optional[str] = None) -> None:
-        self.round.publish(key, body, ack_entry_id)
+    def publish(self, key: str, body: bytes, entry_id: str, seq: int, ack: bool = False) -> None:
+        self.round.publish(key, body, entry_id, seq, ack)
 
     def later(self, fn: Callable[[Round], None]) -> None:
         self.round.later(fn)
 
-    def vouch(self, key: str, bodies: list[bytes]) -> None:
+    def vouch(self, key: str, entry_id: str, chunks: list[tuple[bytes, int]]) -> None:
         """Replay after an outage, as if this worker had just sent them, chunks that another
         worker sent and this one builds on (a request taken over resumes after them): read
         from a primary that then failed over, they may be lost with it, and their worker
         may be gone, leaving a gap in seq before this worker's next chunk."""
         batch = ReplyBatch(*self._reply_args)
-        for body in bodies:
-            batch.add(key, body, None)
+        for body, seq in chunks:
+            batch.add(key, body, entry_id, seq)
         self._remember([batch])
 
     # sending -------------------------------------------------------------------------
@@ -310,13 +343,15 @@ class Outbox:
             # could put old chunks after newer ones. A replay counts as done once its round
             # has landed: a failover fails several tries, and each must carry it.
             outages = self.outage.outages
-            replayed = self._replay(pipe) if rnd.items and outages != self._outages_seen else 0
+            resent = outages != self._outages_seen  # some of it may have landed already
+            replayed = self._replay(pipe) if rnd.items and resent else 0
             scripts = []
             for fn, args, kwargs in rnd.items:
                 at = len(pipe) - replayed
-                fn(pipe, *args, **kwargs)
                 if isinstance(getattr(fn, "__self__", None), ReplyBatch):
                     scripts.append((at, fn.__self__))
+                    kwargs = {**kwargs, "resent": resent}
+                fn(pipe, *args, **kwargs)
             num_writes = len(pipe)
             if rnd.reads is not None:
                 rnd.reads(pipe)
@@ -333,11 +368,9 @@ class Outbox:
                 if isinstance(r, Exception):
                     event("write_failed", logging.WARNING, error=r)
             for i, batch in scripts:
-                for failed in results[i:i + batch.scripts]:
-                    if failed and not isinstance(failed, Exception):
-                        # a client wrote a non-stream value under a reply key: its loss only
-                        event("write_failed", logging.WARNING, error="not a stream",
-                              keys=b",".join(failed).decode(errors="replace"))
+                for reply in results[i:i + batch.scripts]:
+                    if not isinstance(reply, Exception):
+                        _report(*reply)
                 if batch.waited:
                     batch.check_replicated(results[i + batch.scripts])
             if rnd.items:
@@ -359,7 +392,7 @@ class Outbox:
         with self._recent_lock:
             batches = [batch for _, batch in self._recent]
         for batch in batches:
-            batch.write(pipe, wait=False)
+            batch.write(pipe, wait=False, resent=True)
         return len(pipe)
 
     def _remember(self, batches: list) -> None:
@@ -368,6 +401,18 @@ class Outbox:
             self._recent.extend((now, b) for b in batches)
             while self._recent and now - self._recent[0][0] > REPLAY_S:
                 self._recent.popleft()
+
+
+def _report(failed: list, fenced: list) -> None:
+    """What a publish script left out, logged: keys a client filled with a non-stream value
+    (their chunks lost), and chunks of entries another worker now serves."""
+    if failed:
+        event("write_failed", logging.WARNING, error="not a stream",
+              keys=b",".join(failed).decode(errors="replace"))
+    if fenced:
+        event("fenced", logging.WARNING, chunks=len(fenced),
+              keys=b",".join(sorted(set(fenced))).decode(errors="replace"),
+              reason="their entries are another worker's now, or acknowledged")
 
 
 def _check_wait(redis, ack_timeout_ms: int) -> None:

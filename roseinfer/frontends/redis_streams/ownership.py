@@ -9,7 +9,34 @@ Every method adds commands to a pipeline, so they ride the worker's one round tr
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from roseinfer.frontends.redis_streams.protocol import Keys
+
+# Who may write for a request entry: the consumer whose pending list holds it. A worker
+# stalled past the claim threshold (paused, swapped out) wakes with rounds still queued
+# for entries another worker took over; their chunks and acks are dropped here, in the
+# same script as the writes, so nothing lands between the check and the write.
+OWNER_LUA = """
+local function owner(requests, group, entry)
+  local p = redis.call('XPENDING', requests, group, entry, entry, 1)
+  return p[1] and p[1][2] or false
+end
+"""
+
+# KEYS: the request stream; ARGV: group, consumer, entry IDs. Acknowledges (and deletes)
+# the entries still this consumer's; returns how many.
+ACK_SCRIPT = OWNER_LUA + """
+local acked = 0
+for i = 3, #ARGV do
+  if owner(KEYS[1], ARGV[1], ARGV[i]) == ARGV[2] then
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    acked = acked + 1
+  end
+end
+return acked
+"""
 
 # Idle time given to an entry handed back: past any worker's --claim-idle-ms, so the next
 # XAUTOCLAIM anywhere takes it at once.
@@ -66,7 +93,29 @@ class Ownership:
                     idle=HANDED_BACK_IDLE_MS, retrycount=retries, justid=True)
 
     def ack(self, pipe, entry_ids: list[str]) -> None:
-        # Deleted too, since nothing reads an acknowledged request again: the stream then
-        # holds exactly the entries waiting or being served.
-        pipe.xack(self.stream, self.group, *entry_ids)
-        pipe.xdel(self.stream, *entry_ids)
+        """Queue the acknowledgement of entries, those still this worker's only (OWNER_LUA).
+        Deleted too, since nothing reads an acknowledged request again: the stream then
+        holds exactly the entries waiting or being served."""
+        pipe.execute_command("EVAL", ACK_SCRIPT, 1, self.stream, self.group, self.consumer,
+                             *entry_ids)
+
+    def fence(self, cluster: bool) -> "Fence":
+        """What the reply script checks before writing for an entry: that it is still this
+        worker's. Not on a Redis Cluster, whose request stream is in another slot than
+        the reply streams (docs/operations.md)."""
+        return Fence(self.stream, None if cluster else self.group, self.consumer)
+
+
+class Fence:
+    """Whose writes a script lets through: ``consumer``'s in ``group`` on ``requests``
+    (OWNER_LUA); ``group`` None: no fence (on a Redis Cluster)."""
+
+    def __init__(self, requests: str, group: Optional[str], consumer: str):
+        self.requests, self.group, self.consumer = requests, group, consumer
+
+    def args(self, keys: list[str]) -> tuple[list[str], list[str]]:
+        """The script's keys (with the request stream when fenced) and its fence ARGVs."""
+        if self.group is None:
+            return keys, ["", self.consumer]
+        return [*keys, self.requests], [self.group, self.consumer]
+

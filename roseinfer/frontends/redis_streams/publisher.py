@@ -7,7 +7,6 @@ and runs while the step loop drives the next step.
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from roseinfer.frontends.redis_streams.events import event
 from roseinfer.frontends.redis_streams.inflight import InFlight
@@ -21,11 +20,11 @@ class Publisher:
         # Added to here only; the loop reads them (heartbeat, progress log).
         self.totals = {"tokens": 0, "finished": 0}
 
-    def publish(self, rnd, chunk: Chunk, ack_entry_id: Optional[str] = None) -> None:
-        """Queue a chunk in the round; a final one with the ack of its request entry: a
-        request is acknowledged only together with its final chunk, so a crash never
-        loses it."""
-        rnd.publish(self.keys.out(chunk.rid), chunk_body(chunk), ack_entry_id)
+    def publish(self, rnd, chunk: Chunk, entry_id: str, final: bool = False) -> None:
+        """Queue a chunk of the request entry ``entry_id`` in the round; ``final`` (its
+        request's last final chunk) with the ack of the entry: a request is acknowledged
+        only together with its final chunk, so a crash never loses it."""
+        rnd.publish(self.keys.out(chunk.rid), chunk_body(chunk), entry_id, chunk.seq, final)
 
     def outputs(self, rnd, ours: list[tuple[InFlight, object, bool]]) -> None:
         """A step's outputs as the chunks they make due; ``last``: the output that
@@ -37,12 +36,12 @@ class Publisher:
             if chunk is not None and last:
                 self._finish(rnd, f, chunk)
             elif chunk is not None:
-                self.publish(rnd, chunk)
+                self.publish(rnd, chunk, f.entry_id)
         self.metrics.generation_tokens.inc(tokens)
         self.totals["tokens"] += tokens
 
     def _finish(self, rnd, f: InFlight, chunk: Chunk) -> None:
-        self.publish(rnd, chunk, f.entry_id)
+        self.publish(rnd, chunk, f.entry_id, final=True)
         e2e_s = max(0.0, time.time() - f.arrival)
         self.metrics.finished(chunk.finish_reason)
         self.metrics.e2e.observe(e2e_s)

@@ -30,7 +30,7 @@ from redis.exceptions import ResponseError
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams import engine_health
 from roseinfer.frontends.redis_streams.admission import Admission
-from roseinfer.frontends.redis_streams.connection import follow_slots
+from roseinfer.frontends.redis_streams.connection import follow_slots, is_cluster
 from roseinfer.frontends.redis_streams.events import event, log
 from roseinfer.frontends.redis_streams.heartbeat import Heartbeat
 from roseinfer.frontends.redis_streams.inflight import RUN_ALONE_FROM_DELIVERY, InFlight
@@ -107,8 +107,10 @@ class Worker:
         # send_thread: chunks go out while the next step runs (off only for step-by-step tests).
         # ack_replicas: a finished request leaves the queue only once that many replicas
         # hold its chunks (outbox.py; docs/operations.md says what it costs).
-        self.outbox = Outbox(redis, self.outage, reply_ttl_s, reply_maxlen, self.ownership.ack,
-                             send_thread, ack_replicas, ack_timeout_ms)
+        # The fence: a chunk or ack lands only while its entry is this worker's (ownership.py).
+        self.outbox = Outbox(redis, self.outage, self.ownership.fence(is_cluster(redis)),
+                             reply_ttl_s, reply_maxlen, self.ownership.ack, send_thread,
+                             ack_replicas, ack_timeout_ms)
         # Refreshing four times per claim period keeps a live worker's entries far from it.
         self._tick_s = claim_idle_ms / 4000
         self._next_refresh = self._next_claim = 0.0
@@ -350,7 +352,8 @@ class Worker:
         for t in takeovers:
             if self._still_mine(t):
                 continue
-            self.outbox.vouch(self.keys.out(t.rid), [chunk_body(c) for c in t.chunks])
+            self.outbox.vouch(self.keys.out(t.rid), t.entry_id,
+                              [(chunk_body(c), c.seq) for c in t.chunks])
             if t.finished:  # its worker died between the final chunk and the ack
                 self.outbox.write(self.ownership.ack, [t.entry_id])
                 event("acked", rid=t.rid, entry=t.entry_id, reason="already finished")
@@ -387,7 +390,7 @@ class Worker:
         self.outbox.write(dead_letter, self.keys, t, reason, self.consumer)
         message = f"{reason}; moved to {self.keys.dead} for an operator to look at"
         chunk = error_chunk(t.rid, "dead_letter", message, t.next_seq, len(t.emitted_ids()))
-        self.publisher.publish(self.outbox.round, chunk, t.entry_id)
+        self.publisher.publish(self.outbox.round, chunk, t.entry_id, final=True)
         self.metrics.dead_lettered.inc()
         self.metrics.finished("error")
         event("dead_lettered", logging.WARNING, rid=t.rid, entry=t.entry_id,
@@ -516,7 +519,8 @@ class Worker:
     def _fail(self, rid: str, entry_id: str, code: str, message: str, seq: int,
               completion_tokens: int) -> None:
         self.publisher.publish(self.outbox.round,
-                               error_chunk(rid, code, message, seq, completion_tokens), entry_id)
+                               error_chunk(rid, code, message, seq, completion_tokens), entry_id,
+                               final=True)
         self.metrics.finished("error")
 
     def _cancel(self, rid: str) -> None:
