@@ -281,10 +281,11 @@ def test_sampling_flags_reach_the_engine_and_greedy_sends_none():
 
 
 def test_random_dataset_varies_output_lengths_too(tmp_path, tiny_dir):
-    """vLLM's meaning: --range-ratio spreads --max-new-tokens as it spreads --input-len,
-    and each request makes exactly its own count (ignore_eos)."""
+    """vLLM's meaning and names: --range-ratio spreads --output-len as it spreads
+    --input-len, and each request makes exactly its own count (ignore_eos). (The other
+    tests use --max-new-tokens, its alias.)"""
     code, result = _bench(tmp_path, "offline", tiny_dir, "--dataset", "random", "--input-len",
-                          "6", "--max-new-tokens", "10", "--range-ratio", "0.5",
+                          "6", "--output-len", "10", "--range-ratio", "0.5",
                           "--num-requests", "12")
     assert code == 0
     w = result["workload"]

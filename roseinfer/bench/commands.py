@@ -71,12 +71,14 @@ def _workload_parent() -> argparse.ArgumentParser:
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="with --dataset random: lengths uniform in input-len * (1 +- R) "
                         "(default: %(default)s)")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
+    g.add_argument("--output-len", "--max-new-tokens", dest="max_new_tokens", type=int,
+                   default=64, help="new tokens per request, vLLM's name; --max-new-tokens "
+                   "is the same (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default: %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
-    g.add_argument("--ignore-eos", action="store_true", help="always make --max-new-tokens tokens")
+    g.add_argument("--ignore-eos", action="store_true", help="always make --output-len tokens")
     g.add_argument("--submit-interval-ms", type=float, default=0.0,
                    help="gap between submits; 0 = all at once (default: 0)")
     g.add_argument("--request-rate", type=float, default=None,

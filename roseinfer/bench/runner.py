@@ -35,7 +35,7 @@ class BenchRun:
     def main(self) -> int:
         a = self.args
         if a.num_requests < 1 or a.max_new_tokens < 1 or a.repeat_runs < 1 or a.warmup_runs < 0:
-            raise SystemExit("--num-requests, --max-new-tokens and --repeat-runs must be >= 1, "
+            raise SystemExit("--num-requests, --output-len and --repeat-runs must be >= 1, "
                              "--warmup-runs >= 0")
         if threading.current_thread() is not threading.main_thread():
             return self._main()
