@@ -17,7 +17,7 @@ from roseinfer.bench.probe import EngineProbe
 from roseinfer.bench.progress import Progress
 from roseinfer.bench.workloads import (
     Workload, build_prompts, parse_repeats, random_lengths, random_prompts, sampling_of)
-from roseinfer.core.engine import settle_heap
+from roseinfer.core.device_side import settle_heap
 
 
 class BenchRun:
@@ -91,7 +91,7 @@ class BenchRun:
     def _build(self):
         """The engine; with --compare-hf built from the very transformers model timed next."""
         from roseinfer.core.config import config_from_args
-        from roseinfer.core.engine import resolve_device, resolve_dtype
+        from roseinfer.core.device_side import resolve_device, resolve_dtype
         from roseinfer.core.llm import LLM, llm_from_args
 
         a = self.args

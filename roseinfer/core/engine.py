@@ -10,22 +10,20 @@ from typing import Optional, Union
 
 import torch
 
-from roseinfer.core import cpu_step, faults, tp
+from roseinfer.core import cpu_step, device_side, faults, tp
+from roseinfer.core.device_side import attention_name, resolve_device, settle_heap
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
 from roseinfer.core.detokenizer import IncrementalDetokenizer
 from roseinfer.core.errors import ConfigError, InvalidRequestError
-from roseinfer.core.kv_cache import KVCache
 from roseinfer.core.outputs import RequestOutput
 from roseinfer.core.plugins import PluginRegistry, default_registry
 from roseinfer.core.processors import ProcessorContext, Processors, catch_up
 from roseinfer.core.request import Sequence, Status
-from roseinfer.core.runner import ModelRunner
 from roseinfer.core.sampling import SamplingParams, is_int
 from roseinfer.core.scheduler import Scheduler
 from roseinfer.core.tp_workers import Peers, rank_device
 from roseinfer.models import loader
-from roseinfer.models.layers import PagedAttention
 from roseinfer.models.tokenizers import as_chat
 
 log = logging.getLogger(__name__)
@@ -65,19 +63,13 @@ class Engine:
 
     def _build(self, model, tokenizer) -> None:
         config, plugins = self.config, self.plugins
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        self.model, self.hf_config, self.tokenizer = loader.load(
-            model, tokenizer, self.dtype, self.device, seed=config.seed or 0, plugins=plugins,
-            cpu_weight_dtype=_cpu_weight_dtype(config, self.device, self.dtype))
+        side = device_side.build(model, tokenizer, config, plugins, self.device, self.peers)
+        self.dtype, self.model, self.hf_config = side.dtype, side.model, side.hf_config
+        self.tokenizer, self.kv_cache, self.runner = side.tokenizer, side.kv_cache, side.runner
+        self.max_model_len = side.max_model_len
         self.vocab_size = self.hf_config.vocab_size
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
-        self.kv_cache = build_kv_cache(self.model, config, plugins, self.device, self.dtype)
         num_blocks = self.kv_cache.scratch_block
-        self.max_model_len = _max_model_len(config, self.hf_config, num_blocks)
-        self.runner = build_runner(self.model, self.kv_cache, config, plugins, self.device,
-                                   self.max_model_len, self.peers)
         self.runner.compiled = _compiled_step(self)
         store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, store,
@@ -383,56 +375,6 @@ class Engine:
                              seq.index)
 
 
-def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: torch.device,
-                   dtype: torch.dtype) -> KVCache:
-    layers, kv_heads, head_dim = _kv_shape(model)
-    names = plugins.names("kv_append")
-    if cfg.kv_append_backend != "auto":
-        plugins.get("kv_append", cfg.kv_append_backend)  # fail early, listing names
-    plugins.get("metadata", cfg.metadata_store)
-    backends = {n: plugins.create("kv_append", n) for n in names}
-    per_block = 2 * layers * kv_heads * cfg.block_size * head_dim * dtype.itemsize
-    # every rank of a tensor-parallel group holds the same blocks
-    num_blocks = cfg.num_kv_blocks or tp.smallest(_blocks_for_memory(cfg, device, per_block))
-    return KVCache(layers, num_blocks, kv_heads, cfg.block_size, head_dim, dtype,
-                   device, backends, cfg.kv_append_backend)
-
-
-def build_runner(model, kv_cache: KVCache, cfg: EngineConfig, plugins: PluginRegistry,
-                 device: torch.device, max_model_len: int, peers=None) -> ModelRunner:
-    attention = plugins.create("attention", _attention_name(cfg, plugins, device))
-    mixed_tokens = cfg.mixed_graph_max_tokens
-    if not getattr(attention, "mixed_graphs", False):  # docs/plugins.md
-        mixed_tokens = 0
-    return ModelRunner(model, kv_cache, attention, device, cfg.max_num_seqs,
-                       cfg.max_num_batched_tokens, max_model_len, cfg.cuda_graphs,
-                       cfg.decode_steps,
-                       cfg.max_num_batched_tokens if mixed_tokens is None else mixed_tokens,
-                       peers)
-
-
-def _cpu_weight_dtype(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
-    if cfg.cpu_weight_dtype != "float32" and (device.type != "cpu" or dtype != torch.float32):
-        raise ConfigError(f"cpu_weight_dtype {cfg.cpu_weight_dtype} applies to float32 models "
-                          f"on the CPU, not {dtype} on {device}: on a GPU use dtype bfloat16")
-    return cfg.cpu_weight_dtype
-
-
-def build_device_side(spec, cfg: EngineConfig, device: torch.device) -> ModelRunner:
-    """What a tensor-parallel rank other than 0 runs: its shards of the model, its
-    KV cache and a runner, built as the Engine builds rank 0's (the same
-    collectives in the same order). It uses the default plugin registry."""
-    plugins = default_registry()
-    dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.seed is not None:
-        torch.manual_seed(cfg.seed)
-    model, hf_config, _ = loader.load(spec, None, dtype, device, seed=cfg.seed or 0,
-                                      plugins=plugins,
-                                      cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype))
-    kv_cache = build_kv_cache(model, cfg, plugins, device, dtype)
-    max_model_len = _max_model_len(cfg, hf_config, kv_cache.scratch_block)
-    return build_runner(model, kv_cache, cfg, plugins, device, max_model_len)
-
 
 def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
     """The compiled one-sequence decode step (core/cpu_step.py), where it applies: a
@@ -442,7 +384,7 @@ def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
     applies = (engine.device.type == "cpu" and engine.dtype == torch.float32
                and cfg.cpu_weight_dtype == "float32" and cfg.tensor_parallel_size == 1
                and cfg.kv_append_backend in ("auto", "torch_index")
-               and _attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
+               and attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
     if not applies:
         if cfg.cpu_compiled_step == "build":
             raise ConfigError("cpu_compiled_step build applies to a float32 model on the CPU "
@@ -452,78 +394,6 @@ def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
     return cpu_step.prepare(cfg.cpu_compiled_step, engine.model, engine.hf_config,
                             engine.kv_cache, engine.kv_cache.backends["torch_index"],
                             engine.runner.attention, engine.max_model_len, loader.CACHE_DIR)
-
-
-def _attention_name(cfg: EngineConfig, plugins: PluginRegistry, device: torch.device) -> str:
-    name = cfg.attention_backend
-    if name != "auto":
-        plugins.get("attention", name)
-        return name
-    return "triton_paged" if device.type == "cuda" else "torch_sdpa"
-
-
-def _max_model_len(cfg: EngineConfig, hf_config, num_blocks: int) -> int:
-    return min(cfg.max_model_len or _context_len(hf_config), num_blocks * cfg.block_size)
-
-
-def settle_heap() -> None:
-    """Move every object alive now (torch, transformers, the model) out of the
-    cyclic GC's reach. Each step allocates small objects, so full collections
-    come often; traversing millions of long-lived objects made them stall steps
-    for milliseconds."""
-    gc.collect()
-    gc.freeze()
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("device cuda requested but no CUDA GPU is visible; use device='cpu'")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
-
-
-def _kv_shape(model) -> tuple[int, int, int]:
-    """(layers, K/V heads, head dim) from the module's PagedAttention layers: any
-    family that attends through them gets its cache, whatever its config calls them."""
-    attn = [m for m in model.modules() if isinstance(m, PagedAttention)]
-    if not attn:
-        raise ConfigError(f"{type(model).__name__} has no PagedAttention layer: a model "
-                          "module must attend through roseinfer.models.layers.PagedAttention")
-    return len(attn), attn[0].num_kv_heads, attn[0].head_dim
-
-
-def _context_len(hf) -> int:
-    """The model's context; a sliding window bounds it, since attention here is full:
-    within the window the two are the same. LongRoPE (Phi-3's long-context variants)
-    switches to other frequencies past its original context, and the tables here are
-    built once: that bounds it too."""
-    context = getattr(hf, "n_positions", None) or hf.max_position_embeddings
-    window = getattr(hf, "sliding_window", None)
-    if window and getattr(hf, "use_sliding_window", True):
-        context = min(context, window)
-    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type")) == "longrope":
-        context = min(context, hf.original_max_position_embeddings)
-    return context
-
-
-def _blocks_for_memory(cfg: EngineConfig, device: torch.device, per_block: int) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * cfg.kv_cache_memory_fraction
-    else:
-        import psutil
-        budget = min(psutil.virtual_memory().available * cfg.kv_cache_memory_fraction, 2 << 30)
-    return max(int(budget // per_block), 2)
 
 
 def _eos_ids(hf, tokenizer) -> set[int]:

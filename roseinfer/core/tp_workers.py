@@ -161,13 +161,14 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(message)s")
     _exit_with_parent()
-    from roseinfer.core.engine import build_device_side, settle_heap
+    from roseinfer.core import device_side
+    from roseinfer.core.plugins import default_registry
 
     config = EngineConfig(**json.loads(args.config))
     device = rank_device(torch.device(args.device), args.rank, args.size)
     tp.init(args.rank, args.size, args.port, device)
-    runner = build_device_side(args.model, config, device)
-    settle_heap()  # as rank 0 does: no full collection between steps walks the model's objects
+    runner = device_side.build(args.model, None, config, default_registry(), device).runner
+    device_side.settle_heap()  # as rank 0 does: no full collection between steps walks the model's objects
     conn = Connection(args.fd, writable=False)
     while True:
         try:

@@ -1,7 +1,7 @@
 """Llama family on the paged KV cache: RoPE, RMSNorm, SwiGLU, grouped-query attention.
 
 The families that are Llama plus a flag run here too: Mistral (Llama's layers; its
-sliding window bounds the context instead, see engine._context_len), Qwen2 (bias on
+sliding window bounds the context instead, see device_side._context_len), Qwen2 (bias on
 q/k/v), Qwen3 (an RMSNorm on each head of q and k before RoPE) and Phi-3 (its
 checkpoints hold q/k/v and gate/up already fused; partial rotary where the config
 sets it)."""

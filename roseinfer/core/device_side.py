@@ -1,0 +1,154 @@
+"""The device side of an engine: the model on its device, its KV cache and the runner
+that steps them. The engine builds it for rank 0, and each other rank of a
+tensor-parallel group builds its own here too (core/tp_workers.py)."""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from roseinfer.core import tp
+from roseinfer.core.config import EngineConfig
+from roseinfer.core.errors import ConfigError
+from roseinfer.core.kv_cache import KVCache
+from roseinfer.core.plugins import PluginRegistry
+from roseinfer.core.runner import ModelRunner
+from roseinfer.models import loader
+from roseinfer.models.layers import PagedAttention
+
+
+@dataclass
+class DeviceSide:
+    model: torch.nn.Module
+    hf_config: Any
+    tokenizer: Any
+    dtype: torch.dtype
+    kv_cache: KVCache
+    runner: ModelRunner
+    max_model_len: int
+
+
+def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: torch.device,
+                   dtype: torch.dtype) -> KVCache:
+    layers, kv_heads, head_dim = _kv_shape(model)
+    names = plugins.names("kv_append")
+    if cfg.kv_append_backend != "auto":
+        plugins.get("kv_append", cfg.kv_append_backend)  # fail early, listing names
+    plugins.get("metadata", cfg.metadata_store)
+    backends = {n: plugins.create("kv_append", n) for n in names}
+    per_block = 2 * layers * kv_heads * cfg.block_size * head_dim * dtype.itemsize
+    # every rank of a tensor-parallel group holds the same blocks
+    num_blocks = cfg.num_kv_blocks or tp.smallest(_blocks_for_memory(cfg, device, per_block))
+    return KVCache(layers, num_blocks, kv_heads, cfg.block_size, head_dim, dtype,
+                   device, backends, cfg.kv_append_backend)
+
+
+def build_runner(model, kv_cache: KVCache, cfg: EngineConfig, plugins: PluginRegistry,
+                 device: torch.device, max_model_len: int, peers=None) -> ModelRunner:
+    attention = plugins.create("attention", attention_name(cfg, plugins, device))
+    mixed_tokens = cfg.mixed_graph_max_tokens
+    if not getattr(attention, "mixed_graphs", False):  # docs/plugins.md
+        mixed_tokens = 0
+    return ModelRunner(model, kv_cache, attention, device, cfg.max_num_seqs,
+                       cfg.max_num_batched_tokens, max_model_len, cfg.cuda_graphs,
+                       cfg.decode_steps,
+                       cfg.max_num_batched_tokens if mixed_tokens is None else mixed_tokens,
+                       peers)
+
+
+def _cpu_weight_dtype(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    if cfg.cpu_weight_dtype != "float32" and (device.type != "cpu" or dtype != torch.float32):
+        raise ConfigError(f"cpu_weight_dtype {cfg.cpu_weight_dtype} applies to float32 models "
+                          f"on the CPU, not {dtype} on {device}: on a GPU use dtype bfloat16")
+    return cfg.cpu_weight_dtype
+
+
+def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: torch.device,
+          peers=None) -> DeviceSide:
+    """The model (this rank's shards of it), its KV cache and a runner on ``device``.
+    Every rank of a tensor-parallel group builds through here, so their collectives come
+    in the same order; rank 0 passes ``peers``, the other ranks' handle."""
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+    model, hf_config, tokenizer = loader.load(
+        spec, tokenizer, dtype, device, seed=cfg.seed or 0, plugins=plugins,
+        cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype))
+    kv_cache = build_kv_cache(model, cfg, plugins, device, dtype)
+    max_model_len = _max_model_len(cfg, hf_config, kv_cache.scratch_block)
+    runner = build_runner(model, kv_cache, cfg, plugins, device, max_model_len, peers)
+    return DeviceSide(model, hf_config, tokenizer, dtype, kv_cache, runner, max_model_len)
+
+
+def attention_name(cfg: EngineConfig, plugins: PluginRegistry, device: torch.device) -> str:
+    name = cfg.attention_backend
+    if name != "auto":
+        plugins.get("attention", name)
+        return name
+    return "triton_paged" if device.type == "cuda" else "torch_sdpa"
+
+
+def _max_model_len(cfg: EngineConfig, hf_config, num_blocks: int) -> int:
+    return min(cfg.max_model_len or _context_len(hf_config), num_blocks * cfg.block_size)
+
+
+def settle_heap() -> None:
+    """Move every object alive now (torch, transformers, the model) out of the
+    cyclic GC's reach. Each step allocates small objects, so full collections
+    come often; traversing millions of long-lived objects made them stall steps
+    for milliseconds."""
+    gc.collect()
+    gc.freeze()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device cuda requested but no CUDA GPU is visible; use device='cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _kv_shape(model) -> tuple[int, int, int]:
+    """(layers, K/V heads, head dim) from the module's PagedAttention layers: any
+    family that attends through them gets its cache, whatever its config calls them."""
+    attn = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    if not attn:
+        raise ConfigError(f"{type(model).__name__} has no PagedAttention layer: a model "
+                          "module must attend through roseinfer.models.layers.PagedAttention")
+    return len(attn), attn[0].num_kv_heads, attn[0].head_dim
+
+
+def _context_len(hf) -> int:
+    """The model's context; a sliding window bounds it, since attention here is full:
+    within the window the two are the same. LongRoPE (Phi-3's long-context variants)
+    switches to other frequencies past its original context, and the tables here are
+    built once: that bounds it too."""
+    context = getattr(hf, "n_positions", None) or hf.max_position_embeddings
+    window = getattr(hf, "sliding_window", None)
+    if window and getattr(hf, "use_sliding_window", True):
+        context = min(context, window)
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) == "longrope":
+        context = min(context, hf.original_max_position_embeddings)
+    return context
+
+
+def _blocks_for_memory(cfg: EngineConfig, device: torch.device, per_block: int) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * cfg.kv_cache_memory_fraction
+    else:
+        import psutil
+        budget = min(psutil.virtual_memory().available * cfg.kv_cache_memory_fraction, 2 << 30)
+    return max(int(budget // per_block), 2)
