@@ -3,7 +3,8 @@
 # the bytes floor is taken at, Llama-3-8B shape at TP 1 and 2 (batch 1; 64 x 512 -> 256),
 # the 70B shape at TP 2 (decode profile with the all-reduces' share, batch 64, and through
 # Redis). Random bf16 weights built on the GPUs.
-# Usage: OUT=dir [LIMIT_S=400] bash docs/bench/tensor_parallel.sh [tests] [8b] [70b]
+# Usage: OUT=dir [LIMIT_S=400] bash docs/bench/tensor_parallel.sh [tests] [8b | 8b-b1 8b-b64]
+#        [8b-serve] [70b]
 # (LIMIT_S: the seconds each command may take before it is stopped with its stacks printed)
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -56,14 +57,32 @@ tests)
   guarded $limit "$OUT/tests.txt" python3 -m pytest -v -p no:cacheprovider \
     -o faulthandler_timeout=120 tests/test_tensor_parallel.py
   grep -E "PASSED|FAILED|ERROR|HUNG" "$OUT/tests.txt" | tail -25; tail -1 "$OUT/tests.txt" ;;
-8b)
-  for tp in 1 2; do
-    run 8b-tp$tp-b1 --model llama3-8b-random --tensor-parallel-size $tp $(shape 1 128)
-    run 8b-tp$tp-b64 --model llama3-8b-random --tensor-parallel-size $tp $(shape 64 256)
+8b|8b-b1)
+  # TP 2 twice: small all-reduces through symmetric memory (the default), then all by NCCL
+  run 8b-tp1-b1 --model llama3-8b-random --tensor-parallel-size 1 $(shape 1 128)
+  run 8b-tp2-b1 --model llama3-8b-random --tensor-parallel-size 2 $(shape 1 128)
+  ROSEINFER_TP_SYMMETRIC_MAX_BYTES=0 run 8b-tp2-b1-nccl --model llama3-8b-random \
+    --tensor-parallel-size 2 $(shape 1 128)
+  for ar in symmetric nccl; do
+    [ $ar = nccl ] && export ROSEINFER_TP_SYMMETRIC_MAX_BYTES=0
+    PEAK_TB_S=$PEAK guarded $limit "$OUT/8b-tp2-b1-profile-$ar.txt" \
+      python3 docs/bench/decode_profile.py llama3-8b-random:1:512:2
+    echo "profile ($ar): $(grep -E "decode step|all-reduce" "$OUT/8b-tp2-b1-profile-$ar.txt" | tr '\n' ';')"
   done
-  PEAK_TB_S=$PEAK guarded $limit "$OUT/8b-tp2-profile.txt" \
-    python3 docs/bench/decode_profile.py llama3-8b-random:64:512:2
-  grep -E "decode step|all-reduce" "$OUT/8b-tp2-profile.txt" ;;
+  unset ROSEINFER_TP_SYMMETRIC_MAX_BYTES
+  [ $part = 8b ] || continue ;&
+8b-b64)
+  run 8b-tp1-b64 --model llama3-8b-random --tensor-parallel-size 1 $(shape 64 256)
+  run 8b-tp2-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256)
+  ROSEINFER_TP_SYMMETRIC_MAX_BYTES=0 run 8b-tp2-b64-nccl --model llama3-8b-random \
+    --tensor-parallel-size 2 $(shape 64 256) ;;
+8b-serve)
+  guarded $limit "$OUT/8b-tp2-serve.log" python3 -m roseinfer.cli bench serve \
+    --model llama3-8b-random --tensor-parallel-size 2 --dtype bfloat16 --dataset random \
+    --input-len 512 --num-requests 100 --request-rate 10 --max-num-seqs 64 \
+    --output-len 128 --ignore-eos --no-progress --warmup-runs 0 --repeat-runs 1 \
+    --output-json "$OUT/8b-tp2-serve.json"
+  echo "8b serve: $(grep -E '│ completion tok/s|│ TTFT|│ TPOT' "$OUT/8b-tp2-serve.log" | tr -s ' │' ' ' | tr '\n' ';')" ;;
 70b)
   PEAK_TB_S=$PEAK guarded $limit "$OUT/70b-tp2-profile.txt" \
     python3 docs/bench/decode_profile.py llama3-70b-random:1:512:2

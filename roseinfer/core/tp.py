@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -110,23 +109,24 @@ def assume(rank: int, size: int):
         _group = before
 
 
-def destroy(timeout: float = 10.0) -> None:
-    """Leave the group. Every rank leaves at once (NCCL's teardown waits for all of
-    them): a rank that does not come within ``timeout`` s (one died, say) gets the
-    group aborted instead of waited for."""
+def destroy(finish: bool = True) -> None:
+    """Leave the group, without waiting for the other ranks. NCCL's orderly teardown
+    (ncclCommFinalize, then ncclCommDestroy) waits for every rank, and hung on two
+    H100s after a generation had finished; aborting the communicators is local.
+    ``finish``: this rank's device work is finished first, so nothing in flight is cut
+    off (not when a rank is gone: its peers' collectives would never complete)."""
     import torch.distributed as dist
 
     global _group, _symmetric
-    _group, _symmetric = Group(), None
+    device, _group, _symmetric = _group.device, Group(), None
     if not dist.is_initialized():
         return
-    left = threading.Thread(target=dist.destroy_process_group, daemon=True, name="tp-leave")
-    left.start()
-    left.join(timeout)
-    if left.is_alive():
-        log.warning("event=tp_abort the other ranks did not leave the group within %.0f s; "
-                    "aborting it", timeout)
+    if device.type == "cuda":
+        if finish:
+            torch.cuda.synchronize(device)
         dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

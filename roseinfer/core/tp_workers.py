@@ -32,8 +32,7 @@ from roseinfer.core.errors import ConfigError
 from roseinfer.core.step_order import STOP, StepOrder, decode
 
 log = logging.getLogger(__name__)
-LEAVE_S = 10.0  # for every rank to leave the group together (tp.destroy)
-EXIT_S = 10.0   # for a rank to exit after it left
+EXIT_S = 10.0  # for a rank to exit after it was told to stop
 
 
 def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -88,9 +87,9 @@ class Peers:
             conn.send_bytes(msg)
 
     def close(self, kill: bool = False) -> None:
-        """Stop the other ranks and leave the group with them, all at once; a rank not
-        gone within EXIT_S after is killed. ``kill``: at once (rank 0 failed, and they
-        may wait in a collective that will never complete)."""
+        """Stop the other ranks and leave the group (each rank leaves on its own, waiting
+        for nobody: tp.destroy); a rank not gone within EXIT_S is killed. ``kill``: at
+        once (rank 0 failed, and they may wait in a collective that will never complete)."""
         if self.closing:
             return
         self.closing = True
@@ -103,7 +102,7 @@ class Peers:
                 conn.close()
             except OSError:
                 pass
-        tp.destroy(timeout=0 if kill else LEAVE_S)
+        tp.destroy(finish=not kill)
         for proc in self.procs:
             try:
                 proc.wait(timeout=EXIT_S)
@@ -178,7 +177,7 @@ def main(argv=None) -> None:
         if order is None:
             break
         runner.follow(order)
-    tp.destroy(timeout=LEAVE_S)
+    tp.destroy()
     sys.stdout.flush()
     sys.stderr.flush()
     # Nothing is left that the OS does not free; the interpreter's teardown
