@@ -103,6 +103,13 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+def release() -> None:
+    """Free what a dropped device side held (its CUDA graphs among it): settle_heap froze
+    it, and frozen cycles are never collected."""
+    gc.unfreeze()
+    gc.collect()
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

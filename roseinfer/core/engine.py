@@ -1,7 +1,6 @@
 """Engine: add_request / step / abort over scheduler, block manager and runner."""
 from __future__ import annotations
 
-import gc
 import logging
 import time
 import weakref
@@ -101,13 +100,12 @@ class Engine:
         also left when the engine is garbage-collected, and at exit."""
         if self.closed:
             return
-        self._leave()
         self.seqs.clear()
         self.groups.clear()
         self._in_flight = self.runner = self.kv_cache = self.model = None
         self.blocks = self.scheduler = self.processors = None
-        gc.unfreeze()  # settle_heap froze them: frozen cycles are never collected
-        gc.collect()
+        device_side.release()
+        self._leave()  # after: graphs that captured its collectives are gone
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -177,6 +177,8 @@ def main(argv=None) -> None:
         if order is None:
             break
         runner.follow(order)
+    del runner
+    device_side.release()  # its CUDA graphs before the group they captured collectives of
     tp.destroy()
     sys.stdout.flush()
     sys.stderr.flush()
