@@ -58,24 +58,15 @@ tests)
     -o faulthandler_timeout=120 tests/test_tensor_parallel.py
   grep -E "PASSED|FAILED|ERROR|HUNG" "$OUT/tests.txt" | tail -25; tail -1 "$OUT/tests.txt" ;;
 8b|8b-b1)
-  # TP 2 twice: small all-reduces through symmetric memory (the default), then all by NCCL
   run 8b-tp1-b1 --model llama3-8b-random --tensor-parallel-size 1 $(shape 1 128)
   run 8b-tp2-b1 --model llama3-8b-random --tensor-parallel-size 2 $(shape 1 128)
-  ROSEINFER_TP_SYMMETRIC_MAX_BYTES=0 run 8b-tp2-b1-nccl --model llama3-8b-random \
-    --tensor-parallel-size 2 $(shape 1 128)
-  for ar in symmetric nccl; do
-    [ $ar = nccl ] && export ROSEINFER_TP_SYMMETRIC_MAX_BYTES=0
-    PEAK_TB_S=$PEAK guarded $limit "$OUT/8b-tp2-b1-profile-$ar.txt" \
-      python3 docs/bench/decode_profile.py llama3-8b-random:1:512:2
-    echo "profile ($ar): $(grep -E "decode step|all-reduce" "$OUT/8b-tp2-b1-profile-$ar.txt" | tr '\n' ';')"
-  done
-  unset ROSEINFER_TP_SYMMETRIC_MAX_BYTES
+  PEAK_TB_S=$PEAK guarded $limit "$OUT/8b-tp2-b1-profile.txt" \
+    python3 docs/bench/decode_profile.py llama3-8b-random:1:512:2
+  echo "profile: $(grep -E "decode step|all-reduce" "$OUT/8b-tp2-b1-profile.txt" | tr '\n' ';')"
   [ $part = 8b ] || continue ;&
 8b-b64)
   run 8b-tp1-b64 --model llama3-8b-random --tensor-parallel-size 1 $(shape 64 256)
-  run 8b-tp2-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256)
-  ROSEINFER_TP_SYMMETRIC_MAX_BYTES=0 run 8b-tp2-b64-nccl --model llama3-8b-random \
-    --tensor-parallel-size 2 $(shape 64 256) ;;
+  run 8b-tp2-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256) ;;
 8b-serve)
   guarded $limit "$OUT/8b-tp2-serve.log" python3 -m roseinfer.cli bench serve \
     --model llama3-8b-random --tensor-parallel-size 2 --dtype bfloat16 --dataset random \

@@ -6,26 +6,15 @@ layers ask ``group()`` for their sizes) and runs every step in lockstep; the
 collectives here are no-ops in a group of one, so a model without tensor
 parallelism pays one Python call per use. NCCL on CUDA (the calls are
 captured in CUDA graphs like any kernel), gloo on the CPU.
-
-Small all-reduces (a decode step's hidden rows: 8 KB per layer half at batch 1
-on the 8B shape) go through symmetric memory instead: each rank copies its
-rows into a buffer its peers can read over NVLink, and one kernel on each rank
-reads every peer's rows and sums them (torch's one_shot_all_reduce), where
-NCCL pays microseconds of protocol per call (docs/benchmarks.md). It needs no
-NVLink multicast, which stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 """
 from __future__ import annotations
 
-import logging
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from roseinfer.core.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,10 +25,6 @@ class Group:
 
 
 _group = Group()
-# All-reduces of at most this many bytes take the symmetric-memory path, when it works;
-# 0 turns it off (docs/operations.md). Its buffer is this size on each GPU.
-SYMMETRIC_MAX_BYTES = int(os.environ.get("ROSEINFER_TP_SYMMETRIC_MAX_BYTES", 1 << 20))
-_symmetric = None  # the buffer, a uint8 view of SYMMETRIC_MAX_BYTES, on CUDA groups
 
 
 def group() -> Group:
@@ -57,45 +42,6 @@ def init(rank: int, size: int, port: int, device: torch.device) -> None:
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             device_id=device if device.type == "cuda" else None)
     _group = Group(rank, size, device)
-    if device.type == "cuda" and SYMMETRIC_MAX_BYTES > 0:
-        _start_symmetric(device)
-
-
-def _start_symmetric(device: torch.device) -> None:
-    """Set up the symmetric-memory all-reduce, checked against NCCL on rank-valued rows;
-    every rank agrees to use it, or none does."""
-    import torch.distributed as dist
-
-    global _symmetric
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # the one-shot needs none
-    buf, ok = None, 1
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        buf = symm_mem.empty(SYMMETRIC_MAX_BYTES, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
-    except Exception as e:  # an older torch, no P2P between the GPUs: NCCL serves all
-        log.warning("event=tp_symmetric_off error=%r", e)
-        ok = 0
-    agreed = torch.tensor([ok], dtype=torch.int32, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    _symmetric = buf if agreed.item() else None
-    if _symmetric is not None and not _symmetric_sums(device):
-        log.warning("event=tp_symmetric_off error='its sum differed from NCCL's'")
-        _symmetric = None
-
-
-def _symmetric_sums(device: torch.device) -> bool:
-    """Whether the symmetric all-reduce of each rank's rows equals NCCL's, on every rank."""
-    import torch.distributed as dist
-
-    rows = torch.arange(4096, dtype=torch.bfloat16, device=device) % 7 * (_group.rank + 1)
-    want = rows.clone()
-    dist.all_reduce(want)
-    got = _symmetric_all_reduce(rows.clone())
-    agreed = torch.tensor([int(torch.equal(got, want))], dtype=torch.int32, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    return bool(agreed.item())
 
 
 @contextmanager
@@ -117,8 +63,8 @@ def destroy(finish: bool = True) -> None:
     off (not when a rank is gone: its peers' collectives would never complete)."""
     import torch.distributed as dist
 
-    global _group, _symmetric
-    device, _group, _symmetric = _group.device, Group(), None
+    global _group
+    device, _group = _group.device, Group()
     if not dist.is_initialized():
         return
     if device.type == "cuda":
@@ -130,25 +76,12 @@ def destroy(finish: bool = True) -> None:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks, in place (row-parallel layers' partial results)."""
-    if _group.size == 1:
-        return x
-    if _symmetric is not None and x.numel() * x.element_size() <= SYMMETRIC_MAX_BYTES \
-            and x.is_contiguous():
-        return _symmetric_all_reduce(x)
-    import torch.distributed as dist
-    dist.all_reduce(x)
-    return x
-
-
-def _symmetric_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    flat = x.view(-1)
-    staged = _symmetric[:flat.numel() * x.element_size()].view(x.dtype)
-    staged.copy_(flat)
-    torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", dist.group.WORLD.group_name,
-                                               out=flat)
+    """The sum over ranks, in place (row-parallel layers' partial results). NCCL on GPUs:
+    torch's symmetric-memory one-shot all-reduce measured no faster inside a step
+    (docs/benchmarks.md, "Tensor parallelism")."""
+    if _group.size > 1:
+        import torch.distributed as dist
+        dist.all_reduce(x)
     return x
 
 
