@@ -103,6 +103,15 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+def leave_group(runner: ModelRunner, peers) -> None:
+    """Rank 0's part of closing a tensor-parallel engine: the runner's CUDA graphs go
+    first (graphs that captured NCCL collectives kept the communicators' teardown from
+    returning on two H100s), then the other ranks are stopped and the group left."""
+    runner.graphs = None
+    release()
+    peers.close()
+
+
 def release() -> None:
     """Free what a dropped device side held (its CUDA graphs among it): settle_heap froze
     it, and frozen cycles are never collected."""

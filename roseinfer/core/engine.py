@@ -51,14 +51,16 @@ class Engine:
             with tp.assume(0, config.tensor_parallel_size):
                 loader.check_shards(model, plugins)
             self.peers = Peers.start(model, config, self.device)
-        # Bound to the peers, not to self: the engine must stay collectable for it to run.
-        self._leave = weakref.finalize(self, self.peers.close) if self.peers else lambda: None
         try:
             self._build(model, tokenizer)
         except BaseException:
             if self.peers is not None:
                 self.peers.close(kill=True)
             raise
+        self._leave = lambda: None
+        if self.peers is not None:  # not bound to self: the engine must stay collectable
+            self._leave = weakref.finalize(self, device_side.leave_group, self.runner,
+                                           self.peers)
 
     def _build(self, model, tokenizer) -> None:
         config, plugins = self.config, self.plugins
@@ -100,12 +102,12 @@ class Engine:
         also left when the engine is garbage-collected, and at exit."""
         if self.closed:
             return
+        self._leave()
         self.seqs.clear()
         self.groups.clear()
         self._in_flight = self.runner = self.kv_cache = self.model = None
         self.blocks = self.scheduler = self.processors = None
         device_side.release()
-        self._leave()  # after: graphs that captured its collectives are gone
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
