@@ -39,6 +39,9 @@ class _Out:
     prompt_token_ids: list
     token_ids: list
     new_logprobs: object = None
+    prompt_logprobs: object = None
+    index: int = 0
+    error: object = None
 
 
 @dataclass
