@@ -317,3 +317,20 @@ def test_events_are_logfmt_lines(caplog):
     event("finished", rid="r-1", e2e_s=0.12345, error='bad "x" = y', entry=b"1-0")
     assert caplog.records[-1].getMessage() == \
         'event=finished rid=r-1 e2e_s=0.123 error="bad \\"x\\" = y" entry=1-0'
+
+
+def test_a_worker_stopped_after_a_takeover_hands_back_nothing_it_lost(fake_engine, fake_redis,
+                                                                      client):
+    """The fence covers hand-backs too: handing back an entry another worker took over
+    would make it claimable again while that worker still serves it."""
+    w = make_worker(fake_engine, fake_redis, claim_idle_ms=100)
+    client.submit("a", rid="r", max_tokens=40)
+    w.run_once()
+    w.run_once()
+    entry_id = fake_redis.xrange(KEYS.requests)[0][0]
+    time.sleep(0.15)  # the worker stalls past the claim threshold...
+    fake_redis.xautoclaim(KEYS.requests, "workers", "other", 100)  # ...and another takes over
+    w.stop(grace_s=0)  # before its next refresh: it still believes the entry its own
+    w.run()
+    consumer, deliveries, idle_ms = owner_of(fake_redis, entry_id)
+    assert (consumer, deliveries) == ("other", 2) and idle_ms < 60_000

@@ -38,6 +38,18 @@ end
 return acked
 """
 
+# KEYS: the request stream; ARGV: group, consumer, entry ID, idle ms, delivery count. Makes
+# the entry claimable at once, if it is still this consumer's: a plain XCLAIM would take
+# it from a worker that took it over meanwhile, which would then serve it beside another.
+HAND_BACK_SCRIPT = OWNER_LUA + """
+if owner(KEYS[1], ARGV[1], ARGV[3]) ~= ARGV[2] then
+  return 0
+end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[4],
+           'RETRYCOUNT', ARGV[5], 'JUSTID')
+return 1
+"""
+
 # Idle time given to an entry handed back: past any worker's --claim-idle-ms, so the next
 # XAUTOCLAIM anywhere takes it at once.
 HANDED_BACK_IDLE_MS = 86_400_000
@@ -84,13 +96,14 @@ class Ownership:
         return cursor.decode(), [(i.decode(), f) for i, f in entries if i is not None and f]
 
     def hand_back(self, pipe, entry_id: str, deliveries: int, count_it: bool) -> None:
-        """Make an unfinished entry claimable at once by any worker (this one included).
+        """Make an unfinished entry claimable at once by any worker (this one included), if
+        it is still this worker's (HAND_BACK_SCRIPT).
 
         The next claim counts a delivery; unless this one ended in a failure (count_it),
         the count is set one lower first, so that a shutdown never makes an entry poison."""
         retries = deliveries if count_it else max(0, deliveries - 1)
-        pipe.xclaim(self.stream, self.group, self.consumer, 0, [entry_id],
-                    idle=HANDED_BACK_IDLE_MS, retrycount=retries, justid=True)
+        pipe.execute_command("EVAL", HAND_BACK_SCRIPT, 1, self.stream, self.group,
+                             self.consumer, entry_id, HANDED_BACK_IDLE_MS, retries)
 
     def ack(self, pipe, entry_ids: list[str]) -> None:
         """Queue the acknowledgement of entries, those still this worker's only (OWNER_LUA).
