@@ -31,7 +31,6 @@ from roseinfer.core.config import EngineConfig
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.step_order import STOP, StepOrder, decode
 
-log = logging.getLogger(__name__)
 EXIT_S = 10.0  # for a rank to exit after it was told to stop
 
 
@@ -118,8 +117,10 @@ class Peers:
         # only leaving the process ends it.
         msg = (f"roseinfer: tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
                f"{code}; the group cannot run without it, so rank 0 exits too")
-        log.critical(msg)
-        print(msg, file=sys.stderr, flush=True)
+        # Straight to fd 2: sys.stderr may be mid-teardown, with the main thread's own
+        # error (a collective that lost its peer) racing this one; once in ten runs on
+        # the CPU nothing of a print reached the pipe before the exit.
+        os.write(2, (msg + "\n").encode())
         os._exit(70)
 
 
