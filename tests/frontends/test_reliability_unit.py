@@ -195,14 +195,21 @@ def test_an_entry_delivered_too_often_goes_to_dead_with_a_final_error(fake_engin
     assert fake_redis.xlen(KEYS.requests) == 0 and fake_engine.added == []
 
 
-def test_an_entry_claimed_by_another_worker_is_dropped_silently(fake_engine, fake_redis, client):
-    w = make_worker(fake_engine, fake_redis, claim_idle_ms=100)
+def taken_over(engine, redis, client):
+    """A worker two steps into request "r", which another consumer then claims after the
+    worker stalled past the claim threshold; returns the worker and the entry ID."""
+    w = make_worker(engine, redis, claim_idle_ms=100)
     client.submit("a", rid="r", max_tokens=40)
     w.run_once()
     w.run_once()
-    entry_id = fake_redis.xrange(KEYS.requests)[0][0]
-    time.sleep(0.15)  # the worker stalls past the claim threshold...
-    fake_redis.xautoclaim(KEYS.requests, "workers", "other", 100)  # ...and another takes over
+    entry_id = redis.xrange(KEYS.requests)[0][0]
+    time.sleep(0.15)
+    redis.xautoclaim(KEYS.requests, "workers", "other", 100)
+    return w, entry_id
+
+
+def test_an_entry_claimed_by_another_worker_is_dropped_silently(fake_engine, fake_redis, client):
+    w, entry_id = taken_over(fake_engine, fake_redis, client)
     sent = len(raw_chunks(fake_redis, PREFIX, "r"))
     for _ in range(3):
         w.run_once()
@@ -323,13 +330,7 @@ def test_a_worker_stopped_after_a_takeover_hands_back_nothing_it_lost(fake_engin
                                                                       client):
     """The fence covers hand-backs too: handing back an entry another worker took over
     would make it claimable again while that worker still serves it."""
-    w = make_worker(fake_engine, fake_redis, claim_idle_ms=100)
-    client.submit("a", rid="r", max_tokens=40)
-    w.run_once()
-    w.run_once()
-    entry_id = fake_redis.xrange(KEYS.requests)[0][0]
-    time.sleep(0.15)  # the worker stalls past the claim threshold...
-    fake_redis.xautoclaim(KEYS.requests, "workers", "other", 100)  # ...and another takes over
+    w, entry_id = taken_over(fake_engine, fake_redis, client)
     w.stop(grace_s=0)  # before its next refresh: it still believes the entry its own
     w.run()
     consumer, deliveries, idle_ms = owner_of(fake_redis, entry_id)
