@@ -88,7 +88,8 @@ class SamplingParams:
             bad("seed", f"must be a 64-bit integer or None, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not (isinstance(self.stop_token_ids, (list, tuple))
+                and all(is_int(t) and t >= 0 for t in self.stop_token_ids)):
             bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
