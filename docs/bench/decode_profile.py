@@ -6,9 +6,8 @@ its steps), the GPU's busy time per step, and every kernel with its time per
 step (torch.profiler sees the kernels a CUDA graph launches), against the
 bytes a step must read (weights once, each sequence's K/V) at PEAK_TB_S
 (default 3.0) TB/s. With tensor parallelism (TP > 1) the figures are rank 0's
-(its shards' bytes, its kernels), and the share of the step that its sums over
-the ranks take is printed (NCCL's kernels, and core/peer_sum.py's, which also add the
-residual and normalise).
+(its shards' bytes, its kernels), and the all-reduces' share of the step is
+printed.
 
     [PEAK_TB_S=4.5] python3 docs/bench/decode_profile.py MODEL:BATCH[:CONTEXT[:TP]] ...
     e.g. llama3-1b-random:1 llama3-8b-random:1 llama3-1b-random:256:600
@@ -75,11 +74,11 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
     print(f"decode step {per_step * 1e3:.3f} ms ({floor / per_step:.0%} of floor); "
           f"GPU busy {gpu * 1e3:.3f} ms of it ({floor / gpu:.0%}); "
           f"{sum(c for _, c, _ in rows) / n:.0f} kernels per step")
-    comm = sum(us for name, _, us in rows if any(
-        part in name.lower() for part in ("nccl", "all_reduce", "sum_add_rms_norm"))) / n / 1e6
+    nccl = sum(us for name, _, us in rows
+               if "nccl" in name.lower() or "all_reduce" in name.lower()) / n / 1e6
     if tp > 1:
-        print(f"all-reduce, gather and peer-sum kernels {comm * 1e3:.3f} ms per step "
-              f"({comm / per_step:.0%} of the step)")
+        print(f"all-reduce and gather kernels {nccl * 1e3:.3f} ms per step "
+              f"({nccl / per_step:.0%} of the step)")
     for name, count, us in rows[:25]:
         print(f"  {us / n:9.1f} us/step {count / n:6.1f}x  {us / count:7.2f} us each  {name[:100]}")
     llm.engine.close()

@@ -42,9 +42,6 @@ def init(rank: int, size: int, port: int, device: torch.device) -> None:
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             device_id=device if device.type == "cuda" else None)
     _group = Group(rank, size, device)
-    if device.type == "cuda":
-        from roseinfer.core import peer_sum
-        peer_sum.open_peers(rank, size, device)
 
 
 @contextmanager
@@ -71,19 +68,16 @@ def destroy(finish: bool = True) -> None:
     if not dist.is_initialized():
         return
     if device.type == "cuda":
-        from roseinfer.core import peer_sum
         if finish:
             torch.cuda.synchronize(device)
-        peer_sum.close_peers(free=finish)
         dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks, in place (row-parallel layers' partial results). NCCL on GPUs,
-    where a Llama layer's sums do not go through core/peer_sum.py: torch's
-    symmetric-memory one-shot all-reduce measured no faster inside a step
+    """The sum over ranks, in place (row-parallel layers' partial results). NCCL on GPUs:
+    torch's symmetric-memory one-shot all-reduce measured no faster inside a step
     (docs/benchmarks.md, "Tensor parallelism")."""
     if _group.size > 1:
         import torch.distributed as dist

@@ -4,8 +4,7 @@ At decode batch sizes every small kernel costs more in launch and gap than in
 work, so each op here folds a chain of elementwise torch ops into one Triton
 kernel:
 
-- ``add_layer_norm`` / ``add_rms_norm``: residual add + norm (one shared kernel);
-  ``sum_add_rms_norm`` sums over the tensor-parallel ranks first (core/peer_sum.py).
+- ``add_layer_norm`` / ``add_rms_norm``: residual add + norm (one shared kernel).
 - ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` on the fused gate_up output.
 - ``apply_rope``: gather cos/sin by position and rotate q and k, in place.
 
@@ -20,7 +19,6 @@ from __future__ import annotations  # kernel annotations stay strings without tr
 import torch
 import torch.nn.functional as F
 
-from roseinfer.core import peer_sum, tp
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     wait_for_inputs
 
@@ -134,14 +132,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return normed.to(h.dtype), h
 
 
-def sum_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rms_norm`` of ``x`` summed over the tensor-parallel ranks: one kernel where
-    core/peer_sum.py serves the rows, else NCCL's all-reduce, then ``add_rms_norm``."""
-    fused = peer_sum.sum_add_rms_norm(x, residual, weight, eps)
-    return fused if fused is not None else add_rms_norm(tp.all_reduce(x), residual, weight, eps)
-
-
 # ---------------------------------------------------------------- SwiGLU
 
 @_kernel
@@ -193,32 +183,22 @@ def _rotate_heads(ptr, row_offset, num_heads, head_dim, cos, sin, half,
     tl.store(first + half, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
 
 
-ROPE_HEADS = 4  # heads per program: at batch 1 a token's heads spread over several SMs
-
-
 @_kernel
 def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
     s_q, s_k, s_pos, s_table,                    # row strides (q/k may be slices of qkv)
     num_heads, num_kv_heads, head_dim, half,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    # A program per (token, BLOCK_H of its heads: q's blocks, then k's). One program per
-    # token rotated all of a rank's heads in turn on one SM: 11.3 us a layer at batch 1.
+    # One program per token: its cos/sin row is gathered once for all q and k heads.
     row = tl.program_id(0).to(tl.int64)
-    first = tl.program_id(1) * BLOCK_H
     pos = tl.load(pos_ptr + row * s_pos).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + pos * s_table + j, mask=j < half, other=0.0)
     sin = tl.load(sin_ptr + pos * s_table + j, mask=j < half, other=0.0)
-    if first < num_heads:
-        _rotate_heads(q_ptr, row * s_q + first * head_dim, num_heads - first, head_dim,
-                      cos, sin, half, BLOCK_H, BLOCK_HALF)
-    else:
-        first -= tl.cdiv(num_heads, BLOCK_H) * BLOCK_H
-        _rotate_heads(k_ptr, row * s_k + first * head_dim, num_kv_heads - first, head_dim,
-                      cos, sin, half, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(q_ptr, row * s_q, num_heads, head_dim, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, row * s_k, num_kv_heads, head_dim, cos, sin, half, BLOCK_HK, BLOCK_HALF)
 
 
 def rope_rows(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -276,13 +256,14 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return rotate_qk_(q, k, *rope_rows(positions, cos, sin), num_heads, num_kv_heads)
     assert q.stride(1) == k.stride(1) == cos.stride(1) == 1 and sin.stride() == cos.stride()
     block_half = triton.next_power_of_2(half)
-    blocks = triton.cdiv(num_heads, ROPE_HEADS) + triton.cdiv(num_kv_heads, ROPE_HEADS)
     pdl = dependent_launch(q.device, q.shape[0])
-    _rope_kernel[(q.shape[0], blocks)](
+    _rope_kernel[(q.shape[0],)](
         q, k, positions, cos, sin,
         q.stride(0), k.stride(0), positions.stride(0), cos.stride(0),
         num_heads, num_kv_heads, head_dim, half,
-        BLOCK_H=ROPE_HEADS, BLOCK_HALF=block_half, PDL=pdl,
-        num_warps=_warps(ROPE_HEADS * block_half), launch_pdl=pdl,
+        BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=block_half, PDL=pdl,
+        num_warps=_warps(triton.next_power_of_2(num_heads + num_kv_heads) * block_half),
+        launch_pdl=pdl,
     )
     return q, k

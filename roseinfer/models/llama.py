@@ -12,7 +12,7 @@ from torch import nn
 
 from roseinfer.core import tp
 from roseinfer.models import sharding
-from roseinfer.models.fused import add_rms_norm, silu_and_mul, sum_add_rms_norm
+from roseinfer.models.fused import add_rms_norm, silu_and_mul
 from roseinfer.models.layers import LogitsHead, PagedAttention, RotaryEmbedding, VocabEmbedding
 
 
@@ -37,12 +37,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                partial: bool = False):
-        """(norm(x + residual), x + residual) in one kernel on CUDA. ``partial``: ``x`` is
-        this rank's share of a row-parallel layer's output, summed over the ranks first."""
-        norm = sum_add_rms_norm if partial else add_rms_norm
-        return norm(x, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(norm(x + residual), x + residual) in one kernel on CUDA."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _shape(cfg) -> tuple[int, int, int]:
@@ -76,18 +73,17 @@ class LlamaLayer(nn.Module):
         self.attn = PagedAttention(layer_idx, h, hkv, d, d ** -0.5)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
-        """Returns (this rank's share of the layer's output, the residual stream before it
-        is added): the next norm sums the shares over the ranks and adds the two, in one
-        kernel where it can. The first layer's ``x`` is the embedding, summed already."""
-        h, residual = self.input_layernorm(x, residual, partial=residual is not None)
+        """Returns (this layer's output, the residual stream before it is added):
+        the next norm adds the two in one fused kernel."""
+        h, residual = self.input_layernorm(x, residual)
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.d))[0].view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.d))[0].view(-1, self.kv_size)
         q, k = self.rotary(positions, q, k, self.h, self.hkv)  # in place, inside qkv
-        attn = self.o_proj(self.attn(q, k, v))
-        h, residual = self.post_attention_layernorm(attn, residual, partial=True)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
+        attn = tp.all_reduce(self.o_proj(self.attn(q, k, v)))
+        h, residual = self.post_attention_layernorm(attn, residual)
+        return tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(h)))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions)
-        return self.norm(x, residual, partial=True)[0]
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
