@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Tensor parallelism on two GPUs of one host (issue 18's targets): the copy bandwidth that
-# the bytes floor is taken at, Llama-3-8B shape at TP 1 and 2 (batch 1; 64 x 512 -> 256),
-# the 70B shape at TP 2 (decode profile with the all-reduces' share, batch 64, and through
-# Redis). Random bf16 weights built on the GPUs.
-# Usage: OUT=dir [LIMIT_S=400] bash docs/bench/tensor_parallel.sh [tests] [8b | 8b-b1 8b-b64]
-#        [8b-serve] [70b]
+# Tensor parallelism on the GPUs of one host: the copy bandwidth that the bytes floor is
+# taken at, the Llama-3-8B shape at TP 1 and 2 (batch 1; 64 x 512 -> 256), each TP 2 row
+# also with NCCL for every sum (ROSEINFER_TP_PEER_SUM_MAX_BYTES=0: the baseline of
+# core/peer_sum.py), the 70B shape at TP N (decode profile with the sums' share, batch 1
+# and 64, and through Redis). Random bf16 weights built on the GPUs.
+# Usage: OUT=dir [LIMIT_S=400] [TP70=2] bash docs/bench/tensor_parallel.sh [tests]
+#        [8b | 8b-b1 8b-b64] [8b-serve] [70b]
 # (LIMIT_S: the seconds each command may take before it is stopped with its stacks printed)
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -55,18 +56,22 @@ tests)
   # -v names each test as it starts; pytest's faulthandler_timeout prints the stacks of a
   # test that takes over 120 s (a two-GPU case made no progress for 9 minutes on 2026-11-24).
   guarded $limit "$OUT/tests.txt" python3 -m pytest -v -p no:cacheprovider \
-    -o faulthandler_timeout=120 tests/test_tensor_parallel.py
+    -o faulthandler_timeout=120 tests/test_peer_sum.py tests/test_tensor_parallel.py
   grep -E "PASSED|FAILED|ERROR|HUNG" "$OUT/tests.txt" | tail -25; tail -1 "$OUT/tests.txt" ;;
 8b|8b-b1)
   run 8b-tp1-b1 --model llama3-8b-random --tensor-parallel-size 1 $(shape 1 128)
   run 8b-tp2-b1 --model llama3-8b-random --tensor-parallel-size 2 $(shape 1 128)
+  ROSEINFER_TP_PEER_SUM_MAX_BYTES=0 \
+    run 8b-tp2-nccl-b1 --model llama3-8b-random --tensor-parallel-size 2 $(shape 1 128)
   PEAK_TB_S=$PEAK guarded $limit "$OUT/8b-tp2-b1-profile.txt" \
     python3 docs/bench/decode_profile.py llama3-8b-random:1:512:2
   echo "profile: $(grep -E "decode step|all-reduce" "$OUT/8b-tp2-b1-profile.txt" | tr '\n' ';')"
   [ $part = 8b ] || continue ;&
 8b-b64)
   run 8b-tp1-b64 --model llama3-8b-random --tensor-parallel-size 1 $(shape 64 256)
-  run 8b-tp2-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256) ;;
+  run 8b-tp2-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256)
+  ROSEINFER_TP_PEER_SUM_MAX_BYTES=0 \
+    run 8b-tp2-nccl-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256) ;;
 8b-serve)
   guarded $limit "$OUT/8b-tp2-serve.log" python3 -m roseinfer.cli bench serve \
     --model llama3-8b-random --tensor-parallel-size 2 --dtype bfloat16 --dataset random \
@@ -75,15 +80,18 @@ tests)
     --output-json "$OUT/8b-tp2-serve.json"
   echo "8b serve: $(grep -E '│ completion tok/s|│ TTFT|│ TPOT' "$OUT/8b-tp2-serve.log" | tr -s ' │' ' ' | tr '\n' ';')" ;;
 70b)
-  PEAK_TB_S=$PEAK guarded $limit "$OUT/70b-tp2-profile.txt" \
-    python3 docs/bench/decode_profile.py llama3-70b-random:1:512:2
-  grep -E "decode step|all-reduce" "$OUT/70b-tp2-profile.txt"
-  run 70b-tp2-b64 --model llama3-70b-random --tensor-parallel-size 2 $(shape 64 256) \
+  n=${TP70:-2}
+  run 70b-tp$n-b1 --model llama3-70b-random --tensor-parallel-size $n $(shape 1 64) \
     --repeat-runs 1
-  guarded $limit "$OUT/70b-tp2-serve.log" python3 -m roseinfer.cli bench serve \
-    --model llama3-70b-random --tensor-parallel-size 2 --dtype bfloat16 --dataset random \
-    --input-len 512 --num-requests 64 --max-num-seqs 64 \
-    --max-new-tokens 128 --ignore-eos --no-progress --warmup-runs 0 --repeat-runs 1 \
-    --output-json "$OUT/70b-tp2-serve.json"
-  echo "70b serve: $(grep -E '│ completion tok/s|│ TTFT|│ TPOT' "$OUT/70b-tp2-serve.log" | tr -s ' │' ' ' | tr '\n' ';')" ;;
+  PEAK_TB_S=$PEAK guarded $limit "$OUT/70b-tp$n-profile.txt" \
+    python3 docs/bench/decode_profile.py llama3-70b-random:1:512:$n
+  grep -E "decode step|all-reduce" "$OUT/70b-tp$n-profile.txt"
+  run 70b-tp$n-b64 --model llama3-70b-random --tensor-parallel-size $n $(shape 64 128) \
+    --repeat-runs 1
+  guarded $limit "$OUT/70b-tp$n-serve.log" python3 -m roseinfer.cli bench serve \
+    --model llama3-70b-random --tensor-parallel-size $n --dtype bfloat16 --dataset random \
+    --input-len 512 --num-requests 100 --request-rate 10 --max-num-seqs 64 \
+    --output-len 128 --ignore-eos --no-progress --warmup-runs 0 --repeat-runs 1 \
+    --output-json "$OUT/70b-tp$n-serve.json"
+  echo "70b serve: $(grep -E '│ completion tok/s|│ TTFT|│ TPOT' "$OUT/70b-tp$n-serve.log" | tr -s ' │' ' ' | tr '\n' ';')" ;;
 esac; done
