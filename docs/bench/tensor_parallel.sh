@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Tensor parallelism on the GPUs of one host: the copy bandwidth that the bytes floor is
-# taken at, the Llama-3-8B shape at TP 1 and 2 (batch 1; 64 x 512 -> 256), each TP 2 row
-# also with NCCL for every sum (ROSEINFER_TP_PEER_SUM_MAX_BYTES=0: the baseline of
-# core/peer_sum.py), the 70B shape at TP N (decode profile with the sums' share, batch 1
-# and 64, and through Redis). Random bf16 weights built on the GPUs.
+# taken at, the Llama-3-8B shape at TP 1 and 2 (batch 1; 64 x 512 -> 256), the 70B shape
+# at TP N (batch 1, decode profile with the all-reduces' share, batch 64, and through
+# Redis at 10 requests/s). Random bf16 weights built on the GPUs.
 # Usage: OUT=dir [LIMIT_S=400] [TP70=2] bash docs/bench/tensor_parallel.sh [tests]
 #        [8b | 8b-b1 8b-b64] [8b-serve] [70b]
 # (LIMIT_S: the seconds each command may take before it is stopped with its stacks printed)
@@ -56,22 +55,18 @@ tests)
   # -v names each test as it starts; pytest's faulthandler_timeout prints the stacks of a
   # test that takes over 120 s (a two-GPU case made no progress for 9 minutes on 2026-11-24).
   guarded $limit "$OUT/tests.txt" python3 -m pytest -v -p no:cacheprovider \
-    -o faulthandler_timeout=120 tests/test_peer_sum.py tests/test_tensor_parallel.py
+    -o faulthandler_timeout=120 tests/test_tensor_parallel.py
   grep -E "PASSED|FAILED|ERROR|HUNG" "$OUT/tests.txt" | tail -25; tail -1 "$OUT/tests.txt" ;;
 8b|8b-b1)
   run 8b-tp1-b1 --model llama3-8b-random --tensor-parallel-size 1 $(shape 1 128)
   run 8b-tp2-b1 --model llama3-8b-random --tensor-parallel-size 2 $(shape 1 128)
-  ROSEINFER_TP_PEER_SUM_MAX_BYTES=0 \
-    run 8b-tp2-nccl-b1 --model llama3-8b-random --tensor-parallel-size 2 $(shape 1 128)
   PEAK_TB_S=$PEAK guarded $limit "$OUT/8b-tp2-b1-profile.txt" \
     python3 docs/bench/decode_profile.py llama3-8b-random:1:512:2
   echo "profile: $(grep -E "decode step|all-reduce" "$OUT/8b-tp2-b1-profile.txt" | tr '\n' ';')"
   [ $part = 8b ] || continue ;&
 8b-b64)
   run 8b-tp1-b64 --model llama3-8b-random --tensor-parallel-size 1 $(shape 64 256)
-  run 8b-tp2-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256)
-  ROSEINFER_TP_PEER_SUM_MAX_BYTES=0 \
-    run 8b-tp2-nccl-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256) ;;
+  run 8b-tp2-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256) ;;
 8b-serve)
   guarded $limit "$OUT/8b-tp2-serve.log" python3 -m roseinfer.cli bench serve \
     --model llama3-8b-random --tensor-parallel-size 2 --dtype bfloat16 --dataset random \
