@@ -58,6 +58,10 @@ class EngineConfig:
     # make it faster, and greedy output drifts from float32's (models/cpu_weights.py;
     # docs/benchmarks.md measures both).
     cpu_weight_dtype: str = "float32"
+    # A quantization method (a plugin name: fp8, int4) to quantize a float model with at
+    # load; a quantized checkpoint's own quantization_config picks its method unset
+    # (models/quantization.py).
+    quantization: Optional[str] = None
     # One sequence's decode step on the CPU as AOTInductor code (core/cpu_step.py):
     # "auto" uses it once built for this model shape and machine, where it measured
     # faster than eager; "build" builds it first if missing (minutes, once); "off".

@@ -62,6 +62,9 @@ def _cpu_weight_dtype(cfg: EngineConfig, device: torch.device, dtype: torch.dtyp
     if cfg.cpu_weight_dtype != "float32" and (device.type != "cpu" or dtype != torch.float32):
         raise ConfigError(f"cpu_weight_dtype {cfg.cpu_weight_dtype} applies to float32 models "
                           f"on the CPU, not {dtype} on {device}: on a GPU use dtype bfloat16")
+    if cfg.cpu_weight_dtype != "float32" and cfg.quantization is not None:
+        raise ConfigError(f"cpu_weight_dtype {cfg.cpu_weight_dtype} and quantization "
+                          f"{cfg.quantization} both set the weights' precision: choose one")
     return cfg.cpu_weight_dtype
 
 
@@ -75,7 +78,7 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
         torch.manual_seed(cfg.seed)
     model, hf_config, tokenizer = loader.load(
         spec, tokenizer, dtype, device, seed=cfg.seed or 0, plugins=plugins,
-        cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype))
+        cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype), quantization=cfg.quantization)
     kv_cache = build_kv_cache(model, cfg, plugins, device, dtype)
     max_model_len = _max_model_len(cfg, hf_config, kv_cache.scratch_block)
     runner = build_runner(model, kv_cache, cfg, plugins, device, max_model_len, peers)

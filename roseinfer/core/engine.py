@@ -378,18 +378,20 @@ class Engine:
 
 def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
     """The compiled one-sequence decode step (core/cpu_step.py), where it applies: a
-    float32 model on the CPU, on one process, through the CPU's own cache and
-    attention plugins."""
+    float32 model on the CPU, unquantized, on one process, through the CPU's own cache
+    and attention plugins."""
     cfg = engine.config
     applies = (engine.device.type == "cpu" and engine.dtype == torch.float32
                and cfg.cpu_weight_dtype == "float32" and cfg.tensor_parallel_size == 1
+               and engine.model.quantization is None
                and cfg.kv_append_backend in ("auto", "torch_index")
                and attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
     if not applies:
         if cfg.cpu_compiled_step == "build":
             raise ConfigError("cpu_compiled_step build applies to a float32 model on the CPU "
                               "with the default KV-append and attention plugins, "
-                              "cpu_weight_dtype float32 and no tensor parallelism")
+                              "cpu_weight_dtype float32, no quantization and no tensor "
+                              "parallelism")
         return None
     return cpu_step.prepare(cfg.cpu_compiled_step, engine.model, engine.hf_config,
                             engine.kv_cache, engine.kv_cache.backends["torch_index"],

@@ -67,3 +67,19 @@ def roseinfer_register_logits_processors(register):
     ``states[i]`` being row ``rows[i]``'s; ``state.accept(token_ids)`` sees
     every token its sequence takes (see ``roseinfer.core.processors``).
     """
+
+
+@hookspec
+def roseinfer_register_quantization_methods(register):
+    """Register quantization methods: ``register(name, factory)``. Config picks one by
+    name (``quantization``); a checkpoint's own ``quantization_config`` picks the method
+    whose ``factory.reads(quantization_config)`` is true.
+
+    ``factory(quantization_config or None)`` builds the method; ``factory.formats``
+    names what it reads, for errors. The method has ``load_weights(tensors) ->
+    tensors`` (called for checkpoints it reads), which turns the quantized tensors (by
+    checkpoint name; safetensors slices or tensors) into the float ``<layer>.weight``
+    each family loads, and ``quantize(model)``, called once the model is loaded, which
+    quantizes its linears in place where the weights came in float (the LM head and
+    embeddings stay as they are) (see ``roseinfer.models.quantization``).
+    """

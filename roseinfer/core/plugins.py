@@ -19,6 +19,7 @@ BUILTIN_PLUGINS = (
     "roseinfer.plugins.attention.triton_paged",
     "roseinfer.plugins.models",
     "roseinfer.plugins.structured_output",
+    "roseinfer.plugins.quantization",
 )
 
 KINDS = {
@@ -27,6 +28,7 @@ KINDS = {
     "attention": "roseinfer_register_attention_backends",
     "model": "roseinfer_register_model_architectures",
     "logits_processor": "roseinfer_register_logits_processors",
+    "quantization": "roseinfer_register_quantization_methods",
 }
 
 

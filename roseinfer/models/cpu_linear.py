@@ -71,12 +71,13 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def choose_cpu_linears(model: nn.Module, cache: str | None = None) -> None:
-    """Swap every nn.Linear (the LM head's too) for a CpuLinear, timing both
+    """Swap every plain nn.Linear (the LM head's too; not a quantized method's subclass,
+    whose forward does more) for a CpuLinear, timing both
     kernels on each weight shape first (about 1 s of a 135M model's load on 2
     cores). ``cache``: a JSON file of earlier timings on this machine, read and
     updated, so that later loads skip the timing."""
     linears = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+               for name, child in parent.named_children() if type(child) is nn.Linear]
     by_shape = defaultdict(list)
     for entry in linears:
         by_shape[tuple(entry[2].weight.shape)].append(entry)

@@ -17,6 +17,7 @@ from roseinfer.core import tp
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.triton_support import triton_usable
 from roseinfer.models import json_tokenizer, model_class, sharding
+from roseinfer.models.quantization import checkpoint_config, method_for
 from roseinfer.models.cpu_linear import choose_cpu_linears
 from roseinfer.models.cpu_weights import round_linears
 from roseinfer.models.layers import RotaryEmbedding
@@ -109,16 +110,24 @@ ALIASES = {"SmolLM2-135M-Instruct": _smollm2_gguf, "smollm2": _smollm2_gguf}
 
 
 def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0, plugins=None,
-         cpu_weight_dtype: str = "float32"):
+         cpu_weight_dtype: str = "float32", quantization: str | None = None):
     """Returns (module, hf_config, tokenizer); ``plugins`` (a PluginRegistry) has the
-    model architectures (default: the default registry's); ``cpu_weight_dtype``: see
-    models/cpu_weights.py."""
+    model architectures and quantization methods (default: the default registry's);
+    ``cpu_weight_dtype``: see models/cpu_weights.py; ``quantization``: a method to
+    quantize a float model with at load (a quantized checkpoint names its own)."""
+    if plugins is None:
+        from roseinfer.core.plugins import default_registry
+        plugins = default_registry()
     if isinstance(spec, str) and spec in RANDOM:
         hf_config, tok = RANDOM[spec]()
+        name, method = method_for(hf_config, quantization, plugins)
         model = _empty_module(hf_config, dtype, device, plugins)
         _random_init(model, seed + tp.group().rank)  # each rank its own random shards
     else:
         hf_config, tensors, tok = _resolve(spec)
+        name, method = method_for(hf_config, quantization, plugins)
+        if checkpoint_config(hf_config) is not None:  # de-quantized whole, then cut
+            tensors = method.load_weights(tensors)
         model = _empty_module(hf_config, dtype, device, plugins)
         state_dict = type(model).convert_hf_state_dict(_shards(type(model), tensors, hf_config),
                                                        hf_config)
@@ -132,6 +141,9 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
             state_dict = {k: v.to(dtype) if v.is_floating_point() else v
                           for k, v in state_dict.items()}
         model.load_state_dict(state_dict, strict=True, assign=assign)
+    if method is not None:
+        method.quantize(model)
+    model.quantization = name
     if tokenizer is not None:
         tok = _load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     for m in model.modules():

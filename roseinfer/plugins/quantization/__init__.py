@@ -1,0 +1,11 @@
+"""Built-in quantization methods (roseinfer/models/quantization.py says what a method is)."""
+from roseinfer.core.hookspecs import hookimpl
+
+
+@hookimpl
+def roseinfer_register_quantization_methods(register):
+    from roseinfer.plugins.quantization.fp8 import Fp8
+    from roseinfer.plugins.quantization.int4 import Int4
+
+    register("fp8", Fp8)
+    register("int4", Int4)

@@ -1,0 +1,61 @@
+"""FP8 (e4m3) weights with per-channel or per-tensor scales; activations rounded to FP8
+per token where the checkpoint says so, and at load (W8A8 dynamic, as vLLM's
+``--quantization fp8``). Reads compressed-tensors ``float-quantized`` checkpoints, as
+llm-compressor's FP8 and FP8_DYNAMIC schemes write them."""
+from __future__ import annotations
+
+import torch
+
+from roseinfer.core.errors import ConfigError
+from roseinfer.models.quantization import Fp8ActivationLinear, absmax_scale, fp8_rows, \
+    quantizable
+
+
+def _groups(qc: dict) -> list[dict]:
+    return list((qc.get("config_groups") or {}).values())
+
+
+class Fp8:
+    formats = "compressed-tensors float-quantized (8-bit float weights, per channel or tensor)"
+
+    @staticmethod
+    def reads(qc: dict) -> bool:
+        weights = [g.get("weights") or {} for g in _groups(qc)]
+        return qc.get("quant_method") == "compressed-tensors" and bool(weights) and all(
+            w.get("type") == "float" and w.get("num_bits") == 8 for w in weights)
+
+    def __init__(self, qc: dict | None):
+        self.from_checkpoint = qc is not None
+        self.dynamic_activations = True  # at load: W8A8, as vLLM's fp8
+        if qc is not None:
+            for group in _groups(qc):
+                strategy = group["weights"].get("strategy")
+                if strategy not in ("channel", "tensor"):
+                    raise ConfigError(f"fp8 reads per-channel and per-tensor weight scales, "
+                                      f"not strategy {strategy!r}")
+            acts = [g.get("input_activations") for g in _groups(qc)]
+            self.dynamic_activations = all(a and a.get("type") == "float" and a.get("dynamic")
+                                           for a in acts)
+
+    def load_weights(self, tensors: dict) -> dict:
+        """``<layer>.weight`` (e4m3) times ``<layer>.weight_scale`` -> a float weight."""
+        out = {}
+        for key, view in tensors.items():
+            if key.endswith(".weight_scale"):
+                continue
+            t = view[:]
+            scale_key = key + "_scale"
+            if key.endswith(".weight") and scale_key in tensors:
+                scale = tensors[scale_key][:].float()
+                t = t.float() * (scale if scale.dim() == 2 else scale.reshape(()))
+            out[key] = t
+        return out
+
+    def quantize(self, model) -> None:
+        with torch.no_grad():
+            for _, linear in quantizable(model):
+                if not self.from_checkpoint:
+                    w = linear.weight.float()
+                    linear.weight.copy_(fp8_rows(w, absmax_scale(w)))
+                if self.dynamic_activations:
+                    linear.__class__ = Fp8ActivationLinear

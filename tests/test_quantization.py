@@ -1,0 +1,277 @@
+"""Quantized models (models/quantization.py, plugins/quantization/): checkpoints written by
+the formats' own tools (compressed-tensors) or by hand from their specs (AWQ, GPTQ),
+and quantization at load, each against transformers running the same quantized
+values; the errors a user meets; a method registered from outside."""
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.core.errors import ConfigError
+from roseinfer.core.hookspecs import hookimpl
+from roseinfer.core.plugins import PluginRegistry, UnknownPluginError
+from tests.models import hf_greedy, tiny_llama
+
+FP8 = torch.float8_e4m3fn
+STEPS = 12
+GREEDY = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 99, 3], [200, 1, 42], [7] * 9, [300, 301, 302, 303, 304, 305]]
+# Input sizes that are multiples of the int4 group (128).
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+             num_key_value_heads=2, initializer_range=0.05)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_llama(**SHAPE)
+
+
+def ours(path, **config):
+    with LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, block_size=8,
+             cpu_compiled_step="off", **config) as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def reference(model):
+    return [hf_greedy(model, p, STEPS) for p in PROMPTS]
+
+
+def linears(model):
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")]
+
+
+def with_weights(hf, weight_of):
+    """A copy of ``hf`` whose linears (not the LM head) hold ``weight_of(name, weight)``."""
+    model = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, m in linears(model):
+            m.weight.copy_(weight_of(name, m.weight))
+    return model
+
+
+def fp8_round(x, dim=-1):
+    scale = x.abs().amax(dim=dim, keepdim=True) / 448
+    return (x / scale).to(FP8).float() * scale
+
+
+def fp8_activations(model):
+    """Round each linear's input to FP8 per token, as W8A8 dynamic does."""
+    for _, m in linears(model):
+        m.register_forward_pre_hook(lambda mod, args: (fp8_round(args[0]),))
+    return model
+
+
+def save(model, path, tensors=None, quantization_config=None):
+    model.config.save_pretrained(path)
+    if quantization_config is not None:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization_config"] = quantization_config
+        (path / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors if tensors is not None else
+              {k: v.contiguous() for k, v in model.state_dict().items()},
+              str(path / "model.safetensors"))
+    return str(path)
+
+
+# ---------------------------------------------------------------- FP8
+
+def test_fp8_at_load_equals_transformers_on_fp8_values(hf, tmp_path):
+    path = save(hf, tmp_path)
+    want = reference(fp8_activations(with_weights(hf, lambda _, w: fp8_round(w))))
+    assert ours(path, quantization="fp8") == want
+    assert ours(path) != want, "fp8 must change this model's output, or the test shows nothing"
+
+
+def compressed_tensors_checkpoint(hf, path, preset, fmt, scale_of):
+    """Quantize with compressed-tensors' own scheme and compressor (what llm-compressor
+    runs after its observers), our scales set by ``scale_of``; save as it writes."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, \
+        preset_name_to_scheme
+
+    model = copy.deepcopy(hf)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
+                                                        ignore=["lm_head"]))
+    for _, m in linears(model):
+        m.weight_scale.data = scale_of(m.weight.detach()).to(m.weight_scale.dtype)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(path)
+    compressor.update_config(path)
+    assert ct is not None
+    return str(path)
+
+
+def test_compressed_tensors_fp8_dynamic_equals_transformers_loading_it(hf, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = compressed_tensors_checkpoint(
+        hf, tmp_path, "FP8_DYNAMIC", "float-quantized",
+        lambda w: w.abs().amax(dim=1, keepdim=True) / 448)
+    want = reference(AutoModelForCausalLM.from_pretrained(path).eval())
+    assert ours(path) == want  # the checkpoint's quantization_config picks fp8
+    assert ours(path, quantization="fp8") == want
+
+
+# ---------------------------------------------------------------- INT4
+
+def int4_levels(w, group=128):
+    """Symmetric 4-bit levels and scales per group of ``group`` input columns."""
+    groups = w.view(w.shape[0], -1, group)
+    scale = groups.abs().amax(-1, keepdim=True) / 7
+    return (groups / scale).round().clamp(-8, 7).to(torch.int8).view_as(w), scale.squeeze(-1)
+
+
+def int4_dequant(w, group=128):
+    q, scale = int4_levels(w, group)
+    return (q.view(w.shape[0], -1, group).float() * scale.unsqueeze(-1)).view_as(w)
+
+
+def test_int4_at_load_equals_transformers_on_int4_values(hf, tmp_path):
+    path = save(hf, tmp_path)
+    want = reference(with_weights(hf, lambda _, w: int4_dequant(w)))
+    assert ours(path, quantization="int4") == want
+    assert ours(path) != want
+
+
+def test_compressed_tensors_w4a16_equals_its_unpacked_values(hf, tmp_path):
+    """Written by compressed-tensors' pack-quantized compressor; the reference's weights
+    are the library's own unpacking of what it wrote, times its scales."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors import safe_open
+
+    path = compressed_tensors_checkpoint(
+        hf, tmp_path, "W4A16", "pack-quantized",
+        lambda w: w.view(w.shape[0], -1, 128).abs().amax(-1) / 7.5)
+    stored = safe_open(f"{path}/model.safetensors", "pt")
+
+    def unpacked(name, w):
+        packed, scale = (stored.get_tensor(f"{name}.weight_{p}") for p in ("packed", "scale"))
+        q = unpack_from_int32(packed, 4, torch.Size(w.shape)).float()
+        return q * scale.float().repeat_interleave(128, dim=1)
+    want = reference(with_weights(hf, unpacked))
+    assert ours(path) == want
+
+
+def pack_rows(q):
+    """[R, C] 4-bit values (0..15) -> [R / 8, C] int32, value 8r + i in nibble i."""
+    q = q.to(torch.int32).view(-1, 8, q.shape[1])
+    return sum(q[:, i] << (4 * i) for i in range(8)).to(torch.int32)
+
+
+def pack_cols(q, order=range(8)):
+    """[R, C] 4-bit values -> [R, C / 8] int32; nibble i holds column ``order[i]`` of 8."""
+    q = q.to(torch.int32).view(q.shape[0], -1, 8)
+    return sum(q[..., c] << (4 * i) for i, c in enumerate(order)).to(torch.int32)
+
+
+def asymmetric_int4(w, group=128):
+    """Unsigned 4-bit levels with a zero point per group: (q, zeros, scales), each
+    [groups, out]-shaped as AWQ and GPTQ store them (input-major)."""
+    wt = w.t().contiguous()  # [in, out]
+    g = wt.view(-1, group, wt.shape[1])
+    lo, hi = g.amin(1), g.amax(1)
+    scales = ((hi - lo) / 15).clamp(min=1e-8)
+    zeros = (-lo / scales).round().clamp(0, 15)
+    q = (g / scales[:, None] + zeros[:, None]).round().clamp(0, 15).view_as(wt)
+    return q.to(torch.int32), zeros.to(torch.int32), scales.half()
+
+
+def dequant_asymmetric(q, zeros, scales, group=128):
+    z = zeros.repeat_interleave(group, 0)
+    return ((q - z) * scales.float().repeat_interleave(group, 0)).t()
+
+
+def hf_names(model):
+    return {name: m for name, m in linears(model)}
+
+
+@pytest.mark.parametrize("layout", ["awq", "gptq"])
+def test_awq_and_gptq_layouts_equal_their_values(hf, tmp_path, layout):
+    """Packed by hand from the formats' specs: AWQ's GEMM layout (qweight [in, out / 8]
+    with columns in nibble order 0 2 4 6 1 3 5 7, qzeros likewise, fp16 scales) and
+    GPTQ's v1 (qweight [in / 8, out] packed along the input, qzeros [groups, out / 8]
+    holding zero - 1, g_idx)."""
+    tensors, values = {}, {}
+    for name, m in hf_names(hf).items():
+        q, zeros, scales = asymmetric_int4(m.weight.detach())
+        values[name] = dequant_asymmetric(q, zeros, scales)
+        if layout == "awq":
+            order = [0, 2, 4, 6, 1, 3, 5, 7]
+            tensors.update({f"{name}.qweight": pack_cols(q, order),
+                            f"{name}.qzeros": pack_cols(zeros, order)})
+        else:
+            tensors.update({f"{name}.qweight": pack_rows(q),
+                            f"{name}.qzeros": pack_cols(zeros - 1),
+                            f"{name}.g_idx": torch.arange(q.shape[0], dtype=torch.int32) // 128})
+        tensors[f"{name}.scales"] = scales
+    for key, t in hf.state_dict().items():
+        if key.rpartition(".")[0] not in values:
+            tensors[key] = t.contiguous()
+    config = {"quant_method": layout, "bits": 4, "group_size": 128}
+    config.update({"version": "gemm", "zero_point": True} if layout == "awq" else
+                  {"desc_act": False, "sym": False})
+    path = save(hf, tmp_path, tensors, config)
+    assert ours(path) == reference(with_weights(hf, lambda name, _: values[name]))
+
+
+# ---------------------------------------------------------------- errors and plugins
+
+def test_errors_name_the_method_or_format_and_list_what_is_supported(hf, tmp_path):
+    path = save(hf, tmp_path / "float")
+    with pytest.raises(UnknownPluginError, match="'fp4'.*registered: fp8, int4"):
+        ours(path, quantization="fp4")
+    bnb = save(hf, tmp_path / "bnb", quantization_config={"quant_method": "bitsandbytes",
+                                                          "load_in_4bit": True})
+    with pytest.raises(ConfigError, match="bitsandbytes.*no quantization method.*fp8: .*int4: "):
+        ours(bnb)
+    awq = save(hf, tmp_path / "awq", quantization_config={"quant_method": "awq", "bits": 4,
+                                                          "group_size": 128})
+    with pytest.raises(ConfigError, match="quantization='fp8' does not read .*awq"):
+        ours(awq, quantization="fp8")
+    gemv = save(hf, tmp_path / "gemv", quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"})
+    with pytest.raises(ConfigError, match="GEMM layout, not version 'gemv'"):
+        ours(gemv)
+    with pytest.raises(ConfigError, match="choose one"):
+        ours(path, quantization="fp8", cpu_weight_dtype="int8")
+
+
+class HalfWeights:
+    """An outside method: weights rounded to bfloat16, nothing else."""
+
+    formats = "none (at load only)"
+
+    @staticmethod
+    def reads(qc):
+        return False
+
+    def __init__(self, qc):
+        assert qc is None
+
+    def quantize(self, model):
+        from roseinfer.models.quantization import quantizable
+
+        with torch.no_grad():
+            for _, linear in quantizable(model):
+                linear.weight.copy_(linear.weight.bfloat16().float())
+
+
+class HalfWeightsPlugin:
+    @hookimpl
+    def roseinfer_register_quantization_methods(self, register):
+        register("half_weights", HalfWeights)
+
+
+def test_an_outside_method_serves_a_model(hf, tmp_path):
+    path = save(hf, tmp_path)
+    reg = PluginRegistry(load_entry_points=False)
+    reg.register(HalfWeightsPlugin(), name="half-weights")
+    got = ours(path, quantization="half_weights", plugins=reg)
+    assert got == reference(with_weights(hf, lambda _, w: w.bfloat16().float()))
