@@ -6,6 +6,9 @@ import torch
 # before any kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# An engine on the CPU starts building its compiled step in the background where none is
+# built (core/cpu_step.py): the suite's engines must not, but the tests of it.
+os.environ.setdefault("ROSEINFER_BACKGROUND_BUILDS", "0")
 
 import pytest  # noqa: E402
 

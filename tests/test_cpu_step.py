@@ -121,3 +121,44 @@ def test_a_damaged_or_missing_package_leaves_the_start_eager(cache_dir, loaded_p
     assert greedy(llm, [PROMPTS[0]]) == [hf_greedy(hf, PROMPTS[0], 14)]
     package.unlink()  # then "build" builds it again
     assert LLM(hf, cpu_compiled_step="build", **CONFIG).engine.runner.compiled is not None
+
+
+@pytest.fixture
+def saved_llama(tmp_path):
+    hf = tiny_llama()
+    hf.save_pretrained(tmp_path / "model")
+    return hf, str(tmp_path / "model")
+
+
+def test_auto_builds_in_the_background_and_swaps_between_requests(
+        cache_dir, loaded_pays, saved_llama, monkeypatch):
+    monkeypatch.delenv("ROSEINFER_BACKGROUND_BUILDS")
+    hf, path = saved_llama
+    llm = LLM(path, **CONFIG)  # "auto": nothing built yet
+    engine = llm.engine
+    assert engine.runner.compiled is None and engine._background is not None
+    assert greedy(llm, [PROMPTS[1]]) == [hf_greedy(hf, PROMPTS[1], 14)]  # eager meanwhile
+    assert engine._background.proc.wait(timeout=600) == 0, \
+        (cache_dir / "cpu_steps").joinpath(engine._background.path.name + ".log").read_text()
+    assert engine.step() == []  # no request runs: the build is swapped in here
+    if engine.runner.compiled is None:
+        skip_if_torch_crashed(cache_dir)
+    assert engine.runner.compiled is not None and engine._background is None
+    for prompt in PROMPTS:  # the same tokens, now from the compiled step
+        assert greedy(llm, [prompt]) == [hf_greedy(hf, prompt, 14)]
+    assert engine.runner.compiled.steps == 2 * 13
+    again = LLM(path, **CONFIG).engine  # a second start reuses the build
+    assert again.runner.compiled is not None and again._background is None
+
+
+def test_a_build_that_fails_in_the_child_leaves_the_engine_eager(
+        cache_dir, saved_llama, monkeypatch):
+    monkeypatch.delenv("ROSEINFER_BACKGROUND_BUILDS")
+    monkeypatch.setattr(cpu_step.sys, "executable", "false")  # the child exits at once
+    hf, path = saved_llama
+    llm = LLM(path, **CONFIG)
+    assert llm.engine._background.proc.wait(timeout=60) != 0
+    assert greedy(llm, [PROMPTS[0]]) == [hf_greedy(hf, PROMPTS[0], 14)]
+    assert llm.engine.runner.compiled is None and llm.engine._background is None
+    # It left no record, so the next start tries again: its lock names a dead process.
+    assert LLM(path, **CONFIG).engine._background is not None

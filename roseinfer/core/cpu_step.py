@@ -13,14 +13,20 @@ dynamic size, the new token's slot) and the KV cache tensors, written in place a
 in the eager step. The package holds code only: it takes the module's weights as
 they are (user-managed constants), so one build serves every checkpoint of a shape.
 
-A build takes a minute or more (87 s for the default model on two cores), so it happens
-only when asked (``cpu_compiled_step="build"``); it is kept under
+A build takes a minute or more (87 s for the default model on two cores). With
+``"auto"``, the default, a start that finds none serves at once with the eager step
+and builds in the background: a child process at the lowest CPU priority loads the
+same model and builds, detached, so that it outlives a one-shot ``generate`` and the
+next start finds it. The engine swaps the built step in between two requests (never
+during one: its tokens come from one step throughout), where it measured faster than
+the eager step. ``"build"`` builds first, in the start itself. A build is kept under
 ``CACHE_DIR/cpu_steps``, keyed by the model's config and weight layouts, the CPU,
-torch's version and roseinfer's source, and used from then on (``"auto"``, the
-default) where it measured faster than the eager step at build.
+torch's version and roseinfer's source; one that failed or measured slower is
+recorded and not tried again.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -103,7 +109,7 @@ def prepare(mode: str, model, hf_config, kv_cache, append, attention, max_model_
     if mode == "off":
         return None
     step = DecodeStep(model, append, attention)
-    path = Path(cache_dir, "cpu_steps", step_key(model, hf_config, kv_cache))
+    path = step_path(cache_dir, model, hf_config, kv_cache)
     record = _read_record(path)
     if record is not None:
         package = _load_built(path, step) if _pays(record) else None
@@ -112,6 +118,103 @@ def prepare(mode: str, model, hf_config, kv_cache, append, attention, max_model_
     else:
         return None
     return None if package is None else CompiledStep(package, kv_cache, max_model_len)
+
+
+def step_path(cache_dir: str, model, hf_config, kv_cache) -> Path:
+    """Where this model's build lives (``.pt2``, its record ``.json``)."""
+    return Path(cache_dir, "cpu_steps", step_key(model, hf_config, kv_cache))
+
+
+def is_built(path: Path) -> bool:
+    """Whether a build was recorded at ``path``: used, or found slower, or failed."""
+    return _read_record(path) is not None
+
+
+# ---------------------------------------------------------------- background builds
+
+class BackgroundBuild:
+    """A build running in a child process (``start_background``)."""
+
+    def __init__(self, proc: subprocess.Popen, path: Path):
+        self.proc, self.path, self.started = proc, path, time.monotonic()
+
+    def done(self) -> bool:
+        return self.proc.poll() is not None
+
+
+def start_background(spec, config: dict, path: Path) -> BackgroundBuild | None:
+    """Build ``spec``'s step in a child process at the lowest CPU priority (nice 19: the
+    serving step keeps its cores), detached from this process's session, so that it
+    outlives a one-shot start. None where another build of it runs already, or
+    ``ROSEINFER_BACKGROUND_BUILDS=0`` (a test suite's engines)."""
+    if os.environ.get("ROSEINFER_BACKGROUND_BUILDS") == "0" or not _take_lock(path):
+        return None
+    cmd = [sys.executable, "-m", "roseinfer.core.cpu_step", "--model", os.fspath(spec),
+           "--config", json.dumps(config), "--path", str(path),
+           "--threads", str(torch.get_num_threads())]
+    with open(path.with_suffix(".log"), "w") as out:
+        # the same cache: the linear kernels the engine timed and chose are in its layouts
+        env = {**os.environ, "ROSEINFER_CACHE": str(path.parent.parent)}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=lambda: os.nice(19))
+    path.with_suffix(".building").write_text(str(proc.pid))  # a lock outlives only its builder
+    log.warning("event=cpu_step_build_started pid=%d path=%s (in the background, at nice 19; "
+                "the eager step serves until it is in)", proc.pid, path)
+    return BackgroundBuild(proc, path)
+
+
+def _take_lock(path: Path) -> bool:
+    """Claim ``path``'s build: a ``.building`` file naming this process's child-to-be;
+    a lock whose process is gone is taken over."""
+    lock = path.with_suffix(".building")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                os.kill(int(lock.read_text() or 0), 0)
+                return False  # its builder runs
+            except (ProcessLookupError, ValueError, OSError):
+                lock.unlink(missing_ok=True)  # left by a builder that died
+                continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    return False
+
+
+def _build_in_child(args) -> None:
+    """The child's part: load the model as the engine did (a small KV cache), check it
+    has the engine's key, build, record."""
+    from roseinfer.core import device_side
+    from roseinfer.core.config import EngineConfig
+    from roseinfer.core.plugins import default_registry
+
+    torch.set_num_threads(args.threads)
+    path = Path(args.path)
+    path.with_suffix(".building").write_text(str(os.getpid()))
+    try:
+        given = json.loads(args.config)
+        blocks = TIMED_CONTEXT // given["block_size"] + 2  # what the timed steps use
+        cfg = EngineConfig(**{**given, "cpu_compiled_step": "off", "num_kv_blocks": blocks,
+                              "max_model_len": None})
+        side = device_side.build(args.model, None, cfg, default_registry(),
+                                 torch.device("cpu"))
+        found = step_path(str(path.parent.parent), side.model, side.hf_config, side.kv_cache)
+        if found != path:
+            _record(path, {"failed": f"the model loaded for the build has key {found.name}, "
+                           f"not the engine's {path.name}", "compiled_ms": None})
+            return
+        step = DecodeStep(side.model, side.kv_cache.backends["torch_index"],
+                          side.runner.attention)
+        build(step, side.kv_cache, path, min(TIMED_CONTEXT, side.max_model_len))
+    except Exception as e:  # recorded: the next start does not try again
+        _record(path, {"failed": f"{type(e).__name__}: {e}"[:500], "compiled_ms": None})
+        raise
+    finally:
+        path.with_suffix(".building").unlink(missing_ok=True)
 
 
 def _read_record(path: Path) -> dict | None:
@@ -137,8 +240,8 @@ def _load_built(path: Path, step: DecodeStep):
 def _pays(record: dict) -> bool:
     if record["compiled_ms"] is not None and record["compiled_ms"] < record["eager_ms"]:
         return True
-    log.info("the compiled CPU step built here is not used: %s", record.get(
-        "failed", f"{record['compiled_ms']} ms a step against {record['eager_ms']} eager"))
+    log.info("the compiled CPU step built here is not used: %s", record.get("failed") or
+             f"{record['compiled_ms']} ms a step against {record['eager_ms']} eager")
     return False
 
 
@@ -189,13 +292,17 @@ def build(step: DecodeStep, kv_cache, path: Path, context_len: int):
         flat = [*args[:6], *args[6], *args[7]]
         record["compiled_ms"] = _median_ms(lambda: package.boxed_run(list(flat)))
         os.replace(tmp, path.with_suffix(".pt2"))
-    written = path.with_name(f"{path.name}.{os.getpid()}.json")
-    written.write_text(json.dumps(record, indent=1))
-    os.replace(written, path.with_suffix(".json"))  # a concurrent start reads all or nothing
+    _record(path, record)
     log.warning("compiled CPU decode step built in %.0f s: %s", record["built_s"],
                 failed or f"{record['compiled_ms']:.1f} ms a step against "
                           f"{record['eager_ms']:.1f} eager")
     return package if _pays(record) else None
+
+
+def _record(path: Path, record: dict) -> None:
+    written = path.with_name(f"{path.name}.{os.getpid()}.json")
+    written.write_text(json.dumps(record, indent=1))
+    os.replace(written, path.with_suffix(".json"))  # a concurrent start reads all or nothing
 
 
 def _compile(step: DecodeStep, args: tuple, path: Path) -> Path:
@@ -262,3 +369,14 @@ def _median_ms(fn) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return round(statistics.median(times) * 1000, 3)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="build a model's compiled CPU decode step "
+                                     "(started by an engine in the background; not meant "
+                                     "to be run by hand)")
+    for flag in ("--model", "--config", "--path"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    _build_in_child(parser.parse_args())

@@ -1,7 +1,9 @@
 """Engine: add_request / step / abort over scheduler, block manager and runner."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -72,6 +74,7 @@ class Engine:
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
         num_blocks = self.kv_cache.scratch_block
         self.runner.compiled = _compiled_step(self)
+        self._background = _background_build(self, model)
         store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, store,
                                    config.enable_prefix_cache, self.runner.copy_block)
@@ -287,6 +290,9 @@ class Engine:
             return outputs + faults.isolate(self, error)
 
     def _advance(self) -> list[RequestOutput]:
+        if self._background is not None and self._in_flight is None and \
+                not self.scheduler.running and self._background.done():
+            self._swap_in_build()
         batch = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
         if batch.seqs:
@@ -294,6 +300,15 @@ class Engine:
         if self._forks:
             self._share_prompts()
         return self._collect(previous) if previous is not None else []
+
+    def _swap_in_build(self) -> None:
+        """Between requests: the background build ended; use its step where it pays."""
+        build, self._background = self._background, None
+        self.runner.compiled = _compiled_step(self)
+        log.warning("event=cpu_step_build_ended after_s=%.0f decision=%s", time.monotonic()
+                    - build.started, "used" if self.runner.compiled is not None else
+                    "not used (slower than eager, or failed: see %s)" % build.path.with_suffix(
+                        ".json"))
 
     def _launch(self, batch, previous):
         launched = self.runner.launch(batch, previous)
@@ -381,12 +396,7 @@ def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
     float32 model on the CPU, unquantized, on one process, through the CPU's own cache
     and attention plugins."""
     cfg = engine.config
-    applies = (engine.device.type == "cpu" and engine.dtype == torch.float32
-               and cfg.cpu_weight_dtype == "float32" and cfg.tensor_parallel_size == 1
-               and engine.model.quantization is None
-               and cfg.kv_append_backend in ("auto", "torch_index")
-               and attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
-    if not applies:
+    if not _compiled_step_applies(engine):
         if cfg.cpu_compiled_step == "build":
             raise ConfigError("cpu_compiled_step build applies to a float32 model on the CPU "
                               "with the default KV-append and attention plugins, "
@@ -396,6 +406,29 @@ def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
     return cpu_step.prepare(cfg.cpu_compiled_step, engine.model, engine.hf_config,
                             engine.kv_cache, engine.kv_cache.backends["torch_index"],
                             engine.runner.attention, engine.max_model_len, loader.CACHE_DIR)
+
+
+def _compiled_step_applies(engine: Engine) -> bool:
+    cfg = engine.config
+    return (engine.device.type == "cpu" and engine.dtype == torch.float32
+            and cfg.cpu_weight_dtype == "float32" and cfg.tensor_parallel_size == 1
+            and engine.model.quantization is None
+            and cfg.kv_append_backend in ("auto", "torch_index")
+            and attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
+
+
+def _background_build(engine: Engine, spec) -> Optional[cpu_step.BackgroundBuild]:
+    """With ``cpu_compiled_step="auto"`` and no build yet for a model the CPU step applies
+    to: start one in the background (core/cpu_step.py). A model given as an instance
+    cannot be loaded by another process: it stays eager, as before."""
+    cfg = engine.config
+    if cfg.cpu_compiled_step != "auto" or engine.runner.compiled is not None or \
+            not isinstance(spec, (str, os.PathLike)) or not _compiled_step_applies(engine):
+        return None
+    path = cpu_step.step_path(loader.CACHE_DIR, engine.model, engine.hf_config, engine.kv_cache)
+    if cpu_step.is_built(path):
+        return None
+    return cpu_step.start_background(spec, dataclasses.asdict(cfg), path)
 
 
 def _eos_ids(hf, tokenizer) -> set[int]:
