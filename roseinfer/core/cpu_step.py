@@ -111,10 +111,15 @@ def prepare(mode: str, model, hf_config, kv_cache, append, attention, max_model_
     step = DecodeStep(model, append, attention)
     path = step_path(cache_dir, model, hf_config, kv_cache)
     record = _read_record(path)
-    if record is not None:
+    context_len = min(TIMED_CONTEXT, max_model_len)
+    if record is not None and record.get("untimed"):  # built in the background: time it here
+        package = _load_built(path, step)
+        if package is not None:
+            package = _timed(step, package, kv_cache, context_len, path, record)
+    elif record is not None:
         package = _load_built(path, step) if _pays(record) else None
     elif mode == "build":
-        package = build(step, kv_cache, path, min(TIMED_CONTEXT, max_model_len))
+        package = build(step, kv_cache, path, context_len)
     else:
         return None
     return None if package is None else CompiledStep(package, kv_cache, max_model_len)
@@ -209,7 +214,7 @@ def _build_in_child(args) -> None:
             return
         step = DecodeStep(side.model, side.kv_cache.backends["torch_index"],
                           side.runner.attention)
-        build(step, side.kv_cache, path, min(TIMED_CONTEXT, side.max_model_len))
+        build(step, side.kv_cache, path, min(TIMED_CONTEXT, side.max_model_len), timed=False)
     except Exception as e:  # recorded: the next start does not try again
         _record(path, {"failed": f"{type(e).__name__}: {e}"[:500], "compiled_ms": None})
         raise
@@ -223,7 +228,8 @@ def _read_record(path: Path) -> dict | None:
         record = json.loads(path.with_suffix(".json").read_text())
     except (OSError, ValueError):
         return None
-    if record.get("compiled_ms") is not None and not path.with_suffix(".pt2").exists():
+    if (record.get("compiled_ms") is not None or record.get("untimed")) and \
+            not path.with_suffix(".pt2").exists():
         return None
     return record
 
@@ -272,30 +278,44 @@ def _source_digest() -> str:
 
 
 @torch.inference_mode()
-def build(step: DecodeStep, kv_cache, path: Path, context_len: int):
-    """Export, compile and time the step, writing ``path``.pt2 and ``path``.json;
-    returns the loaded package if it is faster than the eager step, else None."""
+def build(step: DecodeStep, kv_cache, path: Path, context_len: int, timed: bool = True):
+    """Export and compile the step, writing ``path``.pt2 and ``path``.json; ``timed``: then
+    time it against the eager step and return the loaded package if it is faster (else
+    None). A build in the background leaves the timing to the engine that loads it: its
+    own would measure the serving process's load on the cores."""
     log.warning("building the compiled CPU decode step (a minute or more; once per model "
                 "shape and machine) into %s", path.parent)
     start = time.perf_counter()
-    args = _example(kv_cache, context_len)
-    tmp = _compile(step, args, path)
+    tmp = _compile(step, _example(kv_cache, context_len), path)
     record = {"built_s": round(time.perf_counter() - start, 1), "torch": torch.__version__,
-              "eager_ms": _median_ms(lambda: step(*args)), "compiled_ms": None}
+              "eager_ms": None, "compiled_ms": None}
     failed = _load_fails(tmp)
     if failed:
-        record["failed"] = failed
         tmp.unlink()
-        package = None
-    else:
-        package = load(tmp, step)
-        flat = [*args[:6], *args[6], *args[7]]
-        record["compiled_ms"] = _median_ms(lambda: package.boxed_run(list(flat)))
-        os.replace(tmp, path.with_suffix(".pt2"))
+        _record(path, {**record, "failed": failed})
+        log.warning("compiled CPU decode step built in %.0f s: %s", record["built_s"], failed)
+        return None
+    os.replace(tmp, path.with_suffix(".pt2"))
+    if not timed:
+        _record(path, {**record, "untimed": True})
+        log.warning("compiled CPU decode step built in %.0f s; the engine that loads it "
+                    "times it", record["built_s"])
+        return None
+    return _timed(step, load(path.with_suffix(".pt2"), step), kv_cache, context_len, path,
+                  record)
+
+
+def _timed(step: DecodeStep, package, kv_cache, context_len: int, path: Path, record: dict):
+    """Time the package against the eager step, record both; the package if it pays."""
+    args = _example(kv_cache, context_len)
+    flat = [*args[:6], *args[6], *args[7]]
+    with torch.inference_mode():
+        record = {**record, "eager_ms": _median_ms(lambda: step(*args)),
+                  "compiled_ms": _median_ms(lambda: package.boxed_run(list(flat)))}
+    record.pop("untimed", None)
     _record(path, record)
-    log.warning("compiled CPU decode step built in %.0f s: %s", record["built_s"],
-                failed or f"{record['compiled_ms']:.1f} ms a step against "
-                          f"{record['eager_ms']:.1f} eager")
+    log.warning("compiled CPU decode step: %.1f ms a step against %.1f eager",
+                record["compiled_ms"], record["eager_ms"])
     return package if _pays(record) else None
 
 
@@ -352,13 +372,16 @@ def load(package_path: Path, step: DecodeStep):
 
 
 def _example(kv_cache, context_len: int) -> tuple:
-    """Inputs of a decode step at ``context_len`` over the cache's first blocks; at
-    build nothing lives in the cache, so the rows it writes hurt nobody."""
+    """Inputs of a decode step at ``context_len``, over K/V blocks of its own shaped as the
+    cache's: the engine's cache may hold live or prefix-cached blocks."""
     bs, pos = kv_cache.block_size, context_len - 1
-    table = torch.arange(-(-context_len // bs) + 1, dtype=torch.int32)[None, :]
+    blocks = -(-context_len // bs) + 1
+    table = torch.arange(blocks, dtype=torch.int32)[None, :]
     ints = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731 (the runner's dtype)
+    own = lambda caches: [torch.zeros(blocks, *c.shape[1:], dtype=c.dtype)  # noqa: E731
+                          for c in caches]
     return (ints(1), ints(pos), table, torch.empty(context_len, dtype=torch.uint8),
-            ints(pos // bs), ints(pos % bs), list(kv_cache.k), list(kv_cache.v))
+            ints(pos // bs), ints(pos % bs), own(kv_cache.k), own(kv_cache.v))
 
 
 def _median_ms(fn) -> float:

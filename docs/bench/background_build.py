@@ -1,0 +1,91 @@
+"""The compiled CPU step built in the background (core/cpu_step.py), as a fresh start
+meets it: the default model, batch 1. In one run:
+
+1. background builds off (the start before this change): the time to the first answer
+   of a 32-token request, then eager decoding speed;
+2. a cache with no build (the converted model and linear timings copied from the real
+   cache, no cpu_steps): the first answer's time, decoding speed while the child
+   builds, the build's wall time, then decoding speed once it is swapped in;
+3. transformers' greedy generate at batch 1, the baseline.
+
+    python3 docs/bench/background_build.py [--tokens 64]
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r'''
+import json, os, sys, time
+t0 = time.perf_counter()
+from roseinfer import LLM, SamplingParams
+tokens = int(sys.argv[1]); until_swap = sys.argv[2] == "1"
+llm = LLM("SmolLM2-135M-Instruct")
+prompt = llm.tokenizer.encode("Write a short story about a lighthouse keeper.")
+first = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+rows = [{"first_answer_s": round(time.perf_counter() - t0, 2)}]
+engine = llm.engine
+def rate():
+    t = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    return tokens / (time.perf_counter() - t)
+building = engine._background is not None
+while True:
+    r = rate()
+    rows.append({"tok_s": round(r, 1), "compiled": engine.runner.compiled is not None,
+                 "build_running": engine._background is not None and not engine._background.done(),
+                 "t": round(time.perf_counter() - t0, 1)})
+    done = not until_swap or (engine._background is None and len(rows) > 4 and rows[-3]["compiled"])
+    if done or time.perf_counter() - t0 > 900:
+        break
+print(json.dumps(rows))
+'''
+
+
+def run(env, tokens, until_swap):
+    out = subprocess.run([sys.executable, "-c", CHILD, str(tokens), "1" if until_swap else "0"],
+                         env=env, capture_output=True, text=True, check=True)
+    import json
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def hf_rate(tokens):
+    import torch
+    from roseinfer.models import loader
+    model, tok = loader.hf_model("SmolLM2-135M-Instruct")
+    ids = torch.tensor([tok.encode("Write a short story about a lighthouse keeper.")])
+    model.generate(ids, max_new_tokens=8, do_sample=False)
+    t = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                   min_new_tokens=tokens, do_sample=False)
+    return tokens / (time.perf_counter() - t)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=64)
+    args = p.parse_args()
+    real = os.environ.get("ROSEINFER_CACHE", os.path.expanduser("~/.cache/roseinfer"))
+    off = run({**os.environ, "ROSEINFER_BACKGROUND_BUILDS": "0"}, args.tokens, False)
+    print("background builds off:", off)
+    with tempfile.TemporaryDirectory() as fresh:
+        for name in os.listdir(real):
+            if name != "cpu_steps":
+                src = os.path.join(real, name)
+                (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(fresh, name))
+        env = {**os.environ, "ROSEINFER_CACHE": fresh}
+        env.pop("ROSEINFER_BACKGROUND_BUILDS", None)
+        on = run(env, args.tokens, True)
+        print("fresh cache, building in the background:", on)
+        steps = os.path.join(fresh, "cpu_steps")
+        for f in sorted(os.listdir(steps)) if os.path.isdir(steps) else []:
+            if f.endswith(".json"):
+                print("record:", open(os.path.join(steps, f)).read().replace("\n", " "))
+    print(f"transformers generate, batch 1: {hf_rate(args.tokens):.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
