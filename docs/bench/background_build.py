@@ -2,10 +2,11 @@
 meets it: the default model, batch 1. In one run:
 
 1. background builds off (the start before this change): the time to the first answer
-   of a 32-token request, then eager decoding speed;
+   of a 32-token request, then eager decoding speed, three requests back to back;
 2. a cache with no build (the converted model and linear timings copied from the real
-   cache, no cpu_steps): the first answer's time, decoding speed while the child
-   builds, the build's wall time, then decoding speed once it is swapped in;
+   cache, no cpu_steps): the first answer's time, three requests back to back while the
+   child builds, then no requests until the build ends (the time since the start is
+   printed), then three requests again, once it is swapped in;
 3. transformers' greedy generate at batch 1, the baseline.
 
     python3 docs/bench/background_build.py [--tokens 64]
@@ -32,16 +33,19 @@ def rate():
     t = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
     return tokens / (time.perf_counter() - t)
-building = engine._background is not None
-while True:
-    r = rate()
-    rows.append({"tok_s": round(r, 1), "compiled": engine.runner.compiled is not None,
-                 "build_running": engine._background is not None and not engine._background.done(),
+def row(note):
+    rows.append({"tok_s": round(rate(), 1), "step": engine.step_kind, "note": note,
                  "t": round(time.perf_counter() - t0, 1)})
-    done = not until_swap or (engine._background is None and len(rows) > 4 and rows[-3]["compiled"])
-    if done or time.perf_counter() - t0 > 900:
-        break
+for _ in range(3):
+    row("back to back, the build running" if engine.step_kind == "building" else "")
+if until_swap and engine._background is not None:
+    while not engine._background.done():  # idle: the build takes the cores
+        time.sleep(0.2)
+    rows.append({"build_ended_s": round(time.perf_counter() - t0, 1)})
+    for _ in range(3):
+        row("after the build")
 print(json.dumps(rows))
+
 '''
 
 

@@ -74,7 +74,8 @@ class Engine:
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
         num_blocks = self.kv_cache.scratch_block
         self.runner.compiled = _compiled_step(self)
-        self._background = _background_build(self, model)
+        self._background = None  # a compiled step being built (core/cpu_step.py)
+        self._to_build = _build_wanted(self, model)
         store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, store,
                                    config.enable_prefix_cache, self.runner.copy_block)
@@ -266,6 +267,14 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self.seqs)
 
+    @property
+    def step_kind(self) -> str:
+        """How a one-sequence decode step runs: "compiled", "building" (eager while the
+        compiled step is built in the background) or "eager"."""
+        if self.runner.compiled is not None:
+            return "compiled"
+        return "building" if self._background is not None else "eager"
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), self.blocks.usage(), s.num_preemptions)
@@ -283,11 +292,16 @@ class Engine:
             self._forget(seq)
         self._aborted.clear()
         try:
-            return outputs + self._advance()
+            outputs += self._advance()
         except Exception as error:
             if self.peers is not None:
                 raise  # the other ranks may wait in this step's collectives
-            return outputs + faults.isolate(self, error)
+            outputs += faults.isolate(self, error)
+        if self._to_build is not None and not self.seqs:
+            # after the first answer, not beside it: starting a process beside the
+            # model's first steps delayed the default model's first answer by 0.5 s
+            self._background, self._to_build = cpu_step.start_background(*self._to_build), None
+        return outputs
 
     def _advance(self) -> list[RequestOutput]:
         if self._background is not None and self._in_flight is None and \
@@ -417,10 +431,11 @@ def _compiled_step_applies(engine: Engine) -> bool:
             and attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
 
 
-def _background_build(engine: Engine, spec) -> Optional[cpu_step.BackgroundBuild]:
-    """With ``cpu_compiled_step="auto"`` and no build yet for a model the CPU step applies
-    to: start one in the background (core/cpu_step.py). A model given as an instance
-    cannot be loaded by another process: it stays eager, as before."""
+def _build_wanted(engine: Engine, spec) -> Optional[tuple]:
+    """``cpu_step.start_background``'s arguments, with ``cpu_compiled_step="auto"`` and no
+    build yet for a model the CPU step applies to: it starts once the first requests are
+    answered. A model given as an instance cannot be loaded by another process: it stays
+    eager, as before."""
     cfg = engine.config
     if cfg.cpu_compiled_step != "auto" or engine.runner.compiled is not None or \
             not isinstance(spec, (str, os.PathLike)) or not _compiled_step_applies(engine):
@@ -428,7 +443,7 @@ def _background_build(engine: Engine, spec) -> Optional[cpu_step.BackgroundBuild
     path = cpu_step.step_path(loader.CACHE_DIR, engine.model, engine.hf_config, engine.kv_cache)
     if cpu_step.is_built(path):
         return None
-    return cpu_step.start_background(spec, dataclasses.asdict(cfg), path)
+    return spec, dataclasses.asdict(cfg), path
 
 
 def _eos_ids(hf, tokenizer) -> set[int]:

@@ -98,6 +98,7 @@ class FakeEngine:
     after its first token raise, as an engine bug triggered by one request would."""
     vocab_size = 100
     max_model_len = 64
+    step_kind = "eager"
 
     def __init__(self, max_num_seqs: int = 4, step_s: float = 0.0, poison: Optional[str] = None):
         self.config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs)

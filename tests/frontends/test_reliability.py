@@ -183,7 +183,8 @@ def test_status_shows_workers_queue_and_dead_consumers(start_worker, real_redis,
     assert (w["consumer"], w["status"], w["in_flight"], w["pending"]) == ("w1", "serving", 2, 2)
     assert w["age_s"] < 1
     assert [(o["consumer"], o["pending"]) for o in s["orphans"]] == [("gone", 1)]
+    assert w["step"] == "eager"
     text = status.render(s)
-    assert "3 waiting" in text and "w1" in text and "gone: 1 pending" in text
+    assert "3 waiting" in text and "w1" in text and "gone: 1 pending" in text and "eager" in text
     worker.stop(grace_s=0)  # hands its two back
     assert status.collect(real_redis, keys, "workers")["workers"] == []

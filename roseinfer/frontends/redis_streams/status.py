@@ -51,11 +51,11 @@ def render(s: dict) -> str:
     lines = [queue, f"workers: {len(s['workers'])} alive"]
     if s["workers"]:
         lines.append(f"  {'CONSUMER':<28} {'STATUS':<9} {'IN-FLIGHT':>9} {'RUNNING':>7} "
-                     f"{'WAITING':>7} {'KV-CACHE':>8} {'FINISHED':>8} {'SEEN':>6}")
+                     f"{'WAITING':>7} {'KV-CACHE':>8} {'FINISHED':>8} {'SEEN':>6}  STEP")
     for w in s["workers"]:
         lines.append(f"  {w['consumer']:<28} {w['status']:<9} {w['in_flight']:>9} "
                      f"{w['running']:>7} {w['waiting']:>7} {w['kv_cache_usage']:>8.0%} "
-                     f"{w['finished']:>8} {w['age_s']:>5.1f}s")
+                     f"{w['finished']:>8} {w['age_s']:>5.1f}s  {w.get('step', '?')}")
     if s["orphans"]:
         lines.append("consumers holding entries without a heartbeat (dead workers; the entries "
                      "are claimed once idle past --claim-idle-ms):")

@@ -311,7 +311,7 @@ class Worker:
         return {"in_flight": len(self._inflight), "suspects": len(self._suspects),
                 "running": s.num_running, "waiting": s.num_waiting,
                 "kv_cache_usage": s.kv_cache_usage, "generated_tokens": self._totals["tokens"],
-                "finished": self._totals["finished"]}
+                "finished": self._totals["finished"], "step": self.engine.step_kind}
 
     def _forget_consumer_if_idle(self) -> None:
         # Keeps XINFO CONSUMERS to the workers that matter; never while entries are ours.
