@@ -108,6 +108,10 @@ def _workload_parent() -> argparse.ArgumentParser:
 
 def run_bench(args, mode: str) -> int:
     from roseinfer.bench.runner import BenchRun
+    # A run measures the step its engine starts with: a compiled CPU step built in the
+    # background would slow the runs while it builds and speed up the ones after it
+    # (core/cpu_step.py). `--cpu-compiled-step build` benches the compiled step.
+    os.environ.setdefault("ROSEINFER_BACKGROUND_BUILDS", "0")
     return BenchRun(args, mode).main()
 
 
