@@ -273,3 +273,51 @@ def test_an_outside_method_serves_a_model(hf, tmp_path):
     reg.register(HalfWeightsPlugin(), name="half-weights")
     got = ours(path, quantization="half_weights", plugins=reg)
     assert got == reference(with_weights(hf, lambda _, w: w.bfloat16().float()))
+
+
+# ---------------------------------------------------------------- FP8 KV cache
+
+def fp8_cache_reference(hf, prompt):
+    """transformers' greedy generate through a cache that rounds each key and value to
+    e4m3 as it stores them: what an FP8 KV cache of scale 1 holds."""
+    from transformers import DynamicCache
+
+    class Fp8Cache(DynamicCache):
+        def update(self, k, v, layer_idx, *args, **kwargs):
+            rounded = [t.to(FP8).to(t.dtype) for t in (k, v)]
+            return super().update(*rounded, layer_idx, *args, **kwargs)
+
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                      dtype=torch.long), max_new_tokens=STEPS, do_sample=False,
+                      eos_token_id=None, pad_token_id=0, cache=Fp8Cache(config=hf.config))
+    return out[0, len(prompt):].tolist()
+
+
+def test_fp8_kv_cache_equals_transformers_with_a_rounding_cache():
+    hf = tiny_llama()
+    shared = list(range(10, 33))
+    prompts = PROMPTS + [shared, shared + [40, 41]]  # the prefix cache shares blocks
+    want = [fp8_cache_reference(hf, p) for p in prompts]
+    with LLM(hf, device="cpu", dtype="float32", kv_cache_dtype="fp8", block_size=4,
+             num_kv_blocks=96, enable_prefix_cache=True) as llm:
+        assert llm.engine.kv_cache.k[0].dtype == FP8
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        # n=2 copies the shared prompt's last block for the second sample (copy-on-write)
+        twins = llm.generate([shared], SamplingParams(n=2, max_tokens=STEPS, temperature=0,
+                                                      ignore_eos=True))[0]
+    assert got == want
+    assert [o.token_ids for o in twins] == [want[-2]] * 2
+    assert want != [hf_greedy(hf, p, STEPS) for p in prompts], "rounding must show here"
+
+
+def test_fp8_kv_cache_holds_more_blocks_and_names_the_plugins_it_needs():
+    hf = tiny_llama()
+    blocks = {dtype: LLM(hf, device="cpu", dtype="float32", kv_cache_dtype=dtype,
+                         kv_cache_memory_fraction=0.01).engine.kv_cache.scratch_block
+              for dtype in ("auto", "fp8")}
+    # 1 byte a value against float32's 4, in what the free memory allows (it moves a little)
+    assert round(blocks["fp8"] / blocks["auto"], 1) == 4.0
+    with pytest.raises(ConfigError, match="fp8 is read and written by the torch_sdpa"):
+        LLM(hf, device="cpu", kv_cache_dtype="fp8", attention_backend="triton_paged")
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be auto or fp8"):
+        LLM(hf, device="cpu", kv_cache_dtype="int8")

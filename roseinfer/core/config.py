@@ -62,6 +62,9 @@ class EngineConfig:
     # load; a quantized checkpoint's own quantization_config picks its method unset
     # (models/quantization.py).
     quantization: Optional[str] = None
+    # "fp8": the KV cache holds keys and values as e4m3 (scale 1), twice the blocks in
+    # the same memory; read through the torch_index and torch_sdpa plugins for now.
+    kv_cache_dtype: str = "auto"
     # One sequence's decode step on the CPU as AOTInductor code (core/cpu_step.py):
     # "auto" uses it once built for this model shape and machine, where it measured
     # faster than eager; "build" builds it first if missing (minutes, once); "off".
@@ -96,6 +99,8 @@ class EngineConfig:
         if self.cpu_weight_dtype not in ("float32", "bfloat16", "int8"):
             raise ConfigError(f"cpu_weight_dtype must be float32, bfloat16 or int8, got "
                               f"{self.cpu_weight_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.cpu_compiled_step not in ("auto", "build", "off"):
             raise ConfigError(f"cpu_compiled_step must be auto, build or off, got "
                               f"{self.cpu_compiled_step!r}")

@@ -414,8 +414,8 @@ def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
         if cfg.cpu_compiled_step == "build":
             raise ConfigError("cpu_compiled_step build applies to a float32 model on the CPU "
                               "with the default KV-append and attention plugins, "
-                              "cpu_weight_dtype float32, no quantization and no tensor "
-                              "parallelism")
+                              "cpu_weight_dtype float32, no quantization, the model's KV "
+                              "cache dtype and no tensor parallelism")
         return None
     return cpu_step.prepare(cfg.cpu_compiled_step, engine.model, engine.hf_config,
                             engine.kv_cache, engine.kv_cache.backends["torch_index"],
@@ -426,7 +426,7 @@ def _compiled_step_applies(engine: Engine) -> bool:
     cfg = engine.config
     return (engine.device.type == "cpu" and engine.dtype == torch.float32
             and cfg.cpu_weight_dtype == "float32" and cfg.tensor_parallel_size == 1
-            and engine.model.quantization is None
+            and engine.model.quantization is None and cfg.kv_cache_dtype == "auto"
             and cfg.kv_append_backend in ("auto", "torch_index")
             and attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
 

@@ -1,4 +1,6 @@
-"""Reference paged attention on torch SDPA: any device, padded per sequence."""
+"""Reference paged attention on torch SDPA: any device, padded per sequence. An FP8 cache
+(``kv_cache_dtype="fp8"``) is read in the query's dtype: only the rows a step gathers are
+converted."""
 import torch
 import torch.nn.functional as F
 
@@ -12,11 +14,17 @@ def context_index(block_tables, max_context_len, block_size):
     return block_tables[:, :-(-max_context_len // block_size)]
 
 
-def gather_context(cache, index, max_context_len):
+def select(cache, index, dtype):
+    """``cache.index_select(0, index)`` in ``dtype``."""
+    x = cache.index_select(0, index)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def gather_context(cache, index, max_context_len, dtype):
     """[blocks, H_kv, bs, D] through [S, MB] block ids -> [S, H_kv, max_ctx, D]."""
     _, h, bs, d = cache.shape
     s, mb = index.shape
-    x = cache.index_select(0, index.flatten())  # 2-3x faster than cache[index] on the CPU
+    x = select(cache, index.flatten(), dtype)  # 2-3x faster than cache[index] on the CPU
     x = x.view(s, mb, h, bs, d).permute(0, 2, 1, 3, 4).reshape(s, h, mb * bs, d)
     return x[:, :, :max_context_len]
 
@@ -65,8 +73,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, sc
         return _decode_blocks(q, k_cache, v_cache, index, padding, scale)
     # One sequence: its rows, head by head, in one index op a cache and no second copy.
     _, hkv, _, d = k_cache.shape
-    k = k_cache.view(-1, d).index_select(0, index).view(1, hkv, -1, d)
-    v = v_cache.view(-1, d).index_select(0, index).view(1, hkv, -1, d)
+    k = select(k_cache.view(-1, d), index, q.dtype).view(1, hkv, -1, d)
+    v = select(v_cache.view(-1, d), index, q.dtype).view(1, hkv, -1, d)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
@@ -94,8 +102,8 @@ def _decode_blocks(q, k_cache, v_cache, index, padding, scale):
     _, hkv, bs, _ = k_cache.shape
     mb, g = index.shape[1], h // hkv
     flat = index.flatten()
-    k = k_cache.index_select(0, flat).view(s, mb, hkv, bs, d)
-    v = v_cache.index_select(0, flat).view(s, mb, hkv, bs, d)
+    k = select(k_cache, flat, q.dtype).view(s, mb, hkv, bs, d)
+    v = select(v_cache, flat, q.dtype).view(s, mb, hkv, bs, d)
     qt = (q * scale).view(s, 1, hkv, g, d).transpose(-1, -2)           # [S, 1, H_kv, D, G]
     scores = torch.matmul(k, qt).permute(0, 2, 4, 1, 3).reshape(s, hkv, g, mb * bs)
     p = torch.softmax(scores.masked_fill_(padding, float("-inf")), dim=-1)
@@ -106,8 +114,8 @@ def _decode_blocks(q, k_cache, v_cache, index, padding, scale):
 def _prefill(q, k_cache, v_cache, attn, qlens, scale):
     """Query chunks padded per sequence to the longest one."""
     index = context_index(attn.block_tables, attn.max_context_len, k_cache.shape[2])
-    k = gather_context(k_cache, index, attn.max_context_len)
-    v = gather_context(v_cache, index, attn.max_context_len)
+    k = gather_context(k_cache, index, attn.max_context_len, q.dtype)
+    v = gather_context(v_cache, index, attn.max_context_len, q.dtype)
     kpos = torch.arange(attn.max_context_len, device=q.device)
     seq = torch.repeat_interleave(torch.arange(attn.num_seqs, device=q.device), qlens.long())
     local = torch.arange(q.shape[0], device=q.device) - attn.query_start[:-1].long()[seq]
