@@ -321,3 +321,11 @@ def test_fp8_kv_cache_holds_more_blocks_and_names_the_plugins_it_needs():
         LLM(hf, device="cpu", kv_cache_dtype="fp8", attention_backend="triton_paged")
     with pytest.raises(ConfigError, match="kv_cache_dtype must be auto or fp8"):
         LLM(hf, device="cpu", kv_cache_dtype="int8")
+
+
+def test_a_quantized_checkpoint_over_two_ranks_equals_one(hf, tmp_path):
+    """Each rank de-quantizes the checkpoint's tensors whole, then cuts its shard."""
+    path = compressed_tensors_checkpoint(
+        hf, tmp_path, "W4A16", "pack-quantized",
+        lambda w: w.view(w.shape[0], -1, 128).abs().amax(-1) / 7.5)
+    assert ours(path, tensor_parallel_size=2) == ours(path)
