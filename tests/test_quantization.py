@@ -239,6 +239,18 @@ def test_errors_name_the_method_or_format_and_list_what_is_supported(hf, tmp_pat
         ours(gemv)
     with pytest.raises(ConfigError, match="choose one"):
         ours(path, quantization="fp8", cpu_weight_dtype="int8")
+    fp8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                                                        "strategy": "tensor"},
+                    "input_activations": {"num_bits": 8, "type": "float", "dynamic": False}}}}
+    static = save(hf, tmp_path / "static", quantization_config=fp8)
+    with pytest.raises(ConfigError, match="static input scales.*FP8_DYNAMIC"):
+        ours(static)
+    del fp8["config_groups"]["group_0"]["input_activations"]
+    kv = save(hf, tmp_path / "kv", quantization_config={**fp8, "kv_cache_scheme": {
+        "num_bits": 8, "type": "float", "strategy": "tensor"}})
+    with pytest.raises(ConfigError, match="KV cache scales"):
+        ours(kv)
 
 
 class HalfWeights:

@@ -34,8 +34,14 @@ class Fp8:
                     raise ConfigError(f"fp8 reads per-channel and per-tensor weight scales, "
                                       f"not strategy {strategy!r}")
             acts = [g.get("input_activations") for g in _groups(qc)]
-            self.dynamic_activations = all(a and a.get("type") == "float" and a.get("dynamic")
-                                           for a in acts)
+            if any(a and not a.get("dynamic") for a in acts):
+                raise ConfigError("fp8 reads dynamic (per-token) activations; this checkpoint "
+                                  "has static input scales (llm-compressor's FP8 scheme): "
+                                  "quantize it with FP8_DYNAMIC")
+            if qc.get("kv_cache_scheme"):
+                raise ConfigError("fp8 does not read a checkpoint's KV cache scales yet; use "
+                                  "one without kv_cache_scheme, and --kv-cache-dtype fp8")
+            self.dynamic_activations = all(a and a.get("type") == "float" for a in acts)
 
     def load_weights(self, tensors: dict) -> dict:
         """``<layer>.weight`` (e4m3) times ``<layer>.weight_scale`` -> a float weight."""
