@@ -69,6 +69,14 @@ class EngineConfig:
     # "auto" uses it once built for this model shape and machine, where it measured
     # faster than eager; "build" builds it first if missing (minutes, once); "off".
     cpu_compiled_step: str = "auto"
+    # Speculative decoding (core/speculation.py): a proposer plugin's name (ngram,
+    # draft), the most tokens it proposes a step, the model the draft proposer runs,
+    # and the most running sequences a step speculates with (a larger batch is no
+    # longer bound by reading the weights, so checking drafts stops paying).
+    speculative: Optional[str] = None
+    num_speculative_tokens: int = 4
+    draft_model: Optional[str] = None
+    speculative_disable_by_batch_size: int = 8
     seed: Optional[int] = None
 
     def __post_init__(self):
@@ -76,7 +84,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "decode_steps",
-                    "decode_steps_min_seqs")
+                    "decode_steps_min_seqs", "num_speculative_tokens",
+                    "speculative_disable_by_batch_size")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-from roseinfer.core import cpu_step, device_side, faults, tp
+from roseinfer.core import cpu_step, device_side, faults, speculation, tp
 from roseinfer.core.device_side import attention_name, resolve_device, settle_heap
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
@@ -39,6 +39,11 @@ class EngineStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int
+    # Speculative decoding since start (core/speculation.py): drafts checked, their
+    # tokens, and the tokens of them kept.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Engine:
@@ -92,6 +97,8 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}  # by Sequence.key
         self.groups: dict[str, int] = {}     # n of the unfinished requests with n > 1
         self._forks: list[tuple[Sequence, list[Sequence]]] = []  # _share_prompts
+        self.speculator = speculation.build(config, plugins, self.device, self.dtype,
+                                            self.vocab_size)
         self._aborted: list[Sequence] = []
         self._in_flight = None
         settle_heap()
@@ -276,8 +283,11 @@ class Engine:
         return "building" if self._background is not None else "eager"
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.blocks.usage(), s.num_preemptions)
+        s, spec = self.scheduler, self.speculator
+        drafts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) \
+            if spec is not None else ()
+        return EngineStats(len(s.running), len(s.waiting), self.blocks.usage(),
+                           s.num_preemptions, *drafts)
 
     # ---- stepping -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -307,6 +317,8 @@ class Engine:
         if self._background is not None and self._in_flight is None and \
                 not self.scheduler.running and self._background.done():
             self._swap_in_build()
+        if self.speculator is not None and self.speculator.wanted(self.scheduler.running):
+            return self._speculate()
         batch = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
         if batch.seqs:
@@ -314,6 +326,20 @@ class Engine:
         if self._forks:
             self._share_prompts()
         return self._collect(previous) if previous is not None else []
+
+    def _speculate(self) -> list[RequestOutput]:
+        """A step with drafts, collected at once: the next drafts need its tokens."""
+        previous, self._in_flight = self._in_flight, None
+        outputs = self._collect(previous) if previous is not None else []
+        self.speculator.propose(self.scheduler.running)
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            kind, started = self.speculator.kind(batch), time.perf_counter()
+            outputs += self._collect(self._launch(batch, None))
+            self.speculator.observe(kind, time.perf_counter() - started)
+        if self._forks:
+            self._share_prompts()
+        return outputs
 
     def _swap_in_build(self) -> None:
         """Between requests: the background build ended; use its step where it pays."""
@@ -334,6 +360,8 @@ class Engine:
         outputs = []
         seqs, steps = launched.batch.seqs, launched.batch.steps
         ids = launched.result()
+        if launched.verify is not None:
+            self.speculator.verify(launched, ids)
         logprobs = launched.token_logprobs(ids, self.tokenizer)
         for i, pos, lp in launched.prompt_logprobs(self.tokenizer):
             plp = seqs[i].prompt_logprobs

@@ -71,7 +71,7 @@ def take_back(engine, seqs=None) -> list:
         seqs = scheduler.running + [s for s in scheduler.waiting if s.pending]
     scheduler.requeue(seqs)
     for seq in seqs:
-        seq.pending, seq.sample_slot = 0, -1
+        seq.pending, seq.sample_slot, seq.draft = 0, -1, None
         if seq.constraints:  # their states may have taken a dropped token early
             prompt = seq.token_ids[:seq.num_prompt_tokens]
             seq.constraints = engine.processors.start(seq.params, prompt)

@@ -83,3 +83,18 @@ def roseinfer_register_quantization_methods(register):
     quantizes its linears in place where the weights came in float (the LM head and
     embeddings stay as they are) (see ``roseinfer.models.quantization``).
     """
+
+
+@hookspec
+def roseinfer_register_proposers(register):
+    """Register speculative-decoding proposers: ``register(name, factory)``. Config picks
+    one by name (``speculative``).
+
+    ``factory(ctx)`` builds the proposer once per engine; ``ctx``
+    (``roseinfer.core.speculation.ProposerContext``) has the engine's config, device,
+    dtype, vocabulary size, plugins and ``k``. The proposer has ``propose(token_ids,
+    room) -> drafts``: for each sequence (its prompt and output ids so far) a
+    ``Draft`` of at most ``room[i]`` tokens, or None to propose nothing. A ``Draft``
+    holds the tokens and, for a proposer that samples them, the distribution each was
+    drawn from; the engine checks them (see ``roseinfer.core.speculation``).
+    """

@@ -145,7 +145,6 @@ class PromptPlan:
 
     def __init__(self, seqs, rows, targets, where, device):
         self.seqs, self.where, self.row_list = seqs, where, rows
-        self.rows = torch.tensor(rows, dtype=torch.long).to(device)
         self.targets = torch.tensor(targets, dtype=torch.long).to(device)[:, None]
         self.k = max(seqs[i].params.prompt_logprobs for i, _ in where)
 

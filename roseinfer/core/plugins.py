@@ -20,6 +20,7 @@ BUILTIN_PLUGINS = (
     "roseinfer.plugins.models",
     "roseinfer.plugins.structured_output",
     "roseinfer.plugins.quantization",
+    "roseinfer.plugins.speculative",
 )
 
 KINDS = {
@@ -29,6 +30,7 @@ KINDS = {
     "model": "roseinfer_register_model_architectures",
     "logits_processor": "roseinfer_register_logits_processors",
     "quantization": "roseinfer_register_quantization_methods",
+    "proposer": "roseinfer_register_proposers",
 }
 
 

@@ -21,7 +21,7 @@ class Sequence:
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
                  "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
                  "row", "synced", "sample_words", "logprobs", "prompt_logprobs",
-                 "constraints", "num_accepted", "index", "key", "error")
+                 "constraints", "num_accepted", "index", "key", "error", "draft", "spec")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
@@ -58,6 +58,10 @@ class Sequence:
         # (logits processor, its state for this sequence) pairs (core/processors.py).
         self.constraints: list = []
         self.num_accepted = 0          # generated ids the constraints' states have seen
+        # Tokens proposed for this step to check (core/speculation.py), and the record
+        # of its drafts so far (None until it drafts).
+        self.draft = None
+        self.spec = None
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from roseinfer.core.processors import accept_early
 from roseinfer.core.sample_kernel import WORDS, sample
 from roseinfer.core.sampler import Sampler
 from roseinfer.core.scheduler import ScheduledBatch
+from roseinfer.core.speculation import VerifyPlan
 from roseinfer.core.step_kernels import sample_advance, take_ids
 from roseinfer.core.step_order import StepOrder
 from roseinfer.core.step_inputs import (InputStager, PackedInputs, TableRows, advance, fill,
@@ -34,6 +35,7 @@ class LaunchedStep:
     done: Optional[torch.cuda.Event]
     logprobs: Optional[list] = None  # LogitsWork.logprobs of each window step
     prompt: Optional[tuple] = None   # (PromptPlan, its device results), if any was due
+    verify: Optional[tuple] = None   # (VerifyPlan, its draft positions' logits), if any
 
     def result(self) -> list[list[int]]:
         """Each sampling row's ids, one per window step."""
@@ -143,8 +145,10 @@ class ModelRunner:
         early = [(s, s.sample_slot) for s in seqs if s.constraints and s.pending] \
             if processed else []
         plan = PromptPlan.of(seqs, num_tokens, self.device) if processed else None
+        verify = VerifyPlan.of(seqs, num_tokens) if batch.drafted else None
+        extra = (verify.row_list if verify else []) + (plan.row_list if plan else [])
         layout = self.graphs.layout(n_tok, n_seq) if self.graphs else None
-        if processed and layout is not None and (layout.mixed or plan is not None):
+        if layout is not None and (extra or (processed and layout.mixed)):
             layout = None  # graphs compute the sampling rows' logits only
         host = self.stager.host_views(*(layout[:2] if layout else (n_tok, n_seq)))
         fresh = [s for s in seqs if s.row < 0 and s.params.penalized] if processed else []
@@ -159,15 +163,15 @@ class ModelRunner:
         replay = layout is not None and not processed and (layout.mixed or len(rows) == n_seq)
         order = StepOrder(self.stager.packed(host), host.n_tok, host.n_seq, host.n_upd, layout,
                           n_seq, len(rows), batch.steps, max(num_tokens), replay, self.copies,
-                          plan.row_list if plan is not None else [])
+                          extra)
         self.copies = []
         if self.peers is not None:
             self.peers.send(order)
-        inp, run = self._inputs(order, host, plan.rows if plan is not None else None)
+        inp, run = self._inputs(order, host, self._rows(extra))
         if replay:
             self.graphs.run_window(batch.steps)
             return self._land(batch, rows)
-        found, prompt = [], None
+        found, prompt, checked = [], None, None
         work = None
         if processed and rows:
             work = self.logits_work.batch([seqs[r] for r in rows], inp.sample_seq_rows[:len(rows)])
@@ -175,9 +179,13 @@ class ModelRunner:
             if step and layout is None:
                 advance(inp, self.tables, self.block_size, self.identity)
             logits = run(step)
-            if plan is not None:  # prefill chunks: one step, no window
-                logits, prompt_logits = logits[:len(rows)], logits[len(rows):]
-                prompt = plan, plan.logprobs(prompt_logits)
+            if extra:  # drafts and prefill chunks: one step, no window
+                logits, extra_logits = logits[:len(rows)], logits[len(rows):]
+                drafted = len(verify.row_list) if verify else 0
+                if verify:
+                    checked = verify, extra_logits[:drafted]
+                if plan is not None:
+                    prompt = plan, plan.logprobs(extra_logits[drafted:])
             if not rows:
                 continue
             if early:  # after the forward is queued: processors.py says why
@@ -191,7 +199,8 @@ class ModelRunner:
             # In a decode graph the step sampled and advanced by itself; the ids
             # written here replace the ones it sampled, for the next step to read.
             self._record(step, tokens)
-        return self._land(batch, rows, [f for f in found if f is not None] or None, prompt)
+        return self._land(batch, rows, [f for f in found if f is not None] or None, prompt,
+                          checked)
 
     @torch.inference_mode()
     def follow(self, order: StepOrder) -> None:
@@ -201,10 +210,7 @@ class ModelRunner:
         host = self.stager.load(order.packed, order.n_tok, order.n_seq, order.n_upd)
         for src, dst in order.copies:
             self.kv_cache.copy_block(src, dst)
-        prompt_rows = None
-        if order.prompt_rows:
-            prompt_rows = torch.tensor(order.prompt_rows, dtype=torch.long).to(self.device)
-        inp, run = self._inputs(order, host, prompt_rows)
+        inp, run = self._inputs(order, host, self._rows(order.extra_rows))
         if order.replay:
             self.graphs.run_window(order.steps)
             return
@@ -215,11 +221,14 @@ class ModelRunner:
             if order.n_rows:
                 self._share(order.n_rows)
 
-    def _inputs(self, order: StepOrder, host: PackedInputs, prompt_rows):
+    def _rows(self, rows: list[int]) -> Optional[torch.Tensor]:
+        return torch.tensor(rows, dtype=torch.long).to(self.device) if rows else None
+
+    def _inputs(self, order: StepOrder, host: PackedInputs, extra_rows):
         """Device inputs and the function that runs window step i (_eager)."""
         if order.layout is not None:
             return self.graphs.prepare(order.layout, host, order.real_seqs, order.n_rows)
-        return self._eager(host, order.max_query_len, order.n_rows, prompt_rows)
+        return self._eager(host, order.max_query_len, order.n_rows, extra_rows)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write of one KV block, here and (with the next order) on the other ranks."""
@@ -276,7 +285,7 @@ class ModelRunner:
         logits = self.forward(ctx, inp, inp.sample_idx)
         self._record(0, sample(logits, inp, self.seq_state, self.max_blocks))
 
-    def _land(self, batch, rows, logprobs=None, prompt=None) -> LaunchedStep:
+    def _land(self, batch, rows, logprobs=None, prompt=None, verify=None) -> LaunchedStep:
         """Start the window's ids on their way to the host."""
         landing = self.landing[self.launches % 2]
         self.launches += 1
@@ -287,7 +296,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(batch, rows, landing, done, logprobs, prompt)
+        return LaunchedStep(batch, rows, landing, done, logprobs, prompt, verify)
 
     def to_device(self, host: PackedInputs) -> PackedInputs:
         """Copy the packed inputs over and apply the block-table updates they carry."""
@@ -297,9 +306,9 @@ class ModelRunner:
         return inp
 
     def _eager(self, host: PackedInputs, max_query_len: int, num_samples: int,
-               prompt_rows: Optional[torch.Tensor] = None):
+               extra_rows: Optional[torch.Tensor] = None):
         """Device inputs, and a function that runs window step ``i`` on them: the
-        sampling rows' logits, then those of ``prompt_rows``."""
+        sampling rows' logits, then those of ``extra_rows``."""
         shared = bool((host.offsets == host.offsets[0]).all())
         max_context_len = int(host.context_lens.max())
         inp = self.to_device(host)
@@ -308,8 +317,8 @@ class ModelRunner:
             ctx.slots.shared_offset = None
 
         rows = inp.sample_idx[:num_samples]
-        if prompt_rows is not None:
-            rows = torch.cat([rows.long(), prompt_rows])
+        if extra_rows is not None:
+            rows = torch.cat([rows.long(), extra_rows])
 
         def run(i: int) -> torch.Tensor:
             ctx.attn.max_context_len = max_context_len + i

@@ -14,15 +14,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[Optional[torch.Generator]]) -> torch.Tensor:
-        logits = logits.float()
-        dev = logits.device
-        temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
-        probs = self._filter(probs, params)
+        probs = self.probs(logits, params)
         noise = self._exponential(probs, generators)
         sampled = (probs / noise).argmax(dim=-1)
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @classmethod
+    def probs(cls, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Each row's distribution as it is sampled: after temperature, top-k, top-p
+        and min-p (unnormalized where a filter dropped tokens)."""
+        temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+        return cls._filter(torch.softmax(logits.float() / temps[:, None], dim=-1), params)
 
     @staticmethod
     def _filter(probs, params):

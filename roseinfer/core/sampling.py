@@ -55,6 +55,8 @@ class SamplingParams:
     response_format: Optional[dict] = None
     # Logits-processor plugins by name, each with its arguments (core/processors.py).
     logits_processors: dict[str, Any] = field(default_factory=dict)
+    # False: no drafts for this request where the engine speculates (core/speculation.py).
+    speculative: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -103,6 +105,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not is_number(v) or not -2 <= v <= 2:
                 bad(name, f"must be in [-2, 2] (0 = off), got {v!r}")
+        if not isinstance(self.speculative, bool):
+            bad("speculative", f"must be true or false, got {self.speculative!r}")
         self._validate_bias()
         _validate_format(self.response_format)
         procs = self.logits_processors

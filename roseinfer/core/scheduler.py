@@ -21,6 +21,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]   # tokens computed for each sequence in this step
     steps: int = 1          # decode steps run back to back (a decode window)
+    drafted: bool = False   # some sequence checks a draft (core/speculation.py)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -90,6 +91,8 @@ class Scheduler:
                 i += 1  # its last token is in flight, or no prefill budget is left
                 continue
             n = min(left, budget) if left == 1 else min(left, budget, prefill)
+            if left == 1 and seq.draft is not None:
+                n = self._fit_draft(batch, seq, budget)
             while not reserve(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -101,6 +104,16 @@ class Scheduler:
             prefill -= n if left > 1 else 0
             i += 1
         return budget, prefill
+
+    def _fit_draft(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """Tokens ``seq`` computes: its last, then as much of its draft as the token
+        budget and the free blocks hold (none of it if they hold no more)."""
+        seq.draft = seq.draft.first(budget - 1)
+        if seq.draft is not None and self.blocks.reserve(seq, 1 + len(seq.draft.tokens)):
+            batch.drafted = True
+            return 1 + len(seq.draft.tokens)
+        seq.draft = None
+        return 1
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -93,7 +93,9 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
 
     A sampling sequence's tokens (``steps`` of them in a decode window) are
     marked in flight (``pending``) at the slot of the sampled buffer they land
-    in: the next step reads the last one from there.
+    in: the next step reads the last one from there. A sequence with a draft
+    (core/speculation.py) computes its last token and the draft's, and samples
+    from the last.
     The loop only appends to Python lists (cheap); numpy takes them in bulk.
     """
     ids, src, pos, bidx, ctx, seq_rows, sample_rows = [], [], [], [], [], [], []
@@ -112,13 +114,14 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
             pos.append(start)
             bidx.append(table[start // block_size])
         else:
-            ids += seq.token_ids[start:end]
+            ids += seq.token_ids[start:end] if seq.draft is None else \
+                seq.token_ids[start:] + seq.draft.tokens
             src += [-1] * n
             pos += range(start, end)
             bidx += [table[p // block_size] for p in range(start, end)]
         ctx.append(end)
         seq_rows.append(seq.row)
-        if end == len(seq.token_ids) + seq.pending:
+        if end == len(seq.token_ids) + seq.pending or seq.draft is not None:
             seq.sample_slot = len(sample_rows)
             seq.pending += steps
             greedy = greedy and seq.params.temperature == 0

@@ -16,7 +16,7 @@ from roseinfer.core.cuda_graphs import Layout
 
 # Header: a message of fewer ints than this is the order to stop.
 _HEADER = ("n_tok", "n_seq", "n_upd", "layout", "real_seqs", "n_rows", "steps",
-           "max_query_len", "replay", "n_copies", "n_prompt_rows")
+           "max_query_len", "replay", "n_copies", "n_extra_rows")
 _NO_LAYOUT, _DECODE, _MIXED = -1, 0, 1
 
 
@@ -33,15 +33,16 @@ class StepOrder:
     max_query_len: int
     replay: bool                  # the graphs sample and advance by themselves
     copies: list[tuple[int, int]] = field(default_factory=list)  # KV blocks (src, dst)
-    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits are also due
+    # Token rows whose logits are also due: draft positions, then prompt positions.
+    extra_rows: list[int] = field(default_factory=list)
 
     def encode(self) -> np.ndarray:
         layout = _NO_LAYOUT if self.layout is None else _MIXED if self.layout.mixed else _DECODE
         head = [self.n_tok, self.n_seq, self.n_upd, layout, self.real_seqs, self.n_rows,
                 self.steps, self.max_query_len, int(self.replay), len(self.copies),
-                len(self.prompt_rows)]
+                len(self.extra_rows)]
         copies = [i for pair in self.copies for i in pair]
-        return np.concatenate([np.array(head + copies + self.prompt_rows, dtype=np.int32),
+        return np.concatenate([np.array(head + copies + self.extra_rows, dtype=np.int32),
                                self.packed])
 
 
@@ -53,13 +54,13 @@ def decode(msg: np.ndarray) -> Optional[StepOrder]:
     at = len(_HEADER)
     copies = msg[at:at + 2 * h["n_copies"]].reshape(-1, 2).tolist()
     at += 2 * h["n_copies"]
-    prompt_rows = msg[at:at + h["n_prompt_rows"]].tolist()
-    at += h["n_prompt_rows"]
+    extra_rows = msg[at:at + h["n_extra_rows"]].tolist()
+    at += h["n_extra_rows"]
     layout = None if h["layout"] == _NO_LAYOUT else \
         Layout(h["n_tok"], h["n_seq"], h["layout"] == _MIXED)
     return StepOrder(msg[at:], h["n_tok"], h["n_seq"], h["n_upd"], layout, h["real_seqs"],
                      h["n_rows"], h["steps"], h["max_query_len"], bool(h["replay"]),
-                     [tuple(c) for c in copies], prompt_rows)
+                     [tuple(c) for c in copies], extra_rows)
 
 
 STOP = np.zeros(0, dtype=np.int32)
