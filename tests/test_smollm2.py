@@ -79,3 +79,17 @@ def test_answers_in_the_json_schema_asked_for(llm):
     answer = json.loads(out.text)
     assert out.finish_reason == "stop" and set(answer) == {"country", "capital"}
     assert answer["capital"] == "Paris"
+
+
+def test_prompt_lookup_keeps_greedy_output(llm):
+    """The real model repeating a passage: prompt lookup drafts most of the output and
+    the tokens are the ones decoding without drafts gives."""
+    passage = ("The river rose through the night, and by morning the low road to the "
+               "village was under water. The baker opened late; the school did not open.")
+    prompt = llm.tokenizer.encode(chat(llm, "Repeat this passage word for word:\n\n" + passage))
+    plain = llm.generate([prompt], SamplingParams(max_tokens=48, temperature=0))[0]
+    spec = LLM("SmolLM2-135M-Instruct", device="cpu", num_kv_blocks=256, speculative="ngram")
+    out = spec.generate([prompt], SamplingParams(max_tokens=48, temperature=0))[0]
+    assert out.token_ids == plain.token_ids
+    stats = spec.engine.stats()
+    assert stats.num_accepted_tokens >= len(out.token_ids) // 2, stats
