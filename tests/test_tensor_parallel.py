@@ -171,12 +171,14 @@ def test_collectives_replay_inside_cuda_graphs(monkeypatch, gpt2_model):
         tp.destroy()
 
 
-def test_a_step_order_survives_its_message():
-    order = StepOrder(np.arange(40, dtype=np.int32), 8, 4, 2, Layout(8, 4, False), 3, 3, 5, 1,
+@pytest.mark.parametrize("layout", [None, Layout(8, 4, False), Layout(8, 4, True),
+                                    Layout(8, 4, True, True)])
+def test_a_step_order_survives_its_message(layout):
+    order = StepOrder(np.arange(40, dtype=np.int32), 8, 4, 2, layout, 3, 3, 5, 1,
                       True, [(1, 2), (7, 9)], [0, 5])
     back = decode(order.encode())
-    assert back.layout == Layout(8, 4, False) and back.copies == [(1, 2), (7, 9)]
-    assert back.prompt_rows == [0, 5] and np.array_equal(back.packed, order.packed)
+    assert back.layout == layout and back.copies == [(1, 2), (7, 9)]
+    assert back.extra_rows == [0, 5] and np.array_equal(back.packed, order.packed)
     assert (back.n_tok, back.n_seq, back.n_upd, back.real_seqs, back.n_rows, back.steps,
             back.max_query_len, back.replay) == (8, 4, 2, 3, 3, 5, 1, True)
     assert decode(STOP) is None

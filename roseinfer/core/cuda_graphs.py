@@ -36,10 +36,12 @@ log = logging.getLogger(__name__)
 
 
 class Layout(NamedTuple):
-    """The (tokens, sequences) a step is padded to, and which graph runs it."""
+    """The (tokens, sequences) a step is padded to, and which graph runs it: a
+    verify graph (``all_logits``) is laid out as a mixed one."""
     n_tok: int
     n_seq: int
     mixed: bool
+    all_logits: bool = False
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -57,30 +59,44 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens] if max_tokens > 0 else []
 
 
+def verify_buckets(max_tokens: int) -> list[int]:
+    """Verify-step buckets: powers of two from 8, then the largest."""
+    sizes = [s for s in (8, 16, 32, 64, 128, 256) if s < max_tokens]
+    return sizes + [max_tokens] if max_tokens > 0 else []
+
+
 def _smallest_at_least(sizes: list[int], n: int):
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
 
 
 class StepGraphs:
-    def __init__(self, runner, max_num_seqs: int, window: int, mixed_max_tokens: int):
+    def __init__(self, runner, max_num_seqs: int, window: int, mixed_max_tokens: int,
+                 verify_max_tokens: int = 0):
         self.runner = runner
         self.sizes = bucket_sizes(max_num_seqs)
         self.token_sizes = token_buckets(mixed_max_tokens)
+        self.verify_sizes = verify_buckets(verify_max_tokens)
         self.mixed_seqs = max_num_seqs + 1
         self.window_len = window
         # keys: (tokens, KV-append backend); decode graphs have tokens == sequences
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.windows: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.mixed: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.verify: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, str], torch.Tensor] = {}
+        self.verify_logits: dict[tuple[int, str], torch.Tensor] = {}
         self.mixed_backend = ""
         self.pool = None
         self.prepared: tuple[dict, tuple[int, str]] | None = None
 
-    def layout(self, n_tok: int, n_seq: int) -> Layout | None:
+    def layout(self, n_tok: int, n_seq: int, verify: bool = False) -> Layout | None:
         """The captured layout a step of ``n_tok`` tokens over ``n_seq``
-        sequences runs in, or None (too big: it runs eagerly)."""
+        sequences runs in, or None (too big: it runs eagerly). ``verify``: the
+        step checks drafts, and needs every token's logits."""
+        if verify:
+            size = _smallest_at_least(self.verify_sizes, n_tok)
+            return Layout(size, self.mixed_seqs, True, True) if size else None
         if n_tok == n_seq:
             size = _smallest_at_least(self.sizes, n_seq)
             return Layout(size, size, False) if size else None
@@ -103,14 +119,22 @@ class StepGraphs:
             ctx.slots.shared_offset = None  # mixed steps' offsets differ
             self.mixed_backend = self.mixed_backend or self.runner.kv_cache.select(ctx.slots)
             self._capture_mixed(size, ctx, inp)
+        for size in reversed(self.verify_sizes):
+            ctx, inp = self._dummy(Layout(size, self.mixed_seqs, True))
+            ctx.slots.shared_offset = None
+            self.mixed_backend = self.mixed_backend or self.runner.kv_cache.select(ctx.slots)
+            ((graph, logits),) = self._capture(self.runner.capture_verify, self.mixed_backend,
+                                                ctx, inp, (1,))
+            self.verify[size, self.mixed_backend] = graph
+            self.verify_logits[size, self.mixed_backend] = logits
         for size in reversed(self.sizes):
             for name in sorted(self._variants(self._dummy(Layout(size, size, False))[0])):
                 # fresh inputs each time: the warm-up run advances them
                 self._capture_decode(size, name, *self._dummy(Layout(size, size, False)))
         torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs (%d for mixed steps) in %.1fs",
-                 len(self.graphs) + len(self.windows) + len(self.mixed), len(self.mixed),
-                 time.perf_counter() - start)
+        log.info("captured %d CUDA graphs (%d for mixed steps, %d for verify steps) in %.1fs",
+                 len(self.graphs) + len(self.windows) + len(self.mixed) + len(self.verify),
+                 len(self.mixed), len(self.verify), time.perf_counter() - start)
 
     def _dummy(self, layout: Layout):
         """(context, device inputs) of a step of padding only."""
@@ -156,11 +180,15 @@ class StepGraphs:
         self.pool = self.pool or graph.pool()
         return graph, out
 
-    def prepare(self, layout: Layout, host: PackedInputs, n_seq: int, num_samples: int):
+    def prepare(self, layout: Layout, host: PackedInputs, n_seq: int, num_samples: int,
+                extra_rows=None):
         """Load the step's inputs into the layout's graph; returns (device inputs,
-        a function that replays a decode graph and returns the sampling rows'
-        logits). A mixed graph samples by itself: run it with run_window."""
+        a function that replays a decode or verify graph and returns the sampling
+        rows' logits, then ``extra_rows``'). A mixed graph samples by itself: run it
+        with run_window."""
         r = self.runner
+        if layout.all_logits:
+            return self._prepare_verify(layout, host, num_samples, extra_rows)
         if layout.mixed:
             self.prepared = self.mixed, (layout.n_tok, self.mixed_backend)
             return r.to_device(host), None
@@ -180,6 +208,21 @@ class StepGraphs:
             # Rows that do not sample (a one-token prefill chunk that is not
             # the prompt's last) are rare: the common case is a plain slice.
             return logits[sample_idx] if num_samples < n_seq else logits[:n_seq]
+        return inp, run
+
+    def _prepare_verify(self, layout: Layout, host: PackedInputs, num_samples: int, extra_rows):
+        r = self.runner
+        inp = r.to_device(host)
+        key = layout.n_tok, self.mixed_backend
+        graph, logits = self.verify[key], self.verify_logits[key]
+        rows = inp.sample_idx[:num_samples].long()
+        if extra_rows is not None:
+            rows = torch.cat([rows, extra_rows])
+
+        def run(_step: int) -> torch.Tensor:
+            r.kv_cache.steps_by_backend[key[1]] += 1
+            graph.replay()
+            return logits[rows]
         return inp, run
 
     def run_window(self, steps: int) -> None:

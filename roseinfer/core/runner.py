@@ -66,7 +66,7 @@ class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, attention, device: torch.device,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  cuda_graphs: bool, decode_steps: int = 1, mixed_graph_tokens: int = 0,
-                 peers=None):
+                 peers=None, verify_graph_tokens: int = 0):
         self.model = model
         self.peers = peers  # tp_workers.Peers: the other ranks, on rank 0 of a group
         self.copies: list[tuple[int, int]] = []  # KV blocks copied since the last order
@@ -104,7 +104,8 @@ class ModelRunner:
         self.compiled = None  # core/cpu_step.py: a one-sequence decode step on the CPU
         self.mixed_graph_tokens = min(mixed_graph_tokens, tokens)
         if cuda_graphs and device.type == "cuda":
-            self.graphs = StepGraphs(self, max_num_seqs, decode_steps, self.mixed_graph_tokens)
+            self.graphs = StepGraphs(self, max_num_seqs, decode_steps, self.mixed_graph_tokens,
+                                     verify_graph_tokens)
             self.graphs.capture()
 
     def context(self, inp: PackedInputs, max_query_len: int, max_context_len: int) -> StepContext:
@@ -147,8 +148,10 @@ class ModelRunner:
         plan = PromptPlan.of(seqs, num_tokens, self.device) if processed else None
         verify = VerifyPlan.of(seqs, num_tokens) if batch.drafted else None
         extra = (verify.row_list if verify else []) + (plan.row_list if plan else [])
-        layout = self.graphs.layout(n_tok, n_seq) if self.graphs else None
-        if layout is not None and (extra or (processed and layout.mixed)):
+        layout = self.graphs.layout(n_tok, n_seq, verify is not None and plan is None) \
+            if self.graphs else None
+        if layout is not None and not layout.all_logits and \
+                (extra or (processed and layout.mixed)):
             layout = None  # graphs compute the sampling rows' logits only
         host = self.stager.host_views(*(layout[:2] if layout else (n_tok, n_seq)))
         fresh = [s for s in seqs if s.row < 0 and s.params.penalized] if processed else []
@@ -160,7 +163,8 @@ class ModelRunner:
             host = self.stager.add_updates(host, upd_idx, upd_val)
         # A graph samples and advances its inputs itself (capture_step,
         # capture_mixed), which is all a batch whose every row samples needs.
-        replay = layout is not None and not processed and (layout.mixed or len(rows) == n_seq)
+        replay = layout is not None and not processed and not layout.all_logits and \
+            (layout.mixed or len(rows) == n_seq)
         order = StepOrder(self.stager.packed(host), host.n_tok, host.n_seq, host.n_upd, layout,
                           n_seq, len(rows), batch.steps, max(num_tokens), replay, self.copies,
                           extra)
@@ -192,7 +196,8 @@ class ModelRunner:
                 self._take_early(previous, early)
             if work is not None:
                 logits = work.apply(logits)
-            tokens = self._sample(batch, rows, logits, inp, greedy, layout is not None)
+            tokens = self._sample(batch, rows, logits, inp, greedy,
+                                  layout is not None and not layout.all_logits)
             if work is not None:
                 work.record(tokens)
                 found.append(work.logprobs(logits, tokens))
@@ -227,7 +232,8 @@ class ModelRunner:
     def _inputs(self, order: StepOrder, host: PackedInputs, extra_rows):
         """Device inputs and the function that runs window step i (_eager)."""
         if order.layout is not None:
-            return self.graphs.prepare(order.layout, host, order.real_seqs, order.n_rows)
+            return self.graphs.prepare(order.layout, host, order.real_seqs, order.n_rows,
+                                       extra_rows)
         return self._eager(host, order.max_query_len, order.n_rows, extra_rows)
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -277,6 +283,11 @@ class ModelRunner:
                        self.sampled, self.window)
         self._share(logits.shape[0])
         return logits
+
+    def capture_verify(self, ctx: StepContext, inp: PackedInputs) -> torch.Tensor:
+        """What a verify CUDA graph holds: the forward and the logits of every token
+        (draft positions score drafts; sampling happens after, from the last)."""
+        return self.forward(ctx, inp)
 
     def capture_mixed(self, ctx: StepContext, inp: PackedInputs) -> None:
         """What a mixed-step CUDA graph holds: the forward and sampling of every

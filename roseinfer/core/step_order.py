@@ -17,7 +17,7 @@ from roseinfer.core.cuda_graphs import Layout
 # Header: a message of fewer ints than this is the order to stop.
 _HEADER = ("n_tok", "n_seq", "n_upd", "layout", "real_seqs", "n_rows", "steps",
            "max_query_len", "replay", "n_copies", "n_extra_rows")
-_NO_LAYOUT, _DECODE, _MIXED = -1, 0, 1
+_NO_LAYOUT, _DECODE, _MIXED, _VERIFY = -1, 0, 1, 2
 
 
 @dataclass
@@ -37,7 +37,8 @@ class StepOrder:
     extra_rows: list[int] = field(default_factory=list)
 
     def encode(self) -> np.ndarray:
-        layout = _NO_LAYOUT if self.layout is None else _MIXED if self.layout.mixed else _DECODE
+        layout = _NO_LAYOUT if self.layout is None else _VERIFY if self.layout.all_logits \
+            else _MIXED if self.layout.mixed else _DECODE
         head = [self.n_tok, self.n_seq, self.n_upd, layout, self.real_seqs, self.n_rows,
                 self.steps, self.max_query_len, int(self.replay), len(self.copies),
                 len(self.extra_rows)]
@@ -57,7 +58,7 @@ def decode(msg: np.ndarray) -> Optional[StepOrder]:
     extra_rows = msg[at:at + h["n_extra_rows"]].tolist()
     at += h["n_extra_rows"]
     layout = None if h["layout"] == _NO_LAYOUT else \
-        Layout(h["n_tok"], h["n_seq"], h["layout"] == _MIXED)
+        Layout(h["n_tok"], h["n_seq"], h["layout"] != _DECODE, h["layout"] == _VERIFY)
     return StepOrder(msg[at:], h["n_tok"], h["n_seq"], h["n_upd"], layout, h["real_seqs"],
                      h["n_rows"], h["steps"], h["max_query_len"], bool(h["replay"]),
                      [tuple(c) for c in copies], extra_rows)
