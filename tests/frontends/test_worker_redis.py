@@ -228,3 +228,34 @@ def test_worker_survives_a_flush(fake_engine, start_worker, real_redis, prefix, 
     time.sleep(0.3)
     assert client.generate("a", max_tokens=2, timeout=5).finish_reason == "length"
     assert worker.alive()
+
+
+def test_speculating_worker_streams_plain_tokens(tiny_llm, tiny_gpt2_dir, start_worker,
+                                                 real_redis, prefix, redis_server):
+    """Drafted rounds come out as chunks of several tokens: seq stays contiguous, the
+    tokens are the plain engine's, a request may turn drafts off, and the spec_decode
+    counters move."""
+    from roseinfer import LLM
+    from roseinfer.frontends.redis_streams.metrics import Metrics
+    from tests.test_speculative import Oracle, registry
+
+    from .conftest import TINY_ENGINE
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(50257) for _ in range(rng.randint(2, 12))] for _ in range(6)]
+    plain = tiny_llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0))
+    Oracle.references = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    spec = LLM(tiny_gpt2_dir, plugins=registry(), speculative="oracle", **TINY_ENGINE)
+    metrics = Metrics(model_name="tiny")
+    worker = start_worker(spec.engine, metrics=metrics)
+    client = Client(redis_server.url, prefix)
+    results = [client.generate(p, max_tokens=30, temperature=0, stream_interval=i % 3 + 1,
+                               speculative=i != 5, timeout=30) for i, p in enumerate(prompts)]
+    worker.stop()
+    for result, ref in zip(results, plain):
+        assert_well_formed(raw_chunks(real_redis, prefix, result.rid))
+        assert result.token_ids == ref.token_ids
+    drafted = metrics.spec_draft_tokens._value.get()
+    accepted = metrics.spec_accepted._value.get()
+    assert 0 < accepted < drafted
+    assert metrics.spec_acceptance._value.get() == pytest.approx(accepted / drafted)

@@ -80,7 +80,8 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
               "top_k": body.get("top_k"), "min_p": body.get("min_p"),
               "ignore_eos": body.get("ignore_eos"),
               "repetition_penalty": body.get("repetition_penalty"),
-              "prompt_logprobs": body.get("prompt_logprobs")}
+              "prompt_logprobs": body.get("prompt_logprobs"),
+              "speculative": body.get("speculative")}
     optional_number = lambda v: v is None or is_number(v)  # noqa: E731
     for name, ok in (("n", lambda v: v is None or is_int(v)), ("max_tokens", is_int), ("temperature", is_number), ("top_p", is_number),
                      ("frequency_penalty", optional_number),
@@ -92,6 +93,7 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
                      ("prompt_logprobs", lambda v: v is None or is_int(v)),
                      ("min_p", lambda v: v is None or is_number(v)),
                      ("ignore_eos", lambda v: v is None or isinstance(v, bool)),
+                     ("speculative", lambda v: v is None or isinstance(v, bool)),
                      ("seed", lambda v: v is None or is_int(v)),
                      ("stop", lambda v: v is None or (isinstance(v, list)
                                                       and all(isinstance(s, str) for s in v)))):

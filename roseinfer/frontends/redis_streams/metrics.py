@@ -60,7 +60,17 @@ class Metrics:
                                     "Entries moved to P:dead after too many deliveries.")
         self.step_failures = metric(Counter, "engine_step_failures", "engine.step() exceptions.")
         self.redis_outages = metric(Counter, "redis_outages", "Times Redis became unreachable.")
-        self._preemptions_seen = 0
+        # Speculative decoding (core/speculation.py), under vLLM's names.
+        self.spec_drafts = metric(Counter, "spec_decode_num_drafts", "Drafts checked.")
+        self.spec_draft_tokens = metric(Counter, "spec_decode_num_draft_tokens",
+                                        "Draft tokens checked.")
+        self.spec_accepted = metric(Counter, "spec_decode_num_accepted_tokens",
+                                    "Draft tokens accepted.")
+        self.spec_acceptance = metric(Gauge, "spec_decode_draft_acceptance_rate",
+                                      "Accepted draft tokens over draft tokens checked, "
+                                      "since start.")
+        self._seen = {"num_preemptions": 0, "num_drafts": 0, "num_draft_tokens": 0,
+                      "num_accepted_tokens": 0}
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -69,9 +79,16 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        # The engine counts preemptions since it started; the counter takes the increase.
-        self.preemptions.inc(max(0, stats.num_preemptions - self._preemptions_seen))
-        self._preemptions_seen = stats.num_preemptions
+        # The engine counts since it started; each counter takes the increase.
+        for name, counter in (("num_preemptions", self.preemptions),
+                              ("num_drafts", self.spec_drafts),
+                              ("num_draft_tokens", self.spec_draft_tokens),
+                              ("num_accepted_tokens", self.spec_accepted)):
+            total = getattr(stats, name)
+            counter.inc(max(0, total - self._seen[name]))
+            self._seen[name] = total
+        if stats.num_draft_tokens:
+            self.spec_acceptance.set(stats.num_accepted_tokens / stats.num_draft_tokens)
 
 
 def serve(metrics: Metrics, port: int, addr: str = "0.0.0.0") -> Callable[[], None]:
