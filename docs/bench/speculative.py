@@ -99,10 +99,10 @@ def run(llm, texts, args, speculative: bool) -> dict:
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    tokens = 0
+    ids = []
     for at in range(0, len(texts), args.batch):
-        outs = llm.generate(texts[at:at + args.batch], params)
-        tokens += sum(len(o.token_ids) for o in outs)
+        ids += [o.token_ids for o in llm.generate(texts[at:at + args.batch], params)]
+    tokens = sum(map(len, ids))
     seconds = time.perf_counter() - start
     drafts, drafted, accepted = (a - b for a, b in zip(
         (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens), before))
@@ -110,7 +110,14 @@ def run(llm, texts, args, speculative: bool) -> dict:
             "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": accepted / drafted if drafted else None,
             "tokens_per_round": 1 + accepted / drafts if drafts else None,
-            "ids": [o.token_ids for o in outs][:1]}
+            "ids": ids}
+
+
+def _agreement(off: list[list[int]], on: list[list[int]]) -> dict:
+    """How many outputs are the same, and where the others first differ."""
+    firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+              for x, y in zip(off, on) if x != y]
+    return {"outputs": len(off), "equal": len(off) - len(firsts), "first_difference": firsts}
 
 
 def main() -> None:
@@ -155,8 +162,8 @@ def main() -> None:
         for _ in range(args.repeat_runs):
             for name, speculative in (("off", False), ("on", True)):
                 runs[name].append(run(llm, texts, args, speculative))
-        same = runs["off"][0].pop("ids") == runs["on"][0].pop("ids")
-        for r in runs["off"][1:] + runs["on"][1:]:
+        same = _agreement(runs["off"][0]["ids"], runs["on"][0]["ids"])
+        for r in runs["off"] + runs["on"]:
             r.pop("ids")
         off = sum(r["tok_s"] for r in runs["off"]) / len(runs["off"])
         on = sum(r["tok_s"] for r in runs["on"]) / len(runs["on"])
@@ -165,13 +172,15 @@ def main() -> None:
         drafted = sum(r["draft_tokens"] for r in on_runs)
         drafts = sum(r["drafts"] for r in on_runs)
         report["workloads"][workload] = {
-            "off_tok_s": off, "on_tok_s": on, "speedup": on / off, "same_first_output": same,
+            "off_tok_s": off, "on_tok_s": on, "speedup": on / off, "same_outputs": same,
             "acceptance": accepted / drafted if drafted else None,
             "tokens_per_round": 1 + accepted / drafts if drafts else None,
             "tokens": on_runs[0]["tokens"], "runs": runs}
         print(f"{workload}: off {off:.1f} tok/s, on {on:.1f} tok/s, {on / off:.2f}x; "
               f"acceptance {report['workloads'][workload]['acceptance']}, tokens per round "
-              f"{report['workloads'][workload]['tokens_per_round']}, same output {same}",
+              f"{report['workloads'][workload]['tokens_per_round']}; greedy outputs equal: "
+              f"{same['equal']} of {same['outputs']}, first differences at "
+              f"{same['first_difference']}",
               flush=True)
     spec = llm.engine.speculator
     report["engine"] = {"plain_step_s": spec.plain_s, "verify_step_s": spec.verify_s}

@@ -4,7 +4,8 @@
 #   8b     Llama-3-8B shape, random bf16 weights, batch 1: a verify step of k+1 = 5
 #          positions against a plain step (proposer "always", no pauses), and one round
 #          of the 1B shape drafting for it
-#   smol   the default model's real weights (GGUF at $SMOL), batch 1 and 64, ngram
+#   smol   the default model's real weights (GGUF at $SMOL), batch 1 and 64, ngram;
+#          batch 1 also with k = 8, and in float32 (greedy outputs equal off and on)
 # Usage: OUT=dir [SMOL=path.gguf] bash docs/bench/speculative.sh [tests] [8b] [smol]
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -25,6 +26,10 @@ tests)
   bench 8b-draft-1b $random8b --proposer draft --draft-model llama3-1b-random ;;
 smol)
   bench smol-b1 --model "${SMOL:-SmolLM2-135M-Instruct}" --batch 1 --num-prompts 8
+  bench smol-b1-k8 --model "${SMOL:-SmolLM2-135M-Instruct}" --batch 1 --num-prompts 8 \
+    --workloads repeat,edit --num-speculative-tokens 8
+  bench smol-b1-fp32 --model "${SMOL:-SmolLM2-135M-Instruct}" --batch 1 --num-prompts 8 \
+    --dtype float32 --repeat-runs 1
   bench smol-b64 --model "${SMOL:-SmolLM2-135M-Instruct}" --batch 64 --num-prompts 64 \
     --workloads repeat,free --repeat-runs 2 ;;
 esac; done

@@ -70,11 +70,12 @@ class EngineConfig:
     # faster than eager; "build" builds it first if missing (minutes, once); "off".
     cpu_compiled_step: str = "auto"
     # Speculative decoding (core/speculation.py): a proposer plugin's name (ngram,
-    # draft), the most tokens it proposes a step, the model the draft proposer runs,
-    # and the most running sequences a step speculates with (a larger batch is no
-    # longer bound by reading the weights, so checking drafts stops paying).
+    # draft), the most tokens it proposes a step (default 8 on CUDA, where checking 9
+    # positions costs about what 5 do; 4 on the CPU, where each costs: docs/benchmarks.md),
+    # the model the draft proposer runs, and the most running sequences a step
+    # speculates with (a larger batch is no longer bound by reading the weights).
     speculative: Optional[str] = None
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: Optional[int] = None
     draft_model: Optional[str] = None
     speculative_disable_by_batch_size: int = 8
     seed: Optional[int] = None
@@ -84,8 +85,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "decode_steps",
-                    "decode_steps_min_seqs", "num_speculative_tokens",
-                    "speculative_disable_by_batch_size")
+                    "decode_steps_min_seqs", "speculative_disable_by_batch_size")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -96,6 +96,10 @@ class EngineConfig:
         v = self.max_mixed_prefill_tokens
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ConfigError(f"max_mixed_prefill_tokens must be a positive integer or unset, "
+                              f"got {v!r}")
+        v = self.num_speculative_tokens
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ConfigError(f"num_speculative_tokens must be a positive integer or unset, "
                               f"got {v!r}")
         for name in ("num_kv_blocks", "max_model_len"):
             v = getattr(self, name)

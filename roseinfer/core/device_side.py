@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from roseinfer.core import tp
+from roseinfer.core import speculation, tp
 from roseinfer.core.config import EngineConfig
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.kv_cache import KVCache
@@ -63,7 +63,7 @@ def build_runner(model, kv_cache: KVCache, cfg: EngineConfig, plugins: PluginReg
     attention = plugins.create("attention", attention_name(cfg, plugins, device))
     mixed_tokens = cfg.mixed_graph_max_tokens
     # steps that check drafts: k + 1 tokens for each sequence of a speculating batch
-    verify_tokens = (cfg.num_speculative_tokens + 1) * min(
+    verify_tokens = (speculation.draft_tokens(cfg, device) + 1) * min(
         cfg.speculative_disable_by_batch_size, cfg.max_num_seqs) if cfg.speculative else 0
     if not getattr(attention, "mixed_graphs", False):  # docs/plugins.md
         mixed_tokens = verify_tokens = 0

@@ -325,7 +325,10 @@ class Engine:
             self._in_flight = self._launch(batch, previous)
         if self._forks:
             self._share_prompts()
-        return self._collect(previous) if previous is not None else []
+        outputs = self._collect(previous) if previous is not None else []
+        if self.speculator is not None:
+            self.speculator.tick(self.speculator.kind(batch))
+        return outputs
 
     def _speculate(self) -> list[RequestOutput]:
         """A step with drafts, collected at once: the next drafts need its tokens."""
@@ -333,12 +336,12 @@ class Engine:
         outputs = self._collect(previous) if previous is not None else []
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        kind = self.speculator.kind(batch)
         if batch.seqs:
-            kind, started = self.speculator.kind(batch), time.perf_counter()
             outputs += self._collect(self._launch(batch, None))
-            self.speculator.observe(kind, time.perf_counter() - started)
         if self._forks:
             self._share_prompts()
+        self.speculator.tick(kind)
         return outputs
 
     def _swap_in_build(self) -> None:

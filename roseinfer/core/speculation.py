@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import time
+
 import torch
 
 from roseinfer.core.sampler import Sampler
@@ -84,6 +86,7 @@ class Speculator:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.plain_s: Optional[float] = None   # a step of decode rows alone
         self.verify_s: Optional[float] = None  # a step with drafts (no prefill)
+        self._last: Optional[float] = None     # the end of the last step (tick)
 
     def wanted(self, running) -> bool:
         """Whether this step should speculate: few sequences run, one of them may draft."""
@@ -116,17 +119,24 @@ class Speculator:
     @staticmethod
     def kind(batch) -> Optional[str]:
         """What a scheduled step times as: "plain" (decode rows alone), "verify"
-        (drafts, no prefill chunk) or None (a prefill chunk)."""
-        if any(n > 1 and s.draft is None for s, n in zip(batch.seqs, batch.num_tokens)):
+        (drafts, no prefill chunk) or None (a prefill chunk, or nothing)."""
+        if not batch.seqs or any(n > 1 and s.draft is None
+                                 for s, n in zip(batch.seqs, batch.num_tokens)):
             return None
         return "verify" if batch.drafted else "plain"
 
-    def observe(self, kind: Optional[str], seconds: float) -> None:
-        """A collected step's time, by its ``kind``."""
-        if kind == "verify":
-            self.verify_s = _mean(self.verify_s, seconds)
-        elif kind == "plain":
-            self.plain_s = _mean(self.plain_s, seconds)
+    def tick(self, kind: Optional[str]) -> None:
+        """The end of an engine step of ``kind``: the time since the last step's end is
+        what this one cost, the caller's own work between steps and, for drafts, the
+        proposer's included. Plain steps overlap their launch with the last step's
+        collection, so this is their cost as served."""
+        now = time.perf_counter()
+        if kind is not None and self._last is not None:
+            if kind == "verify":
+                self.verify_s = _mean(self.verify_s, now - self._last)
+            else:
+                self.plain_s = _mean(self.plain_s, now - self._last)
+        self._last = now if kind is not None else None
 
     def verify(self, launched, ids: list[list[int]]) -> None:
         """Replace each drafted row's sampled token (``ids``, by sampling row) by the
@@ -243,12 +253,17 @@ class VerifyPlan:
         return cls(seqs, index, rows)
 
 
+def draft_tokens(config, device: torch.device) -> int:
+    """k: the most tokens a draft holds (config.py says why the default differs)."""
+    k = config.num_speculative_tokens
+    return k if k is not None else 8 if device.type == "cuda" else 4
+
+
 def build(config, plugins, device, dtype, vocab_size) -> Optional[Speculator]:
     """The engine's speculator, if ``config.speculative`` names a proposer."""
     if config.speculative is None:
         return None
-    ctx = ProposerContext(config, device, dtype, vocab_size, plugins,
-                          config.num_speculative_tokens)
-    proposer = plugins.create("proposer", config.speculative, ctx)
-    return Speculator(proposer, config.num_speculative_tokens,
-                      config.speculative_disable_by_batch_size, device)
+    k = draft_tokens(config, device)
+    proposer = plugins.create("proposer", config.speculative,
+                              ProposerContext(config, device, dtype, vocab_size, plugins, k))
+    return Speculator(proposer, k, config.speculative_disable_by_batch_size, device)
