@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from roseinfer.core.config import EngineConfig
+from roseinfer.core.engine import EngineStats
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams.protocol import Keys, decode_chunk
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
@@ -82,12 +83,6 @@ class FakeOutput:
     error: object = None
 
 
-@dataclass
-class FakeStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int = 0
 
 
 class FakeEngine:
@@ -154,7 +149,7 @@ class FakeEngine:
 
     def stats(self):
         running = min(len(self.seqs), self.config.max_num_seqs)
-        return FakeStats(running, len(self.seqs) - running, running / self.config.max_num_seqs)
+        return EngineStats(running, len(self.seqs) - running, running / self.config.max_num_seqs, 0)
 
 
 def _text(ids):
