@@ -18,25 +18,30 @@ from tests.test_greedy_equality import mixed_prompts
 
 class StepsRunEagerly:
     """Stands in for a captured graph: replay runs the step on the capture's
-    inputs, which alias the step's (one host buffer on the CPU)."""
+    inputs, which alias the step's (one host buffer on the CPU), and copies what it
+    returns to the tensor the capture returned, as a graph's output stays put."""
 
-    def __init__(self, step, ctx, inp, steps, replays):
-        self.args, self.steps, self.replays = (step, ctx, inp), steps, replays
+    def __init__(self, step, ctx, inp, steps, replays, out):
+        self.args, self.steps, self.replays, self.out = (step, ctx, inp), steps, replays, out
 
     def replay(self):
         step, ctx, inp = self.args
         self.replays[step.__name__] += 1
         for _ in range(self.steps):
-            step(ctx, inp)
+            result = step(ctx, inp)
+        if self.out is not None:
+            self.out.copy_(result)
 
 
 class EagerStepGraphs(StepGraphs):
     def __init__(self, *args):
         super().__init__(*args)
-        self.replays = {"capture_step": 0, "capture_mixed": 0}
+        self.replays = {"capture_step": 0, "capture_mixed": 0, "capture_verify": 0}
 
     def _graph(self, step, ctx, inp, steps):
-        return StepsRunEagerly(step, ctx, inp, steps, self.replays), None
+        out = step(ctx, inp)
+        out = out.clone() if isinstance(out, torch.Tensor) else None
+        return StepsRunEagerly(step, ctx, inp, steps, self.replays, out), out
 
 
 def llm_with_graphs(model, monkeypatch, **config):
@@ -47,7 +52,7 @@ def llm_with_graphs(model, monkeypatch, **config):
         monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
         runner, cfg = llm.engine.runner, llm.engine.config
         runner.graphs = EagerStepGraphs(runner, cfg.max_num_seqs, cfg.decode_steps,
-                                        runner.mixed_graph_tokens)
+                                        runner.mixed_graph_tokens, runner.verify_graph_tokens)
         runner.graphs.capture()
     return llm
 
@@ -86,8 +91,8 @@ def test_steps_too_large_for_a_bucket_run_eagerly(gpt2_model, monkeypatch):
                           mixed_graph_max_tokens=100, max_model_len=48)
     graphs = llm.engine.runner.graphs
     assert graphs.layout(101, 4) is None
-    assert graphs.layout(100, 4) == (100, 9, True)
-    assert graphs.layout(3, 3) == (4, 4, False)
+    assert graphs.layout(100, 4) == (100, 9, True, False)
+    assert graphs.layout(3, 3) == (4, 4, False, False)
     prompts = [list(range(3 + i, 43 + i)) for i in range(3)] + [list(range(100, 120))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(gpt2_model, p, 6) for p in prompts]
@@ -107,3 +112,24 @@ def test_seeded_sampling_in_mixed_graphs_matches_eager_steps(gpt2_model, monkeyp
         llm = llm_with_graphs(gpt2_model, monkeypatch, max_num_batched_tokens=16, **config)
         return [o.token_ids for o in llm.generate(prompts, params)]
     assert run() == run(mixed_graph_max_tokens=0)
+
+
+def test_verify_steps_in_graphs(llama_model, monkeypatch):
+    """Steps that check drafts replay verify graphs (every token's logits, padded to
+    a bucket of 8 or 16 tokens) beside plain rows; greedy ids equal transformers'."""
+    from tests.test_speculative import Oracle, prompts_with_repeats, registry
+
+    prompts = prompts_with_repeats(3, seed=4)
+    Oracle.references = {tuple(p): hf_greedy(llama_model, p, 24) for p in prompts}
+    llm = llm_with_graphs(llama_model, monkeypatch, plugins=registry(), speculative="oracle",
+                          num_speculative_tokens=3, speculative_disable_by_batch_size=4,
+                          max_num_batched_tokens=32)
+    graphs = llm.engine.runner.graphs
+    assert graphs.verify_sizes == [8, 16]
+    assert graphs.layout(9, 3, verify=True) == (16, 9, True, True)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == Oracle.references[tuple(prompt)], prompt
+    assert 0 < llm.engine.stats().num_accepted_tokens
+    if DEVICE == "cpu":
+        assert graphs.replays["capture_verify"] >= 3

@@ -103,6 +103,7 @@ class ModelRunner:
         self.graphs = None
         self.compiled = None  # core/cpu_step.py: a one-sequence decode step on the CPU
         self.mixed_graph_tokens = min(mixed_graph_tokens, tokens)
+        self.verify_graph_tokens = verify_graph_tokens
         if cuda_graphs and device.type == "cuda":
             self.graphs = StepGraphs(self, max_num_seqs, decode_steps, self.mixed_graph_tokens,
                                      verify_graph_tokens)
