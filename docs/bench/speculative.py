@@ -12,7 +12,7 @@ Workloads the bench builds itself:
 
 Usage: python docs/bench/speculative.py --model SmolLM2-135M-Instruct --device cpu \
   --workloads repeat,free --batch 1 [--proposer ngram|draft|always] [--draft-model M] \
-  [--num-speculative-tokens 4] [--max-tokens 256] [--repeat-runs 3] [--no-pause] \
+  [--num-speculative-tokens K] [--max-tokens 256] [--repeat-runs 3] [--no-pause] \
   [--disable-by-batch-size 8] [--output-json F]
 """
 from __future__ import annotations
@@ -130,7 +130,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--proposer", default="ngram")
     p.add_argument("--draft-model", default=None)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="k (default: the engine's, 8 on CUDA and 4 on the CPU)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--repeat-runs", type=int, default=3)
