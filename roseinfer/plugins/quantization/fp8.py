@@ -1,12 +1,15 @@
 """FP8 (e4m3) weights with per-channel or per-tensor scales; activations rounded to FP8
 per token where the checkpoint says so, and at load (W8A8 dynamic, as vLLM's
 ``--quantization fp8``). Reads compressed-tensors ``float-quantized`` checkpoints, as
-llm-compressor's FP8 and FP8_DYNAMIC schemes write them."""
+llm-compressor's FP8 and FP8_DYNAMIC schemes write them. On GPUs with FP8 (compute
+capability 8.9 and up) W8A8 linears keep their weights in FP8 and run FP8 kernels
+(models/fp8_linear.py); elsewhere the de-quantized values."""
 from __future__ import annotations
 
 import torch
 
 from roseinfer.core.errors import ConfigError
+from roseinfer.models.fp8_linear import runs_here, to_fp8
 from roseinfer.models.quantization import Fp8ActivationLinear, absmax_scale, fp8_rows, \
     quantizable
 
@@ -60,6 +63,13 @@ class Fp8:
     def quantize(self, model) -> None:
         with torch.no_grad():
             for _, linear in quantizable(model):
+                if self.dynamic_activations and runs_here(linear.weight.device):
+                    # FP8 in memory. A checkpoint's values come back as they were: its
+                    # per-channel scales are absmax / 448 (llm-compressor's observer), and
+                    # the model dtype's rounding of value x scale (2^-9) is well under
+                    # half an e4m3 step (2^-5)
+                    to_fp8(linear)
+                    continue
                 if not self.from_checkpoint:
                     w = linear.weight.float()
                     linear.weight.copy_(fp8_rows(w, absmax_scale(w)))
