@@ -63,7 +63,8 @@ def test_scaled_mm_path_is_the_w8a8_product(rows):
     want = reference(x.bfloat16(), q, scale, None)
     out = fp8_gemm(x.bfloat16().cuda(), q.cuda(), scale.cuda())
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double().cpu(), want, atol=2e-2, rtol=1e-2)
+    # bfloat16 output: its own rounding, 2^-8 of values up to ~8
+    torch.testing.assert_close(out.double().cpu(), want, atol=5e-2, rtol=1e-2)
 
 
 @pytest.mark.skipif(not CUDA, reason="FP8 linears are made on GPUs with FP8")
@@ -85,9 +86,8 @@ def test_a_model_quantized_at_load_keeps_fp8_weights_and_its_tokens():
                  quantization="fp8", cpu_compiled_step="off") as llm:
             outs[device] = [o.token_ids for o in llm.generate(prompts, params)]
             if device == "cuda":
-                model = llm.engine.model
-                linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
-                           and m is not getattr(model, "lm_head", None)]
+                linears = [m for name, m in llm.engine.model.named_modules()
+                           if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")]
                 assert linears and all(isinstance(m, Fp8Linear) and m.weight.dtype == FP8
                                        for m in linears)
     assert outs["cuda"] == outs["cpu"]

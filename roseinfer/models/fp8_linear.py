@@ -2,11 +2,11 @@
 stay FP8 in GPU memory, and each input row is rounded to e4m3 with a scale of its own
 (its largest magnitude maps to 448), as vLLM's ``--quantization fp8`` computes.
 
-Decode rows (at most MAX_ROWS) go through one Triton kernel that streams each weight
-once, at one byte a value: each program finds its rows' scales in a first pass over
-the (small, cached) input, then rounds the input tiles as it multiplies them with the
-weight tiles on the tensor cores. More rows go to ``torch._scaled_mm`` (FP8 tensor-core
-GEMM with row-wise scales). On the CPU the model keeps the de-quantized values
+The input's rows are rounded first, by one small kernel (one program a row). Decode rows
+(at most MAX_ROWS) then go through a Triton kernel that streams each weight once, at
+one byte a value, multiplying e4m3 tiles on the tensor cores (as float16, which holds
+every e4m3 value exactly). More rows go to ``torch._scaled_mm`` (FP8 tensor-core GEMM
+with row-wise scales). On the CPU the model keeps the de-quantized values
 (plugins/quantization/fp8.py): the same products, up to the order of the sums.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
@@ -23,7 +23,40 @@ MAX_ROWS = 16  # one tile of rows
 
 
 @_kernel
-def _fp8_skinny_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_x, s_w, s_y,
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, s_x, s_q, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Row ``program_id`` of x as e4m3 values (``q``) and its scale: absmax_scale's."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    ks = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + ks
+        x = tl.load(x_ptr + row * s_x + k, mask=k < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + ks
+        x = tl.load(x_ptr + row * s_x + k, mask=k < K, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * s_q + k, tl.clamp(x / scale, -448.0, 448.0).to(tl.float8e4nv),
+                 mask=k < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 rows, float32 scales [M, 1]) of a 2-D ``x``, one launch."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    pdl = dependent_launch(x.device, m)
+    _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0),
+                                BLOCK=min(1024, triton.next_power_of_2(k)), PDL=pdl,
+                                num_warps=4, launch_pdl=pdl)
+    return q, scale
+
+
+@_kernel
+def _fp8_skinny_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_q, s_w, s_y,
                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        PDL: tl.constexpr):
     wait_for_inputs(PDL)
@@ -31,23 +64,17 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_x, s_w, s_
     rows = tl.arange(0, 16)
     ks = tl.arange(0, BLOCK_K)
     col_ok, row_ok = cols < N, rows < M
-    amax = tl.zeros([16], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        x = tl.load(x_ptr + rows[:, None] * s_x + k[None, :],
-                    mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    scale = tl.maximum(amax / 448.0, 1e-12)  # absmax_scale's
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         k_ok = (k < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=row_ok[:, None] & k_ok,
-                    other=0.0).to(tl.float32)
-        x = tl.clamp(x / scale[:, None], -448.0, 448.0).to(tl.float8e4nv).to(tl.float16)
+        # e4m3 values are exact in float16
+        x = tl.load(q_ptr + rows[:, None] * s_q + k[None, :], mask=row_ok[:, None] & k_ok,
+                    other=0.0).to(tl.float16)
         w = tl.load(w_ptr + cols[:, None] * s_w + k[None, :], mask=col_ok[:, None] & k_ok,
-                    other=0.0).to(tl.float16)  # e4m3 values are exact in float16
+                    other=0.0).to(tl.float16)
         acc = tl.dot(x, tl.trans(w), acc)
+    scale = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
     acc = acc * scale[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -55,19 +82,24 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_x, s_w, s_
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+CONFIG = (32, 1024, 4, 4)  # BLOCK_N, BLOCK_K (1 KiB of e4m3), warps, stages
+
+
 def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """The W8A8 product of a 2-D ``x`` of at most MAX_ROWS rows (unit column strides)
     with e4m3 ``weight`` [N, K] and its float32 per-channel ``weight_scale`` [N]."""
     m, k = x.shape
     n = weight.shape[0]
-    block_k = min(512, max(16, triton.next_power_of_2(k)))
+    block_n, block_k, warps, stages = config or CONFIG
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    q, scale = quantize_rows(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device, m)
-    _fp8_skinny_kernel[(triton.cdiv(n, 32),)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, y, m, n, k,
-        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=32,
-        BLOCK_K=block_k, PDL=pdl, num_warps=4, num_stages=4 if k >= 4096 else 3,
+    _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
+        q, scale, weight, weight_scale, bias if bias is not None else weight_scale, y, m, n, k,
+        q.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, num_stages=stages,
         launch_pdl=pdl)
     return y
 
@@ -77,8 +109,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     """The same product for any number of rows: ``torch._scaled_mm`` (row-wise scales
     give bfloat16 out), else through the de-quantized weight (a slow path, for other
     dtypes)."""
-    scale = absmax_scale(x.float())
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q, scale = quantize_rows(x)
     if x.dtype == torch.bfloat16:
         y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1),
                              out_dtype=x.dtype)
