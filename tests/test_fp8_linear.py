@@ -86,8 +86,9 @@ def test_a_model_quantized_at_load_keeps_fp8_weights_and_its_tokens():
                  quantization="fp8", cpu_compiled_step="off") as llm:
             outs[device] = [o.token_ids for o in llm.generate(prompts, params)]
             if device == "cuda":
-                linears = [m for name, m in llm.engine.model.named_modules()
+                linears = [(name, m) for name, m in llm.engine.model.named_modules()
                            if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")]
-                assert linears and all(isinstance(m, Fp8Linear) and m.weight.dtype == FP8
-                                       for m in linears)
+                others = [(name, type(m).__name__, m.weight.dtype) for name, m in linears
+                          if not (isinstance(m, Fp8Linear) and m.weight.dtype == FP8)]
+                assert linears and not others, others
     assert outs["cuda"] == outs["cpu"]
