@@ -74,6 +74,7 @@ def test_a_model_quantized_at_load_keeps_fp8_weights_and_its_tokens():
     stay e4m3 in GPU memory."""
     from roseinfer import LLM, SamplingParams
     from roseinfer.models.fp8_linear import Fp8Linear
+    from roseinfer.models.quantization import quantizable
     from tests.models import tiny_llama
 
     hf = tiny_llama(hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -86,9 +87,9 @@ def test_a_model_quantized_at_load_keeps_fp8_weights_and_its_tokens():
                  quantization="fp8", cpu_compiled_step="off") as llm:
             outs[device] = [o.token_ids for o in llm.generate(prompts, params)]
             if device == "cuda":
-                linears = [(name, m) for name, m in llm.engine.model.named_modules()
-                           if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")]
-                others = [(name, type(m).__name__, m.weight.dtype) for name, m in linears
+                quantized = quantizable(llm.engine.model)  # every linear but the LM head
+                others = [(name, type(m).__name__, m.weight.dtype) for name, m in quantized
                           if not (isinstance(m, Fp8Linear) and m.weight.dtype == FP8)]
-                assert linears and not others, others
+                assert len(quantized) == 8 and not others, others
+                assert llm.engine.model.head.linear.weight.dtype == torch.float32
     assert outs["cuda"] == outs["cpu"]
