@@ -57,7 +57,7 @@ def main():
         out[name] = row
         print(name, json.dumps({a: (round(b, 4) if isinstance(b, float) else b)
                                 for a, b in row.items()}), flush=True)
-        del w16, w8
+        w16 = w8 = None  # free them before the next shape
         torch.cuda.empty_cache()
     if args.output_json:
         with open(args.output_json, "w") as f:
