@@ -3,9 +3,9 @@ stay FP8 in GPU memory, and each input row is rounded to e4m3 with a scale of it
 (its largest magnitude maps to 448), as vLLM's ``--quantization fp8`` computes.
 
 The input's rows are rounded first, by one small kernel (one program a row). Decode rows
-(at most MAX_ROWS) then go through a Triton kernel that streams each weight once, at
-one byte a value, multiplying e4m3 tiles on the tensor cores (as float16, which holds
-every e4m3 value exactly). More rows go to ``torch._scaled_mm`` (FP8 tensor-core GEMM
+(at most MAX_ROWS) then go through the skinny kernel (models/skinny_linear.py), which
+streams each weight once, here at one byte a value, multiplying e4m3 tiles on the
+tensor cores (as float16, which holds every e4m3 value exactly). More rows go to ``torch._scaled_mm`` (FP8 tensor-core GEMM
 with row-wise scales). On the CPU the model keeps the de-quantized values
 (plugins/quantization/fp8.py): the same products, up to the order of the sums.
 """
@@ -18,6 +18,7 @@ from torch import nn
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     wait_for_inputs
 from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
+from roseinfer.models.skinny_linear import _skinny_kernel
 
 MAX_ROWS = 16  # one tile of rows
 
@@ -55,33 +56,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-@_kernel
-def _fp8_skinny_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_q, s_w, s_y,
-                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
-    wait_for_inputs(PDL)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, 16)
-    ks = tl.arange(0, BLOCK_K)
-    col_ok, row_ok = cols < N, rows < M
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        k_ok = (k < K)[None, :]
-        # e4m3 values are exact in float16
-        x = tl.load(q_ptr + rows[:, None] * s_q + k[None, :], mask=row_ok[:, None] & k_ok,
-                    other=0.0).to(tl.float16)
-        w = tl.load(w_ptr + cols[:, None] * s_w + k[None, :], mask=col_ok[:, None] & k_ok,
-                    other=0.0).to(tl.float16)
-        acc = tl.dot(x, tl.trans(w), acc)
-    scale = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
-    acc = acc * scale[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * s_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
-
-
 # BLOCK_N, BLOCK_K, warps, stages: the fastest or within 4 % of it on each Llama-3-8B
 # linear at 1 and 16 rows on the H100 (docs/bench/fp8_linears.py)
 CONFIG = (64, 512, 4, 4)
@@ -98,11 +72,11 @@ def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     q, scale = quantize_rows(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device, m)
-    _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
-        q, scale, weight, weight_scale, bias if bias is not None else weight_scale, y, m, n, k,
+    _skinny_kernel[(triton.cdiv(n, block_n),)](
+        q, weight, bias if bias is not None else weight_scale, y, scale, weight_scale, m, n, k,
         q.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, num_stages=stages,
-        launch_pdl=pdl)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION="tf32",
+        SCALED=True, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
 
 

@@ -34,9 +34,13 @@ CUBLAS_MARGIN = 0.02
 
 
 @_kernel
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_x, s_w, s_y, HAS_BIAS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w, s_y,
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
+                   PDL: tl.constexpr):
+    """y = x @ w.T (+ b). SCALED: x and w hold e4m3 values, multiplied as float16 (which
+    holds each exactly), and y is scaled by x's row scales ``xs`` and w's column scales
+    ``ws`` (models/fp8_linear.py)."""
     wait_for_inputs(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, 16)
@@ -55,7 +59,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_x, s_w, s_y, HAS_BIAS:
         else:
             w = tl.load(w_at, mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
             x = tl.load(x_at, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        if SCALED:
+            x, w = x.to(tl.float16), w.to(tl.float16)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if SCALED:
+        acc *= tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None] * \
+            tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * s_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -80,11 +89,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device, m)
     _skinny_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k,
+        x, weight, bias if bias is not None else weight, y, weight, weight, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays float32
-        PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        SCALED=False, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
 
 
