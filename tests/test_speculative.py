@@ -99,6 +99,19 @@ def greedy(max_tokens, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
 
 
+def test_prompt_lookup_proposes_what_followed_the_suffix():
+    from roseinfer.plugins.speculative.ngram import Ngram
+
+    drafts = Ngram(None).propose([
+        [5, 6, 7, 8, 9, 1, 6, 7, 8, 2, 6, 7],  # (6, 7) twice: the latest a whole draft follows
+        [3, 4, 4, 4, 4, 4, 4, 4, 4],            # a loop: not the suffix shifted by one
+        [1, 2, 3, 4],                           # nothing recurs
+    ], [3, 2, 4])
+    assert drafts[0].tokens == [8, 2, 6]
+    assert drafts[1].tokens == [4, 4]
+    assert drafts[2] is None
+
+
 def test_ngram_greedy_equals_transformers():
     """A 16-token vocabulary: the model's greedy output repeats bigrams and longer runs
     often enough for prompt lookup to draft, and to be right some of the time."""

@@ -43,11 +43,14 @@ def alive(real_redis, prefix, *consumers):
     return {b["consumer"] for b in read_heartbeats(real_redis, Keys(prefix))} >= set(consumers)
 
 
+@pytest.mark.parametrize("flags", [(), ("--speculative", "ngram")], ids=["plain", "speculating"])
 def test_kill_9_mid_flight_the_other_worker_resumes_without_gap_or_repeat(
-        tiny_llm, worker_processes, real_redis, prefix, redis_server):
+        tiny_llm, worker_processes, real_redis, prefix, redis_server, flags):
+    """Speculating workers too (the tiny GPT-2's greedy output loops, so prompt lookup
+    drafts most of it): chunks of several tokens resume as exactly as single ones."""
     keys = Keys(prefix)
-    victim = worker_processes("victim", "--claim-idle-ms", "1000")
-    survivor = worker_processes("survivor", "--claim-idle-ms", "1000")
+    victim = worker_processes("victim", "--claim-idle-ms", "1000", *flags)
+    survivor = worker_processes("survivor", "--claim-idle-ms", "1000", *flags)
     wait_until(lambda: alive(real_redis, prefix, "victim", "survivor"), START_TIMEOUT_S)
     reqs = greedy_requests(10, random.Random(1), (60, 120))
     client = Client(redis_server.url, prefix)

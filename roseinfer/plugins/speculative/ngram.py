@@ -20,12 +20,15 @@ class Ngram:
 
 
 def _lookup(ids: np.ndarray, room: int):
-    """What followed the latest earlier occurrence of the longest suffix that has one."""
+    """What followed an earlier occurrence of the longest suffix that has one: the latest
+    occurrence that a whole draft follows, else the earliest (in a loop the latest is
+    the suffix shifted by one, followed by one token)."""
     size = len(ids)
     for n in range(min(MAX_N, size - 1), MIN_N - 1, -1):
         # windows that start early enough for a token to follow them
         hits = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[-n:]).all(axis=1))
         if hits.size:
-            follow = int(hits[-1]) + n
+            whole = hits[hits + n + room <= size]
+            follow = int(whole[-1] if whole.size else hits[0]) + n
             return Draft(ids[follow:follow + room].tolist())
     return None
