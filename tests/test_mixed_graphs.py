@@ -116,7 +116,7 @@ def test_seeded_sampling_in_mixed_graphs_matches_eager_steps(gpt2_model, monkeyp
 
 def test_verify_steps_in_graphs(llama_model, monkeypatch):
     """Steps that check drafts replay verify graphs (every token's logits, padded to
-    a bucket of 8 or 16 tokens) beside plain rows; greedy ids equal transformers'."""
+    a bucket of 4, 8 or 16 tokens) beside plain rows; greedy ids equal transformers'."""
     from tests.test_speculative import Oracle, prompts_with_repeats, registry
 
     prompts = prompts_with_repeats(3, seed=4)
@@ -125,8 +125,9 @@ def test_verify_steps_in_graphs(llama_model, monkeypatch):
                           num_speculative_tokens=3, speculative_disable_by_batch_size=4,
                           max_num_batched_tokens=32)
     graphs = llm.engine.runner.graphs
-    assert graphs.verify_sizes == [8, 16]
+    assert graphs.verify_sizes == [4, 8, 16]  # 1, 2 and 4 sequences of k + 1 = 4
     assert graphs.layout(9, 3, verify=True) == (16, 9, True, True)
+    assert graphs.layout(4, 1, verify=True) == (4, 9, True, True)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == Oracle.references[tuple(prompt)], prompt

@@ -59,9 +59,14 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens] if max_tokens > 0 else []
 
 
-def verify_buckets(max_tokens: int) -> list[int]:
-    """Verify-step buckets: powers of two from 8, then the largest."""
-    sizes = [s for s in (8, 16, 32, 64, 128, 256) if s < max_tokens]
+def verify_buckets(max_tokens: int, per_seq: int) -> list[int]:
+    """Verify-step buckets: 1, 2, 4, ... sequences of ``per_seq`` tokens (k + 1), then the
+    largest. Padding rows are rows the skinny linears read: at batch 1, k = 4, a bucket
+    of 8 made them 1.14x a one-row step (docs/benchmarks.md)."""
+    sizes, n = [], per_seq
+    while 0 < n < max_tokens:
+        sizes.append(n)
+        n *= 2
     return sizes + [max_tokens] if max_tokens > 0 else []
 
 
@@ -72,11 +77,11 @@ def _smallest_at_least(sizes: list[int], n: int):
 
 class StepGraphs:
     def __init__(self, runner, max_num_seqs: int, window: int, mixed_max_tokens: int,
-                 verify_max_tokens: int = 0):
+                 verify_tokens: tuple[int, int] = (0, 0)):
         self.runner = runner
         self.sizes = bucket_sizes(max_num_seqs)
         self.token_sizes = token_buckets(mixed_max_tokens)
-        self.verify_sizes = verify_buckets(verify_max_tokens)
+        self.verify_sizes = verify_buckets(*verify_tokens)
         self.mixed_seqs = max_num_seqs + 1
         self.window_len = window
         # keys: (tokens, KV-append backend); decode graphs have tokens == sequences

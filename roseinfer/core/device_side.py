@@ -63,15 +63,16 @@ def build_runner(model, kv_cache: KVCache, cfg: EngineConfig, plugins: PluginReg
     attention = plugins.create("attention", attention_name(cfg, plugins, device))
     mixed_tokens = cfg.mixed_graph_max_tokens
     # steps that check drafts: k + 1 tokens for each sequence of a speculating batch
-    verify_tokens = (speculation.draft_tokens(cfg, device) + 1) * min(
-        cfg.speculative_disable_by_batch_size, cfg.max_num_seqs) if cfg.speculative else 0
+    per_seq = speculation.draft_tokens(cfg, device) + 1
+    verify_tokens = per_seq * min(cfg.speculative_disable_by_batch_size, cfg.max_num_seqs) \
+        if cfg.speculative else 0
     if not getattr(attention, "mixed_graphs", False):  # docs/plugins.md
         mixed_tokens = verify_tokens = 0
     return ModelRunner(model, kv_cache, attention, device, cfg.max_num_seqs,
                        cfg.max_num_batched_tokens, max_model_len, cfg.cuda_graphs,
                        cfg.decode_steps,
                        cfg.max_num_batched_tokens if mixed_tokens is None else mixed_tokens,
-                       peers, min(verify_tokens, cfg.max_num_batched_tokens))
+                       peers, (min(verify_tokens, cfg.max_num_batched_tokens), per_seq))
 
 
 def _cpu_weight_dtype(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:

@@ -66,7 +66,7 @@ class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, attention, device: torch.device,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  cuda_graphs: bool, decode_steps: int = 1, mixed_graph_tokens: int = 0,
-                 peers=None, verify_graph_tokens: int = 0):
+                 peers=None, verify_graph_tokens: tuple[int, int] = (0, 0)):
         self.model = model
         self.peers = peers  # tp_workers.Peers: the other ranks, on rank 0 of a group
         self.copies: list[tuple[int, int]] = []  # KV blocks copied since the last order
