@@ -122,6 +122,26 @@ def test_logits_fields_in_both_forms():
     assert decode_chunk(as_redis(encode_chunk(chunk))) == chunk
 
 
+def test_speculative_in_both_forms_and_through_the_gateway():
+    """A request may turn drafts off: the body's bool, the shell form's "false", the
+    gateway's extension field; anything but a bool is refused by name."""
+    from roseinfer.frontends.openai.mapping import APIError, chat_call
+
+    assert decode_request("1-0", entry({"prompt": "x"})).params.speculative is True
+    assert decode_request("1-0", entry({"prompt": "x", "speculative": False})) \
+        .params.speculative is False
+    assert decode_request("1-0", as_redis({"prompt": "x", "speculative": "false"})) \
+        .params.speculative is False
+    with pytest.raises(InvalidRequestError, match="^speculative: "):
+        decode_request("1-0", entry({"prompt": "x", "speculative": "no"}))
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_call({"messages": messages, "speculative": False}).params["speculative"] is False
+    assert "speculative" not in chat_call({"messages": messages}).params
+    with pytest.raises(APIError) as e:
+        chat_call({"messages": messages, "speculative": 1})
+    assert e.value.param == "speculative"
+
+
 def test_reply_rid_falls_back_to_the_entry_id():
     assert reply_rid("9-0", as_redis({"rid": "mine"})) == "mine"
     assert reply_rid("9-0", as_redis({"rid": "not valid"})) == "9-0"
