@@ -87,6 +87,35 @@ def test_sampled_and_processed_rows_equal_one_process(saved, device):
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_drafts_are_checked_over_two_ranks(tmp_path, device):
+    """Speculative decoding over two ranks: every rank computes the draft positions'
+    logits (the order's extra rows), rank 0 accepts; greedy ids equal transformers'. A
+    16-token vocabulary makes the output loop, so prompt lookup drafts most of it."""
+    hf = tiny_llama(vocab=16)
+    hf.save_pretrained(tmp_path)
+    prompts = [[3, 9, 4, 12, 7, 5], [11, 2, 6, 6, 8, 13]]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    outs, stats = run(str(tmp_path), prompts, params, tensor_parallel_size=2, device=device,
+                      speculative="ngram", num_speculative_tokens=4)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 30) for p in prompts]
+    assert stats.num_accepted_tokens > 0, stats
+
+
+def test_a_vocabulary_smaller_than_a_ranks_rows_pads_the_last_rank():
+    """16 tokens over two ranks of 64 rows each: rank 1's range starts past the end, and
+    reads as zeros (it read as 112 rows before)."""
+    from roseinfer.models import sharding
+
+    table = torch.arange(1, 17, dtype=torch.float32).view(16, 1)
+    with tp.assume(0, 2):
+        first = sharding.take(table, sharding.vocab(16))
+    with tp.assume(1, 2):
+        second = sharding.take(table, sharding.vocab(16))
+    assert first.shape == second.shape == (64, 1)
+    assert first[:16].equal(table) and not first[16:].any() and not second.any()
+
+
 def states(path, size):
     """Each rank's state dict (float64: CPU float32 linears keep packed weights)."""
     out = []

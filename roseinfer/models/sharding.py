@@ -68,11 +68,12 @@ def take(view, shard: Shard | None) -> torch.Tensor:
     shape = list(view.get_shape() if hasattr(view, "get_shape") else view.shape)
     parts = []
     for start, stop in shard.ranges:
-        end = min(stop, shape[shard.dim])
-        part = view[(slice(None),) * shard.dim + (slice(start, end),)]
-        if end < stop:
+        # a range may start past the end: a small vocabulary's last ranks are all padding
+        lo, hi = min(start, shape[shard.dim]), min(stop, shape[shard.dim])
+        part = view[(slice(None),) * shard.dim + (slice(lo, hi),)]
+        if hi - lo < stop - start:
             pad = list(part.shape)
-            pad[shard.dim] = stop - end
+            pad[shard.dim] = stop - start - (hi - lo)
             part = torch.cat([part, part.new_zeros(pad)], dim=shard.dim)
         parts.append(part)
     return torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
