@@ -149,11 +149,7 @@ class ModelRunner:
         plan = PromptPlan.of(seqs, num_tokens, self.device) if processed else None
         verify = VerifyPlan.of(seqs, num_tokens) if batch.drafted else None
         extra = (verify.row_list if verify else []) + (plan.row_list if plan else [])
-        layout = self.graphs.layout(n_tok, n_seq, verify is not None and plan is None) \
-            if self.graphs else None
-        if layout is not None and not layout.all_logits and \
-                (extra or (processed and layout.mixed)):
-            layout = None  # graphs compute the sampling rows' logits only
+        layout = self._layout(n_tok, n_seq, verify, plan, processed)
         host = self.stager.host_views(*(layout[:2] if layout else (n_tok, n_seq)))
         fresh = [s for s in seqs if s.row < 0 and s.params.penalized] if processed else []
         rows, upd_idx, upd_val, greedy = fill(host, seqs, num_tokens, self.block_size,
@@ -185,12 +181,7 @@ class ModelRunner:
                 advance(inp, self.tables, self.block_size, self.identity)
             logits = run(step)
             if extra:  # drafts and prefill chunks: one step, no window
-                logits, extra_logits = logits[:len(rows)], logits[len(rows):]
-                drafted = len(verify.row_list) if verify else 0
-                if verify:
-                    checked = verify, extra_logits[:drafted]
-                if plan is not None:
-                    prompt = plan, plan.logprobs(extra_logits[drafted:])
+                logits, checked, prompt = self._split_extra(logits, len(rows), verify, plan)
             if not rows:
                 continue
             if early:  # after the forward is queued: processors.py says why
@@ -207,6 +198,28 @@ class ModelRunner:
             self._record(step, tokens)
         return self._land(batch, rows, [f for f in found if f is not None] or None, prompt,
                           checked)
+
+    def _layout(self, n_tok: int, n_seq: int, verify, plan, processed: bool):
+        """The captured layout the step runs in, or None (eager). Only verify graphs
+        compute more than the sampling rows' logits; prompt log probabilities need an
+        eager step."""
+        if self.graphs is None:
+            return None
+        layout = self.graphs.layout(n_tok, n_seq, verify is not None and plan is None)
+        if layout is not None and not layout.all_logits and \
+                (verify or plan or (processed and layout.mixed)):
+            return None
+        return layout
+
+    @staticmethod
+    def _split_extra(logits, n_rows: int, verify, plan):
+        """The sampling rows' logits, then (VerifyPlan, its draft rows' logits) and
+        (PromptPlan, its device results), each None where the step has none."""
+        logits, extra = logits[:n_rows], logits[n_rows:]
+        drafted = len(verify.row_list) if verify else 0
+        checked = (verify, extra[:drafted]) if verify else None
+        prompt = (plan, plan.logprobs(extra[drafted:])) if plan is not None else None
+        return logits, checked, prompt
 
     @torch.inference_mode()
     def follow(self, order: StepOrder) -> None:
