@@ -156,22 +156,17 @@ class Speculator:
 
     def _accept(self, plan, logits, bonus: list[int]) -> list[list[int]]:
         """Each drafted sequence's kept draft tokens, then its next token."""
-        drafts = [plan.seqs[i].draft for i in plan.seq_index]
-        out = []
-        greedy_argmax = logits.argmax(dim=-1).tolist()
-        at = 0
-        sampled = []
-        for n, (seq_i, draft) in enumerate(zip(plan.seq_index, drafts)):
-            d = len(draft.tokens)
-            seq = plan.seqs[seq_i]
+        out, at, argmax = [], 0, None
+        for n, i in enumerate(plan.seq_index):
+            seq = plan.seqs[i]
+            d = len(seq.draft.tokens)
             if seq.params.greedy:
-                out.append(_greedy_round(draft.tokens, greedy_argmax[at:at + d], bonus[n]))
+                if argmax is None:  # one copy to the host for every greedy row
+                    argmax = logits.argmax(dim=-1).tolist()
+                out.append(_greedy_round(seq.draft.tokens, argmax[at:at + d], bonus[n]))
             else:
-                out.append(None)
-                sampled.append((n, seq, draft, at))
+                out.append(self._sampled_round(seq, seq.draft, logits[at:at + d], bonus[n]))
             at += d
-        for n, seq, draft, at in sampled:
-            out[n] = self._sampled_round(seq, draft, logits[at:at + len(draft.tokens)], bonus[n])
         return out
 
     def _sampled_round(self, seq, draft: Draft, logits: torch.Tensor, bonus: int) -> list[int]:
