@@ -83,7 +83,8 @@ def make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
     return qkv[:, :num_heads], rand(*cache_shape), rand(*cache_shape), attn
 
 
-def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
+def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
+          cache_dtype=None):
     backend = REGISTRY.create("attention", backend_name)
     if not backend.supports(DEVICE):
         pytest.skip(f"{backend_name} does not run on {DEVICE.type}")
@@ -94,6 +95,8 @@ def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_
     gen = torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
     q, k_cache, v_cache, attn = make_batch(
         gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    if cache_dtype is not None:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     scale = head_dim ** -0.5
     out = backend.forward(q, k_cache, v_cache, attn, scale)
     ref = reference(q, k_cache, v_cache, attn.block_tables, seqs, scale)
@@ -119,6 +122,16 @@ def test_half_precision(request, backend_name, batch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("batch", ["decode", "mixed", "prefill_prefix", "long_decode"])
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_an_fp8_cache(request, backend_name, batch, dtype):
+    """kv_cache_dtype fp8: the same attention over the cache's e4m3 values (the
+    reference reads them too), in the query's dtype."""
+    seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
+    check(request, backend_name, seqs, 6, 2, 64, 16, dtype, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_long_decode(request, backend_name, dtype):
     check(request, backend_name, LONG_DECODE, 6, 2, 64, 16, dtype)
@@ -135,6 +148,15 @@ def test_decode_on_tensor_cores(request, monkeypatch, seqs, heads, dtype, head_d
     monkeypatch.setitem(triton_paged.TUNING, "decode", {
         "block_n": 32, "num_warps": 4, "num_stages": 3, "dot": True, "programs_per_sm": 8})
     check(request, "triton_paged", seqs, *heads, head_dim, 16, dtype)
+
+
+def test_decode_on_tensor_cores_reads_an_fp8_cache(request, monkeypatch):
+    triton_paged = pytest.importorskip("roseinfer.plugins.attention.triton_paged")
+    monkeypatch.setattr(triton_paged, "DECODE_TUNING", {})
+    monkeypatch.setitem(triton_paged.TUNING, "decode", {
+        "block_n": 32, "num_warps": 4, "num_stages": 3, "dot": True, "programs_per_sm": 8})
+    check(request, "triton_paged", LONG_DECODE, 16, 2, 64, 16, torch.float16,
+          torch.float8_e4m3fn)
 
 
 def test_long_decode_is_split():

@@ -14,6 +14,7 @@ import torch
 
 from roseinfer.core.kv_cache import SlotBatch
 from roseinfer.core.plugins import PluginRegistry
+from roseinfer.models.quantization import FP8
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REGISTRY = PluginRegistry()
@@ -81,6 +82,37 @@ def test_matches_row_by_row_copy(request, backend_name, layout, head_dim, num_kv
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(k_cache.view(bits), k_ref.view(bits))
     assert torch.equal(v_cache.view(bits), v_ref.view(bits))
+
+
+@pytest.mark.parametrize("layout", ["identity_varying", "identity_shared", "gathered"])
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_an_fp8_cache_takes_e4m3_values_saturated(request, backend_name, layout):
+    """kv_cache_dtype fp8: each value rounded to e4m3 (scale 1), past 448 saturated. The
+    values are e4m3's already, and 512 (past the largest): the Triton interpreter's
+    rounding to e4m3 drops the carry when a value rounds up across a power of two."""
+    gen = torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+    num_sources = NUM_ROWS + 3 if layout == "gathered" else NUM_ROWS
+    slots = make_slots(layout, gen, num_sources)
+    backend = REGISTRY.create("kv_append", backend_name)
+    if not backend.supports(slots, DEVICE):
+        pytest.skip(f"{backend_name} does not serve {layout} on {DEVICE.type}")
+    key, value = make_key_value(gen, num_sources, 3, 64, torch.float16, True)
+    key.copy_((key * 40).to(FP8).half())
+    value.copy_((value * 40).to(FP8).half())
+    key[0, 0, :4] = torch.tensor([512.0, -512.0, 448.0, -0.0])
+    shape = (NUM_BLOCKS, 3, BLOCK_SIZE, 64)
+    k_cache = torch.randn(shape, generator=gen).to(FP8).to(DEVICE)
+    v_cache = torch.randn(shape, generator=gen).to(FP8).to(DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    backend.append(k_cache, v_cache, key, value, slots)
+    rows = range(NUM_ROWS) if slots.rows is None else slots.rows.tolist()
+    for i, row in enumerate(rows):
+        b, o = int(slots.block_idx[i]), int(slots.offsets[i])
+        k_ref[b, :, o] = key[row].clamp(-448, 448).to(FP8)
+        v_ref[b, :, o] = value[row].to(FP8)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
 
 
 def test_triton_plugins_register_nothing_without_triton():

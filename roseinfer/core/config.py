@@ -62,8 +62,8 @@ class EngineConfig:
     # load; a quantized checkpoint's own quantization_config picks its method unset
     # (models/quantization.py).
     quantization: Optional[str] = None
-    # "fp8": the KV cache holds keys and values as e4m3 (scale 1), twice the blocks in
-    # the same memory; read through the torch_index and torch_sdpa plugins for now.
+    # "fp8": the KV cache holds keys and values as e4m3 (scale 1, saturated at 448),
+    # twice a 16-bit cache's blocks in the same memory.
     kv_cache_dtype: str = "auto"
     # One sequence's decode step on the CPU as AOTInductor code (core/cpu_step.py):
     # "auto" uses it once built for this model shape and machine, where it measured

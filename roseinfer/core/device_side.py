@@ -38,24 +38,13 @@ def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: to
         plugins.get("kv_append", cfg.kv_append_backend)  # fail early, listing names
     plugins.get("metadata", cfg.metadata_store)
     if cfg.kv_cache_dtype == "fp8":
-        _check_fp8_cache(cfg, plugins, device)
-        names, dtype = ["torch_index"], torch.float8_e4m3fn
+        dtype = torch.float8_e4m3fn
     backends = {n: plugins.create("kv_append", n) for n in names}
     per_block = 2 * layers * kv_heads * cfg.block_size * head_dim * dtype.itemsize
     # every rank of a tensor-parallel group holds the same blocks
     num_blocks = cfg.num_kv_blocks or tp.smallest(_blocks_for_memory(cfg, device, per_block))
     return KVCache(layers, num_blocks, kv_heads, cfg.block_size, head_dim, dtype,
                    device, backends, cfg.kv_append_backend)
-
-
-def _check_fp8_cache(cfg: EngineConfig, plugins: PluginRegistry, device: torch.device) -> None:
-    """The plugins that read and write an FP8 cache today: torch_index and torch_sdpa."""
-    attention = attention_name(cfg, plugins, device)
-    if attention != "torch_sdpa" or cfg.kv_append_backend not in ("auto", "torch_index"):
-        raise ConfigError(f"kv_cache_dtype fp8 is read and written by the torch_sdpa attention "
-                          f"and torch_index KV-append plugins for now, not {attention} / "
-                          f"{cfg.kv_append_backend}: set attention_backend torch_sdpa (the "
-                          f"Triton kernels do not read FP8 yet)")
 
 
 def build_runner(model, kv_cache: KVCache, cfg: EngineConfig, plugins: PluginRegistry,

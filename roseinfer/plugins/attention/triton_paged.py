@@ -18,6 +18,9 @@ each split writes an unnormalised partial (running max, sum, accumulator) and
 a second kernel merges them. Shapes depend only on ``N``, ``S`` and
 ``attn.max_context_len``: capture CUDA graphs with ``max_context_len`` set to
 the context bound.
+
+An FP8 cache (``kv_cache_dtype="fp8"``) is read as e4m3 and widened to the query's dtype
+in registers, so half a bfloat16 cache's bytes cross memory.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
@@ -137,6 +140,7 @@ def _paged_attention_kernel(
         k_pos, k_ok, k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
             sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's e4m3 values, exactly
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i)
@@ -212,8 +216,8 @@ def _paged_decode_kernel(
         _, k_ok, k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
             sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N)
-        m_i, l_i, acc = _decode_tile(q, k, v, k_ok, m_i, l_i, acc, scale_log2, DOT,
-                                     DOT_PRECISION)
+        m_i, l_i, acc = _decode_tile(q, k.to(q.dtype), v.to(q.dtype), k_ok, m_i, l_i, acc,
+                                     scale_log2, DOT, DOT_PRECISION)
     # The normalised output, or this split's unnormalised partial (acc, max, sum).
     out_off = split.to(tl.int64) * so_s + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]

@@ -6,12 +6,14 @@
   ``[1]`` tensor ``slots.shared_offset`` so a captured CUDA graph replays with
   whatever offset the step has written there.
 
-One program per new token writes every KV head of K and V. No host syncs.
+One program per new token writes every KV head of K and V, cast to the cache's dtype
+(an FP8 cache: e4m3, scale 1). No host syncs.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
 import functools
 
+import torch
 
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
@@ -26,7 +28,7 @@ def _append_kernel(
     sk_n, sk_h, sk_d, sv_n, sv_h, sv_d,          # key / value strides (views allowed)
     sc_b, sc_h, sc_o, sc_d,                      # cache strides (K and V alike)
     num_kv_heads, head_dim,
-    GATHER: tl.constexpr, SHARED_OFFSET: tl.constexpr,
+    GATHER: tl.constexpr, SHARED_OFFSET: tl.constexpr, FP8: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -48,8 +50,11 @@ def _append_kernel(
     dst = block * sc_b + h * sc_h + offset * sc_o + d * sc_d
     k = tl.load(key_ptr + src * sk_n + h * sk_h + d * sk_d, mask=mask)
     v = tl.load(value_ptr + src * sv_n + h * sv_h + d * sv_d, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if FP8:  # e4m3, scale 1: saturated at its largest finite value, as torch_index does
+        k = tl.clamp(k.to(tl.float32), -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32), -448.0, 448.0)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 class TritonAppend:
@@ -84,7 +89,7 @@ class TritonAppend:
             slots.block_idx.stride(0), slots.offsets.stride(0), rows.stride(0),
             *key.stride(), *value.stride(), *k_cache.stride(),
             num_kv_heads, head_dim,
-            GATHER=gather, SHARED_OFFSET=shared,
+            GATHER=gather, SHARED_OFFSET=shared, FP8=k_cache.dtype == torch.float8_e4m3fn,
             BLOCK_H=triton.next_power_of_2(num_kv_heads),
             BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl, launch_pdl=pdl,
         )
