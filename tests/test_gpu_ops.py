@@ -45,3 +45,26 @@ def test_seeded_sampling_is_the_same_with_and_without_graphs_and_neighbours(gpt2
     assert run(prompts, cuda_graphs=False)[0] == alone
     assert run(prompts[:1] + prompts[20:], cuda_graphs=True)[0] == alone
     assert len(set(alone)) > 1
+
+
+def test_the_largest_steps_run_right_after_start():
+    """gpu_memory_utilization (default 0.9): the KV cache takes what is left of it after
+    the weights and the measured activations of the largest steps, and those steps then
+    run: a prompt of max_num_batched_tokens tokens beside max_num_seqs - 1 short ones,
+    then max_num_seqs decode rows."""
+    from roseinfer import LLM, SamplingParams
+
+    tokens, seqs = 8192, 256
+    with LLM("llama3-1b-random", max_num_seqs=seqs, max_num_batched_tokens=tokens,
+             max_model_len=tokens + 64) as llm:
+        free, total = torch.cuda.mem_get_info()
+        cache = llm.engine.kv_cache
+        cache_bytes = sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v))
+        assert total - free <= 0.9 * total + (1 << 30)  # the captured graphs' pool aside
+        assert cache_bytes >= 0.7 * total  # the 1B shape's weights are 2.5 GB
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(128, 100_000, (n,), generator=gen).tolist()
+                   for n in [tokens] + [8] * (seqs - 1)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0,
+                                                    ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [4] * seqs

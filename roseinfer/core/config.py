@@ -18,6 +18,11 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: Optional[int] = None
+    # On a GPU: the share of its whole memory this engine may take (vLLM's option). The
+    # KV cache gets what is left of it after the weights and the activations of the
+    # largest step, measured at start (core/device_side.py).
+    gpu_memory_utilization: float = 0.9
+    # On the CPU: the share of the available memory the KV cache takes (at most 2 GiB).
     kv_cache_memory_fraction: float = 0.5
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
@@ -105,6 +110,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 2):
                 raise ConfigError(f"{name} must be an integer >= 2 or unset, got {v!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization!r}")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 0.95]")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

@@ -75,6 +75,16 @@ def _smallest_at_least(sizes: list[int], n: int):
     return sizes[i] if i < len(sizes) else None
 
 
+def padding_step(runner, layout: Layout):
+    """(context, device inputs) of a step of padding only: its tokens write the scratch
+    block, and attention reads up to the longest context."""
+    host = runner.stager.host_views(layout.n_tok, layout.n_seq)
+    fill(host, [], [], runner.block_size, runner.rows, runner.kv_cache.scratch_block)
+    inp = runner.to_device(host)
+    # a mixed graph holds the prefill attention kernel: any query length > 1 picks it
+    return runner.context(inp, 2 if layout.mixed else 1, runner.max_model_len), inp
+
+
 class StepGraphs:
     def __init__(self, runner, max_num_seqs: int, window: int, mixed_max_tokens: int,
                  verify_tokens: tuple[int, int] = (0, 0)):
@@ -120,12 +130,12 @@ class StepGraphs:
         start = time.perf_counter()
         # Largest first: later graphs reuse its memory pool.
         for size in reversed(self.token_sizes):
-            ctx, inp = self._dummy(Layout(size, self.mixed_seqs, True))
+            ctx, inp = padding_step(self.runner, Layout(size, self.mixed_seqs, True))
             ctx.slots.shared_offset = None  # mixed steps' offsets differ
             self.mixed_backend = self.mixed_backend or self.runner.kv_cache.select(ctx.slots)
             self._capture_mixed(size, ctx, inp)
         for size in reversed(self.verify_sizes):
-            ctx, inp = self._dummy(Layout(size, self.mixed_seqs, True))
+            ctx, inp = padding_step(self.runner, Layout(size, self.mixed_seqs, True))
             ctx.slots.shared_offset = None
             self.mixed_backend = self.mixed_backend or self.runner.kv_cache.select(ctx.slots)
             ((graph, logits),) = self._capture(self.runner.capture_verify, self.mixed_backend,
@@ -133,22 +143,13 @@ class StepGraphs:
             self.verify[size, self.mixed_backend] = graph
             self.verify_logits[size, self.mixed_backend] = logits
         for size in reversed(self.sizes):
-            for name in sorted(self._variants(self._dummy(Layout(size, size, False))[0])):
+            for name in sorted(self._variants(padding_step(self.runner, Layout(size, size, False))[0])):
                 # fresh inputs each time: the warm-up run advances them
-                self._capture_decode(size, name, *self._dummy(Layout(size, size, False)))
+                self._capture_decode(size, name, *padding_step(self.runner, Layout(size, size, False)))
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs (%d for mixed steps, %d for verify steps) in %.1fs",
                  len(self.graphs) + len(self.windows) + len(self.mixed) + len(self.verify),
                  len(self.mixed), len(self.verify), time.perf_counter() - start)
-
-    def _dummy(self, layout: Layout):
-        """(context, device inputs) of a step of padding only."""
-        r = self.runner
-        host = r.stager.host_views(layout.n_tok, layout.n_seq)
-        fill(host, [], [], r.block_size, r.rows, r.kv_cache.scratch_block)
-        inp = r.to_device(host)
-        # a mixed graph holds the prefill attention kernel: any query length > 1 picks it
-        return r.context(inp, 2 if layout.mixed else 1, r.max_model_len), inp
 
     def _capture_decode(self, size, name, ctx, inp) -> None:
         step = self.runner.capture_step

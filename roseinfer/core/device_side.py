@@ -11,6 +11,7 @@ import torch
 
 from roseinfer.core import speculation, tp
 from roseinfer.core.config import EngineConfig
+from roseinfer.core.cuda_graphs import Layout, padding_step
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.kv_cache import KVCache
 from roseinfer.core.plugins import PluginRegistry
@@ -31,7 +32,10 @@ class DeviceSide:
 
 
 def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: torch.device,
-                   dtype: torch.dtype) -> KVCache:
+                   dtype: torch.dtype, step_peak: int = 0,
+                   num_blocks: int | None = None) -> KVCache:
+    """The model's paged KV cache: ``num_blocks`` (else config's num_kv_blocks) blocks, or
+    as many as the memory left allows with ``step_peak`` bytes kept for a step."""
     layers, kv_heads, head_dim = _kv_shape(model)
     names = plugins.names("kv_append")
     if cfg.kv_append_backend != "auto":
@@ -42,7 +46,8 @@ def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: to
     backends = {n: plugins.create("kv_append", n) for n in names}
     per_block = 2 * layers * kv_heads * cfg.block_size * head_dim * dtype.itemsize
     # every rank of a tensor-parallel group holds the same blocks
-    num_blocks = cfg.num_kv_blocks or tp.smallest(_blocks_for_memory(cfg, device, per_block))
+    num_blocks = num_blocks or cfg.num_kv_blocks or tp.smallest(
+        _blocks_for_memory(cfg, device, per_block, step_peak))
     return KVCache(layers, num_blocks, kv_heads, cfg.block_size, head_dim, dtype,
                    device, backends, cfg.kv_append_backend)
 
@@ -85,10 +90,39 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
     model, hf_config, tokenizer = loader.load(
         spec, tokenizer, dtype, device, seed=cfg.seed or 0, plugins=plugins,
         cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype), quantization=cfg.quantization)
-    kv_cache = build_kv_cache(model, cfg, plugins, device, dtype)
+    peak = 0
+    if device.type == "cuda" and cfg.num_kv_blocks is None:
+        peak = step_peak(model, hf_config, cfg, plugins, device, dtype)
+    kv_cache = build_kv_cache(model, cfg, plugins, device, dtype, peak)
     max_model_len = _max_model_len(cfg, hf_config, kv_cache.scratch_block)
     runner = build_runner(model, kv_cache, cfg, plugins, device, max_model_len, peers)
     return DeviceSide(model, hf_config, tokenizer, dtype, kv_cache, runner, max_model_len)
+
+
+@torch.inference_mode()
+def step_peak(model, hf_config, cfg: EngineConfig, plugins: PluginRegistry,
+              device: torch.device, dtype: torch.dtype) -> int:
+    """Bytes the largest steps the config allows take beyond the weights, measured as vLLM
+    does: a runner without CUDA graphs over a cache of one block runs a step of
+    max_num_batched_tokens prompt tokens (as many sequences as a step holds), then a
+    decode step of max_num_seqs rows, padding only (their K/V land in the scratch block).
+    Each rank of a tensor-parallel group runs them, collectives and all."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    cache = build_kv_cache(model, cfg, plugins, device, dtype, num_blocks=1)
+    runner = build_runner(model, cache, cfg.replace(cuda_graphs=False), plugins, device,
+                          _max_model_len(cfg, hf_config, 1 << 30))
+    tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+    runner.capture_mixed(*padding_step(runner, Layout(tokens, cfg.max_num_seqs + 1, True)))
+    runner.capture_step(*padding_step(runner, Layout(cfg.max_num_seqs, cfg.max_num_seqs, False)))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del runner, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    return peak
 
 
 def attention_name(cfg: EngineConfig, plugins: PluginRegistry, device: torch.device) -> str:
@@ -169,10 +203,22 @@ def _context_len(hf) -> int:
     return context
 
 
-def _blocks_for_memory(cfg: EngineConfig, device: torch.device, per_block: int) -> int:
+def _blocks_for_memory(cfg: EngineConfig, device: torch.device, per_block: int,
+                       step_peak: int) -> int:
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * cfg.kv_cache_memory_fraction
+        # What this process may still take of gpu_memory_utilization x the whole GPU,
+        # less the step's activations; whatever else holds memory (other processes too)
+        # counts as taken.
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * cfg.gpu_memory_utilization - (total - free) - step_peak
+        if budget < 2 * per_block:
+            raise ConfigError(
+                f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x "
+                f"gpu_memory_utilization {cfg.gpu_memory_utilization} leaves "
+                f"{budget / 2**30:.2f} GiB after the weights, what else holds memory "
+                f"({(total - free) / 2**30:.1f} GiB in all) and a step's activations "
+                f"({step_peak / 2**30:.2f} GiB): raise gpu_memory_utilization, lower "
+                f"max_num_batched_tokens or max_num_seqs, or free the GPU")
     else:
         import psutil
         budget = min(psutil.virtual_memory().available * cfg.kv_cache_memory_fraction, 2 << 30)

@@ -98,7 +98,7 @@ class Engine:
         self.groups: dict[str, int] = {}     # n of the unfinished requests with n > 1
         self._forks: list[tuple[Sequence, list[Sequence]]] = []  # _share_prompts
         self.speculator = speculation.build(config, plugins, self.device, self.dtype,
-                                            self.vocab_size)
+                                            self.vocab_size, self.max_model_len)
         self._aborted: list[Sequence] = []
         self._in_flight = None
         settle_heap()

@@ -59,13 +59,14 @@ class Draft:
 @dataclass
 class ProposerContext:
     """What a proposer factory gets: the engine's config, device, dtype, vocabulary
-    size, plugins, and k (the most tokens a draft may hold)."""
+    size, plugins, k (the most tokens a draft may hold) and the target's context."""
     config: object
     device: torch.device
     dtype: torch.dtype
     vocab_size: int
     plugins: object
     k: int
+    max_model_len: int
 
 
 class SpecState:
@@ -254,11 +255,12 @@ def draft_tokens(config, device: torch.device) -> int:
     return k if k is not None else 8 if device.type == "cuda" else 4
 
 
-def build(config, plugins, device, dtype, vocab_size) -> Optional[Speculator]:
+def build(config, plugins, device, dtype, vocab_size, max_model_len) -> Optional[Speculator]:
     """The engine's speculator, if ``config.speculative`` names a proposer."""
     if config.speculative is None:
         return None
     k = draft_tokens(config, device)
     proposer = plugins.create("proposer", config.speculative,
-                              ProposerContext(config, device, dtype, vocab_size, plugins, k))
+                              ProposerContext(config, device, dtype, vocab_size, plugins, k,
+                                              max_model_len))
     return Speculator(proposer, k, config.speculative_disable_by_batch_size, device)

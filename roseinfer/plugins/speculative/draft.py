@@ -20,10 +20,16 @@ class DraftModel:
         if cfg.draft_model is None:
             raise ConfigError("speculative draft needs draft_model: a smaller model with "
                               "the target's vocabulary (--draft-model NAME)")
+        batch = cfg.speculative_disable_by_batch_size
+        # On a GPU its cache holds the drafting sequences whole: the target took its
+        # share of the memory first (gpu_memory_utilization), and this comes out of the
+        # rest. On the CPU it takes its share of what is available, as any engine.
+        blocks = batch * (-(-(ctx.max_model_len + ctx.k) // cfg.block_size) + 1) \
+            if ctx.device.type == "cuda" else None
         self.engine = Engine(cfg.draft_model, config=cfg.replace(
             speculative=None, draft_model=None, tensor_parallel_size=1, quantization=None,
-            device=str(ctx.device), cpu_compiled_step="off",
-            max_num_seqs=cfg.speculative_disable_by_batch_size), plugins=ctx.plugins)
+            device=str(ctx.device), cpu_compiled_step="off", max_num_seqs=batch,
+            num_kv_blocks=blocks), plugins=ctx.plugins)
         if self.engine.vocab_size != ctx.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({self.engine.vocab_size} ids) "
                               f"is not the target's ({ctx.vocab_size}); pick a draft "
