@@ -9,25 +9,30 @@ from roseinfer.models.int4_linear import MAX_ROWS, dequantize, dequantize_weight
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-# (N, K, group); the interpreter multiplies bfloat16 wrongly (tests/test_attention_backends)
-SHAPES = [(40, 128, 128), (100, 256, 64), (33, 384, 128), (64, 1024, 128), (24, 96, 32)] + \
-    ([(4096, 4096, 128), (14336, 4096, 128), (4096, 14336, 128)] if CUDA else [])
+# (N, K); the interpreter multiplies bfloat16 wrongly (tests/test_attention_backends)
+SHAPES = [(40, 128), (100, 256), (33, 384), (64, 1024), (24, 640)] + \
+    ([(4096, 4096), (14336, 4096), (4096, 14336)] if CUDA else [])
 DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float32]
 
 
-def weights(n, k, group, gen):
-    levels, scale = quantize(torch.randn(n, k, generator=gen) / k ** 0.5, group)
-    return levels, scale
+def weights(n, k, gen):
+    """(levels [N, K], float32 scales [N, K / 128]) of a random weight."""
+    return quantize(torch.randn(n, k, generator=gen) / k ** 0.5, 128)
 
 
-def test_pack_keeps_every_level_in_its_nibble():
+def kernel_operands(levels, scale):
+    return pack(levels).to(DEVICE), scale.t().contiguous().half().to(DEVICE)
+
+
+def test_pack_puts_input_16j_plus_r_of_a_group_in_nibble_j_of_word_row_r():
     gen = torch.Generator().manual_seed(0)
-    levels = torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.int32)
+    levels = torch.randint(0, 16, (8, 256), generator=gen, dtype=torch.int32)
     words = pack(levels)
-    assert words.dtype == torch.int32 and words.shape == (8, 8)
+    assert words.dtype == torch.int32 and words.shape == (32, 8)  # [K / 8, N]
     assert torch.equal(unpack(words), levels)
-    # column 8i + j in bits 4j..4j+3 of word i
-    assert (int(words[0, 0]) & 0xF) == levels[0, 0] and (int(words[0, 1]) >> 4 & 0xF) == levels[0, 9]
+    for n, k in [(0, 0), (3, 17), (5, 127), (7, 128 + 16 * 7 + 15), (2, 200)]:
+        group, j, r = k // 128, k % 128 // 16, k % 16
+        assert (int(words[group * 16 + r, n]) >> 4 * j) & 0xF == levels[n, k]
 
 
 def test_quantize_rounds_each_group_to_its_nearest_level():
@@ -45,12 +50,12 @@ def test_quantize_rounds_each_group_to_its_nearest_level():
 @pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_skinny_kernel_is_the_product_with_the_dequantized_weight(shape, rows, bias, dtype):
-    n, k, group = shape
+    n, k = shape
     gen = torch.Generator().manual_seed(n * k + rows)
-    levels, scale = weights(n, k, group, gen)
+    levels, scale = weights(n, k, gen)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    y = int4_skinny_linear(x.to(DEVICE), pack(levels).to(DEVICE), scale.half().to(DEVICE),
+    y = int4_skinny_linear(x.to(DEVICE), *kernel_operands(levels, scale),
                            None if b is None else b.to(DEVICE))
     ref = x.double() @ dequantize(levels, scale).double().t()
     if bias:
@@ -62,9 +67,9 @@ def test_skinny_kernel_is_the_product_with_the_dequantized_weight(shape, rows, b
 
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
 def test_dequantizing_kernel_writes_the_float_weight(shape):
-    n, k, group = shape
-    levels, scale = weights(n, k, group, torch.Generator().manual_seed(2))
-    w = dequantize_weight(pack(levels).to(DEVICE), scale.half().to(DEVICE), DTYPES[0])
+    n, k = shape
+    levels, scale = weights(n, k, torch.Generator().manual_seed(2))
+    w = dequantize_weight(*kernel_operands(levels, scale), DTYPES[0])
     assert w.dtype == DTYPES[0]
     assert torch.equal(w.cpu(), dequantize(levels, scale).to(DTYPES[0]))
 
@@ -78,7 +83,8 @@ def test_a_model_quantized_at_load_runs_packed_weights_as_the_dequantized_ones(m
     from roseinfer.plugins.quantization import int4
     from tests.models import tiny_llama
 
-    hf = tiny_llama()
+    hf = tiny_llama(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                    initializer_range=0.05)
     prompts = [[5, 9, 13, 2], list(range(20, 60)), [7] * 18]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     with LLM(hf, device="cuda", dtype="float32", quantization="int4", num_kv_blocks=64) as llm:

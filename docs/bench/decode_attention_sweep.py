@@ -10,7 +10,7 @@ Writes one JSON line per (shape, setting) to OUT/decode_sweep.jsonl and
 prints, per class, the setting with the best geometric-mean fraction over
 shapes with >= 8 MB of K/V, and every shape's figure under it.
 
-    python docs/bench/decode_attention_sweep.py --out DIR
+    python docs/bench/decode_attention_sweep.py --out DIR [--cache-dtype fp8]
 """
 import argparse
 import functools
@@ -62,22 +62,22 @@ def time_graph(fns, replays=5) -> float:
     return start.elapsed_time(end) / 1e3 / (len(fns) * replays)
 
 
-def shapes(head_dim, group):
+def shapes(head_dim, group, itemsize=2):
     kv_heads = HEADS // group
     for batch, ctx in itertools.product(BATCHES, CONTEXTS):
-        kv_bytes = batch * ctx * kv_heads * head_dim * 2 * 2
+        kv_bytes = batch * ctx * kv_heads * head_dim * 2 * itemsize
         if kv_bytes <= MAX_BYTES:
             yield batch, ctx, kv_bytes
 
 
-def sweep_class(head_dim, group, bound, dot_only, out):
+def sweep_class(head_dim, group, bound, dot_only, out, cache_dtype=torch.bfloat16):
     kv_heads = HEADS // group
     need = max(b * c for b, c, _ in shapes(head_dim, group)) // BLOCK + 1
-    k_cache = torch.randn(need, kv_heads, BLOCK, head_dim, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(need, kv_heads, BLOCK, head_dim, device="cuda").to(cache_dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.bfloat16).to(cache_dtype)
     backend = triton_paged.TritonPagedAttention()
     results = []
-    for batch, ctx, kv_bytes in shapes(head_dim, group):
+    for batch, ctx, kv_bytes in shapes(head_dim, group, cache_dtype.itemsize):
         # Each of the graph's calls reads its own random blocks of the whole cache, so
         # that K/V small enough for the L2 cache (50 MB) is not read from it, as in a
         # model, where the other layers' K/V and weights pass between two reads.
@@ -100,6 +100,7 @@ def sweep_class(head_dim, group, bound, dot_only, out):
                 print(f"skip {head_dim}/{group} {s} {ppsm}: {type(e).__name__}", flush=True)
                 continue
             row = dict(head_dim=head_dim, group=group, batch=batch, context=ctx,
+                       cache=str(cache_dtype).removeprefix("torch."),
                        kv_mb=kv_bytes / 2**20, us=t * 1e6, floor_us=floor * 1e6,
                        fraction=floor / t, programs_per_sm=ppsm, **s)
             results.append(row)
@@ -129,12 +130,15 @@ def main():
     ap.add_argument("--bound", type=int, default=8192, help="max_context_len the graphs capture with")
     ap.add_argument("--classes", default=",".join(f"{d}x{g}" for d, g in CLASSES))
     ap.add_argument("--dot-only", action="store_true", help="only the tensor-core tile")
+    ap.add_argument("--cache-dtype", default="bfloat16", choices=["bfloat16", "fp8"])
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
-    with open(os.path.join(args.out, "decode_sweep.jsonl"), "w") as out:
+    with open(os.path.join(args.out, f"decode_sweep_{args.cache_dtype}.jsonl"), "w") as out:
         for cls in args.classes.split(","):
             head_dim, group = map(int, cls.split("x"))
-            (setting, rows) = best(sweep_class(head_dim, group, args.bound, args.dot_only, out))
+            cache = torch.float8_e4m3fn if args.cache_dtype == "fp8" else torch.bfloat16
+            (setting, rows) = best(sweep_class(head_dim, group, args.bound, args.dot_only, out,
+                                               cache))
             print(f"head_dim {head_dim} group {group}: best {setting}", flush=True)
             for r in rows:
                 print(f"  batch {r['batch']:4d} ctx {r['context']:5d} {r['kv_mb']:9.1f} MB "
