@@ -121,7 +121,8 @@ def test_half_precision(request, backend_name, batch, dtype):
     check(request, backend_name, BATCHES[batch], 6, 2, 64, 16, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("batch", ["decode", "mixed", "prefill_prefix", "long_decode"])
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_an_fp8_cache(request, backend_name, batch, dtype):

@@ -64,6 +64,64 @@ def _int4_skinny_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, s_x, s_q, s_
 
 
 @_kernel
+def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, s_x, s_q, s_s, s_y,
+                     GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """The same product, each group one dot of K 128: input k's word loaded once for each
+    of its 8 inputs (from the cache: memory still carries each word once)."""
+    wait_for_inputs(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, 16)
+    col_ok, row_ok = cols < N, rows < M
+    k = tl.arange(0, 128)
+    word_row, shift = k % 16, (k // 16) * 4
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, 128 * GROUPS):
+        for g in tl.static_range(GROUPS):
+            start = k0 + g * 128
+            words = tl.load(q_ptr + (start // 8 + word_row)[:, None] * s_q + cols[None, :],
+                            mask=col_ok[None, :], other=0)
+            x = tl.load(x_ptr + rows[:, None] * s_x + (start + k)[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            levels = ((words >> shift[:, None]) & 0xF).to(x.dtype)
+            part = tl.dot(x, levels, input_precision=PRECISION)
+            offset = 8.0 * tl.sum(x.to(tl.float32), 1)
+            scale = tl.load(s_ptr + (start // 128) * s_s + cols, mask=col_ok, other=0.0)
+            acc += (part - offset[:, None]) * scale.to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * s_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@_kernel
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, s_x, s_q, s_s, s_y,
+                      GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """One row on the CUDA cores: each weight de-quantized and multiplied in float32."""
+    wait_for_inputs(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    k = tl.arange(0, 128)
+    word_row, shift = k % 16, (k // 16) * 4
+    acc = tl.zeros([128, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, 128 * GROUPS):
+        for g in tl.static_range(GROUPS):
+            start = k0 + g * 128
+            words = tl.load(q_ptr + (start // 8 + word_row)[:, None] * s_q + cols[None, :],
+                            mask=col_ok[None, :], other=0)
+            x = tl.load(x_ptr + start + k).to(tl.float32)
+            scale = tl.load(s_ptr + (start // 128) * s_s + cols, mask=col_ok, other=0.0)
+            w = (((words >> shift[:, None]) & 0xF) - 8).to(tl.float32) * \
+                scale.to(tl.float32)[None, :]
+            acc += x[:, None] * w
+    y = tl.sum(acc, 0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+@_kernel
 def _dequantize_kernel(q_ptr, s_ptr, w_ptr, N, s_q, s_s, s_w, BLOCK_N: tl.constexpr,
                        PDL: tl.constexpr):
     """Group ``program_id(1)`` of ``BLOCK_N`` columns of the float weight, written K-major
@@ -117,7 +175,8 @@ def dequantize(levels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def int4_skinny_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None, config=None,
+                       variant: str = "split") -> torch.Tensor:
     """The W4A16 product of a 2-D ``x`` of at most MAX_ROWS rows (unit column strides)
     with packed ``qweight`` [K / 8, N] and float16 ``scales`` [K / 128, N]."""
     m, k = x.shape
@@ -127,7 +186,9 @@ def int4_skinny_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         groups //= 2
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device, m)
-    _int4_skinny_kernel[(triton.cdiv(n, block_n),)](
+    kernel = {"split": _int4_skinny_kernel, "dot": _int4_dot_kernel,
+              "gemv": _int4_gemv_kernel}[variant]
+    kernel[(triton.cdiv(n, block_n),)](
         x, qweight, scales, bias if bias is not None else scales, y, m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         GROUPS=groups, HAS_BIAS=bias is not None, BLOCK_N=block_n,

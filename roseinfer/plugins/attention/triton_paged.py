@@ -19,8 +19,9 @@ a second kernel merges them. Shapes depend only on ``N``, ``S`` and
 ``attn.max_context_len``: capture CUDA graphs with ``max_context_len`` set to
 the context bound.
 
-An FP8 cache (``kv_cache_dtype="fp8"``) is read as e4m3 and widened to the query's dtype
-in registers, so half a bfloat16 cache's bytes cross memory.
+An FP8 cache (``kv_cache_dtype="fp8"``) is read as e4m3 and widened in registers (a
+16-bit query's products then run in float16), so half a bfloat16 cache's bytes cross
+memory.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
@@ -101,7 +102,7 @@ def _paged_attention_kernel(
     bt_stride, table_keys, num_seqs, head_dim, scale_log2,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     q_block = tl.program_id(0)
@@ -124,6 +125,8 @@ def _paged_attention_kernel(
     d_ok = d < head_dim
     q = tl.load(q_ptr + row[:, None] * sq_n + head[:, None] * sq_h + d[None, :] * sq_d,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if KV_FP16:
+        q = q.to(tl.float16)
 
     # Keys up to the block's last query. Every row sees the first key, so the
     # running max is finite after the first tile (no -inf - -inf).
@@ -183,7 +186,7 @@ def _paged_decode_kernel(
     bt_stride, head_dim, scale_log2, n_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
 ):
     """Decode rows only: program (seq, kv_head, split) owns query row ``seq``
     and the ``G`` query heads of ``kv_head`` (tiles: ``_decode_tile``)."""
@@ -200,6 +203,8 @@ def _paged_decode_kernel(
     row = tl.zeros([BLOCK_G], tl.int64) + seq
     q = tl.load(q_ptr + row[:, None] * sq_n + head[:, None] * sq_h + d[None, :] * sq_d,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if KV_FP16:
+        q = q.to(tl.float16)
     if not DOT:
         q = q.to(tl.float32)
 
@@ -292,7 +297,10 @@ class TritonPagedAttention:
                  "BLOCK_N": tune["block_n"], "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
                  "num_warps": tune["num_warps"], "num_stages": tune["num_stages"],
                  "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-                 "PDL": dependent_launch(q.device, n)}
+                 "PDL": dependent_launch(q.device, n),
+                 # e4m3 widens to float16 in one instruction, to bfloat16 in three: over an
+                 # FP8 cache a 16-bit query computes in float16 (docs/kernels.md)
+                 "KV_FP16": k_cache.dtype == torch.float8_e4m3fn and q.element_size() == 2}
         const["launch_pdl"] = const["PDL"]
         scale_log2 = scale * math.log2(math.e)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
