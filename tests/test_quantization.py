@@ -120,10 +120,10 @@ def test_compressed_tensors_fp8_dynamic_equals_transformers_loading_it(hf, tmp_p
 # ---------------------------------------------------------------- INT4
 
 def int4_levels(w, group=128):
-    """Symmetric 4-bit levels and float16 scales (as AWQ and GPTQ keep them) per group of
-    ``group`` input columns."""
+    """Symmetric 4-bit levels and bfloat16 scales (as torch's int4 kernel keeps them) per
+    group of ``group`` input columns."""
     groups = w.view(w.shape[0], -1, group)
-    scale = (groups.abs().amax(-1, keepdim=True) / 7).half().float()
+    scale = (groups.abs().amax(-1, keepdim=True) / 7).bfloat16().float()
     return (groups / scale).round().clamp(-8, 7).to(torch.int8).view_as(w), scale.squeeze(-1)
 
 

@@ -3,8 +3,8 @@ weight-only (W4A16). Reads AWQ (GEMM layout), GPTQ (act-order through its g_idx)
 compressed-tensors ``pack-quantized`` checkpoints; at load it rounds a float model's
 weights to the nearest level of each group (symmetric, no calibration): groups of 128,
 or of 64 or 32 where 128 does not divide a linear's input size (SmolLM2's 576). On
-GPUs a model quantized at load keeps the weights of groups of 128 packed, half a byte
-each, and runs the int4 kernels (models/int4_linear.py); smaller groups, and a
+GPUs a bfloat16 model quantized at load keeps the weights of groups of 128 packed, half
+a byte each, and runs torch's int4 kernel (models/int4_linear.py); smaller groups, and a
 checkpoint's weights, are de-quantized to the model's dtype at load, on every device."""
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ class Int4:
                 if group is None:
                     raise ConfigError(f"int4 at load needs input sizes that are multiples of "
                                       f"{GROUPS[-1]}; a linear has {k}")
-                if group == GROUP and runs_here(linear.weight.device):
+                if group == GROUP and runs_here(linear.weight.device, linear.weight.dtype):
                     to_int4(linear)  # packed in memory, run by the int4 kernels
                 else:
                     linear.weight.copy_(dequantize(*quantize(linear.weight, group)))
