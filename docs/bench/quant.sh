@@ -20,10 +20,9 @@ run() {  # name, flags
 for part in ${@:-tests linears attention int4 kv memory}; do case $part in
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_int4_linear.py tests/test_fp8_linear.py \
-    tests/test_kv_append_conformance.py tests/test_gpu_ops.py tests/test_speculative.py \
-    "tests/test_attention_backends.py" -k "fp8 or int4 or kv_append or gpu_ops or largest or speculat or draft" \
-    > "$OUT/tests.log" 2>&1
-  python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py -k "kv_cache" \
+    tests/test_kv_append_conformance.py tests/test_gpu_ops.py tests/test_attention_backends.py \
+    -k "fp8 or int4 or kv_append or gpu_ops" > "$OUT/tests.log" 2>&1
+  python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py -k "triton_plugins" \
     >> "$OUT/tests.log" 2>&1
   grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -8 ;;
 linears)

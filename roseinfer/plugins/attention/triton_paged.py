@@ -66,19 +66,37 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 @_kernel
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
-                  sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+                  sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  K_T: tl.constexpr):
     """K and V of keys [start, start + BLOCK_N) of one KV head, through the block
-    table; keys at or past ``kv_hi`` are masked (zeros). Returns (positions, ok, k, v)."""
+    table; keys at or past ``kv_hi`` are masked (zeros). Returns (positions, ok, k, v):
+    k as [keys, dims], or with ``K_T`` loaded as [dims, keys], the operand of q @ k.T as
+    it is. An 8-bit K tile transposed in registers went through shared memory element by
+    element (no transposing ldmatrix for 8 bits), which loading it transposed avoids."""
     k_pos = start + tl.arange(0, BLOCK_N)
     k_ok = k_pos < kv_hi
     # int64: block index * block stride overflows int32 on large caches.
     block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-    kv_off = (block[:, None] * sc_b + kv_head * sc_h
-              + (k_pos % BLOCK_SIZE)[:, None] * sc_o + d[None, :] * sc_d)
+    base = block * sc_b + kv_head * sc_h + (k_pos % BLOCK_SIZE) * sc_o
+    kv_off = base[:, None] + d[None, :] * sc_d
     kv_mask = k_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    if K_T:
+        k = tl.load(k_cache_ptr + base[None, :] + d[:, None] * sc_d,
+                    mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     return k_pos, k_ok, k, v
+
+
+@_kernel
+def _scores(q, k, DOT_PRECISION: tl.constexpr, K_T: tl.constexpr):
+    """q @ k.T on the tensor cores, k as ``_load_kv_tile`` returned it."""
+    if K_T:
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    return s
 
 
 @_kernel
@@ -142,9 +160,9 @@ def _paged_attention_kernel(
     for start in range(0, kv_hi, BLOCK_N):
         k_pos, k_ok, k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
-            sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N)
+            sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N, KV_FP16)
         k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's e4m3 values, exactly
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = _scores(q, k, DOT_PRECISION, KV_FP16) * scale_log2
         s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -155,7 +173,7 @@ def _paged_attention_kernel(
 
 @_kernel
 def _decode_tile(q, k, v, k_ok, m_i, l_i, acc, scale_log2,
-                 DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, K_T: tl.constexpr):
     """One K/V tile into a decode group's running softmax (max, sum, accumulator).
 
     Two ways, picked per shape by measurement (DECODE_TUNING): broadcast
@@ -166,7 +184,7 @@ def _decode_tile(q, k, v, k_ok, m_i, l_i, acc, scale_log2,
     memory in a multi-stage pipeline, more bytes in flight per program).
     """
     if DOT:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = _scores(q, k, DOT_PRECISION, K_T) * scale_log2
     else:
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale_log2  # [G, N]
     s = tl.where(k_ok[None, :], s, float("-inf"))
@@ -220,9 +238,9 @@ def _paged_decode_kernel(
     for start in range(kv_lo, kv_hi, BLOCK_N):
         _, k_ok, k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
-            sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N)
+            sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N, KV_FP16 and DOT)
         m_i, l_i, acc = _decode_tile(q, k.to(q.dtype), v.to(q.dtype), k_ok, m_i, l_i, acc,
-                                     scale_log2, DOT, DOT_PRECISION)
+                                     scale_log2, DOT, DOT_PRECISION, KV_FP16 and DOT)
     # The normalised output, or this split's unnormalised partial (acc, max, sum).
     out_off = split.to(tl.int64) * so_s + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]
