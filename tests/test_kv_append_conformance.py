@@ -52,6 +52,40 @@ def make_key_value(gen, num_sources, num_kv_heads, head_dim, dtype, fused):
     return key, value
 
 
+def served(request, backend_name, layout):
+    """(generator, backend, slots, source rows) of a case; skipped where the backend
+    does not serve the layout."""
+    gen = torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+    num_sources = NUM_ROWS + 3 if layout == "gathered" else NUM_ROWS
+    slots = make_slots(layout, gen, num_sources)
+    backend = REGISTRY.create("kv_append", backend_name)
+    if not backend.supports(slots, DEVICE):
+        pytest.skip(f"{backend_name} does not serve {layout} on {DEVICE.type}")
+    return gen, backend, slots, num_sources
+
+
+def appended(gen, backend, slots, key, value, cache_dtype, stored=lambda x: x):
+    """Random caches appended to through the backend, and copies of them row by row
+    (each slot holding ``stored(row)``): (k, v, k_ref, v_ref)."""
+    shape = (NUM_BLOCKS, key.shape[1], BLOCK_SIZE, key.shape[2])
+    k_cache = torch.randn(shape, generator=gen).to(cache_dtype).to(DEVICE)
+    v_cache = torch.randn(shape, generator=gen).to(cache_dtype).to(DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    backend.append(k_cache, v_cache, key, value, slots)
+    rows = range(NUM_ROWS) if slots.rows is None else slots.rows.tolist()
+    for i, row in enumerate(rows):
+        b, o = int(slots.block_idx[i]), int(slots.offsets[i])
+        k_ref[b, :, o] = stored(key[row])
+        v_ref[b, :, o] = stored(value[row])
+    return k_cache, v_cache, k_ref, v_ref
+
+
+def assert_same_bits(*caches):
+    k, v, k_ref, v_ref = (c.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[c.element_size()])
+                          for c in caches)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["contiguous", "qkv_view"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("num_kv_heads", [1, 3])
@@ -59,29 +93,9 @@ def make_key_value(gen, num_sources, num_kv_heads, head_dim, dtype, fused):
 @pytest.mark.parametrize("layout", ["identity_varying", "identity_shared", "gathered"])
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_matches_row_by_row_copy(request, backend_name, layout, head_dim, num_kv_heads, dtype, fused):
-    gen = torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
-    num_sources = NUM_ROWS + 3 if layout == "gathered" else NUM_ROWS
-    slots = make_slots(layout, gen, num_sources)
-    backend = REGISTRY.create("kv_append", backend_name)
-    if not backend.supports(slots, DEVICE):
-        pytest.skip(f"{backend_name} does not serve {layout} on {DEVICE.type}")
-
+    gen, backend, slots, num_sources = served(request, backend_name, layout)
     key, value = make_key_value(gen, num_sources, num_kv_heads, head_dim, dtype, fused)
-    shape = (NUM_BLOCKS, num_kv_heads, BLOCK_SIZE, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
-    v_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-
-    backend.append(k_cache, v_cache, key, value, slots)
-    rows = range(NUM_ROWS) if slots.rows is None else slots.rows.tolist()
-    for i, row in enumerate(rows):
-        b, o = int(slots.block_idx[i]), int(slots.offsets[i])
-        k_ref[b, :, o] = key[row]
-        v_ref[b, :, o] = value[row]
-
-    bits = torch.int32 if dtype == torch.float32 else torch.int16
-    assert torch.equal(k_cache.view(bits), k_ref.view(bits))
-    assert torch.equal(v_cache.view(bits), v_ref.view(bits))
+    assert_same_bits(*appended(gen, backend, slots, key, value, dtype))
 
 
 @pytest.mark.parametrize("layout", ["identity_varying", "identity_shared", "gathered"])
@@ -90,29 +104,13 @@ def test_an_fp8_cache_takes_e4m3_values_saturated(request, backend_name, layout)
     """kv_cache_dtype fp8: each value rounded to e4m3 (scale 1), past 448 saturated. The
     values are e4m3's already, and 512 (past the largest): the Triton interpreter's
     rounding to e4m3 drops the carry when a value rounds up across a power of two."""
-    gen = torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
-    num_sources = NUM_ROWS + 3 if layout == "gathered" else NUM_ROWS
-    slots = make_slots(layout, gen, num_sources)
-    backend = REGISTRY.create("kv_append", backend_name)
-    if not backend.supports(slots, DEVICE):
-        pytest.skip(f"{backend_name} does not serve {layout} on {DEVICE.type}")
+    gen, backend, slots, num_sources = served(request, backend_name, layout)
     key, value = make_key_value(gen, num_sources, 3, 64, torch.float16, True)
     key.copy_((key * 40).to(FP8).half())
     value.copy_((value * 40).to(FP8).half())
     key[0, 0, :4] = torch.tensor([512.0, -512.0, 448.0, -0.0])
-    shape = (NUM_BLOCKS, 3, BLOCK_SIZE, 64)
-    k_cache = torch.randn(shape, generator=gen).to(FP8).to(DEVICE)
-    v_cache = torch.randn(shape, generator=gen).to(FP8).to(DEVICE)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-
-    backend.append(k_cache, v_cache, key, value, slots)
-    rows = range(NUM_ROWS) if slots.rows is None else slots.rows.tolist()
-    for i, row in enumerate(rows):
-        b, o = int(slots.block_idx[i]), int(slots.offsets[i])
-        k_ref[b, :, o] = key[row].clamp(-448, 448).to(FP8)
-        v_ref[b, :, o] = value[row].to(FP8)
-    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
-    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    assert_same_bits(*appended(gen, backend, slots, key, value, FP8,
+                               lambda x: x.clamp(-448, 448).to(FP8)))
 
 
 def test_triton_plugins_register_nothing_without_triton():
