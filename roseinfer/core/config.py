@@ -55,6 +55,10 @@ class EngineConfig:
     # The logits processor (a plugin name) that enforces a request's
     # response_format: JSON schema, any JSON object, or a regex.
     structured_output: str = "xgrammar"
+    # The tool-call parser (a plugin name: hermes, llama3_json, mistral) that finds the
+    # calls in a chat output under tool_choice "auto"; "auto" picks by the model's family
+    # (core/tools.py).
+    tool_call_parser: str = "auto"
     # Processes (one per GPU, cuda:0..N-1) that each hold 1/N of every layer's
     # heads and MLP and of the vocabulary (docs/architecture.md, "Tensor parallelism").
     tensor_parallel_size: int = 1

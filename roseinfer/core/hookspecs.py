@@ -86,6 +86,18 @@ def roseinfer_register_quantization_methods(register):
 
 
 @hookspec
+def roseinfer_register_tool_parsers(register):
+    """Register tool-call parsers: ``register(name, factory)``. Config picks one by name
+    (``tool_call_parser``; "auto": by the model's family).
+
+    ``factory()`` returns a parser with ``start(text) -> int`` (where a call may begin in
+    an output so far: the text before it streams as content) and ``parse(text) ->
+    (content, calls)`` of a whole output (``roseinfer.core.tools.ToolParser``), raising
+    ValueError for a call it cannot read.
+    """
+
+
+@hookspec
 def roseinfer_register_proposers(register):
     """Register speculative-decoding proposers: ``register(name, factory)``. Config picks
     one by name (``speculative``).

@@ -11,6 +11,7 @@ from roseinfer.core import hookspecs
 
 # Built-ins are plugins like any other; core names them only as strings.
 BUILTIN_PLUGINS = (
+    "roseinfer.plugins.tool_parsers",
     "roseinfer.plugins.kv_append.torch_index",
     "roseinfer.plugins.kv_append.triton_append",
     "roseinfer.plugins.metadata.slots",
@@ -31,6 +32,7 @@ KINDS = {
     "logits_processor": "roseinfer_register_logits_processors",
     "quantization": "roseinfer_register_quantization_methods",
     "proposer": "roseinfer_register_proposers",
+    "tool_parser": "roseinfer_register_tool_parsers",
 }
 
 

@@ -179,7 +179,7 @@ def test_errors_are_shaped_as_openais(chat_llm, start_worker, gateway):
         api.completions.create(model="tiny", prompt="Hi", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as e:
-        api.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}])
+        api.chat.completions.create(model="tiny", messages=[{"role": "function", "content": "x"}])
     assert e.value.body["param"] == "messages[0].role"
     with pytest.raises(openai.BadRequestError) as e:  # its schema missing
         api.chat.completions.create(model="tiny", messages=MESSAGES, response_format={

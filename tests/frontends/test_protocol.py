@@ -205,10 +205,62 @@ def test_messages_round_trip_and_are_checked():
     for messages in bad:
         with pytest.raises(InvalidRequestError) as e:
             decode_request("1-0", entry({"messages": messages}))
-        assert e.value.field == "messages"
+        assert e.value.field.startswith("messages")  # "messages[0].content", ...
     with pytest.raises(InvalidRequestError, match="exactly one of"):
         decode_request("1-0", entry({"messages": chat.messages, "prompt": "x"}))
     with pytest.raises(InvalidRequestError) as e:  # sizes count before any templating
         decode_request("1-0", entry({"messages": [{"role": "user", "content": "x" * 50}]}),
                        Limits(max_prompt_tokens=10, max_prompt_chars=40))
     assert e.value.code == "too_long"
+
+
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+
+
+def test_tools_ride_beside_messages_and_past_calls_come_as_objects():
+    from roseinfer.core.tools import check_tools
+    from roseinfer.frontends.redis_streams.protocol import Chat
+
+    turns = [{"role": "user", "content": "Time?"},
+             {"role": "assistant", "content": None, "tool_calls": [{
+                 "id": "call_1", "type": "function",
+                 "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    chat = Chat(turns, check_tools([TOOL], "required", parallel=False))
+    req = decode_request("1-0", as_redis(encode_request(chat, max_tokens=30)))
+    assert req.tools == chat.tools and req.prompt.tools == chat.tools
+    assert req.prompt.messages[1] == {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]}
+    assert req.prompt.messages[2]["tool_call_id"] == "call_1"
+    # required: the output is constrained to a call of the tool's schema
+    schema = req.params.response_format["json_schema"]["schema"]
+    assert schema["properties"]["arguments"] == TOOL["function"]["parameters"]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "Hi", "tools": [TOOL]}, "tools"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "tools": [TOOL],
+      "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}, "tools": [TOOL]}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "Hi", "tool_calls": []}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_requests_name_the_field(body, field):
+    with pytest.raises(InvalidRequestError) as e:
+        decode_request("1-0", entry(body))
+    assert e.value.field == field
+
+
+def test_a_chunk_carries_its_calls():
+    calls = [{"index": 0, "id": "call_9", "type": "function",
+              "function": {"name": "get_time", "arguments": "{}"}}]
+    final = Chunk("r", 3, [7], "", "tool_calls", {"prompt_tokens": 4, "completion_tokens": 9},
+                  tool_calls=calls)
+    assert msgpack.unpackb(encode_chunk(final)["body"])["tool_calls"] == calls
+    assert decode_chunk(as_redis(encode_chunk(final))) == final

@@ -155,7 +155,10 @@ class Gateway:
                 sample = samples.setdefault(index, mapping.Sample())
                 sent = len(sample.text)
                 sample.add(chunk)
-                if chunk.text or opening or chunk.finished or call.continuous_usage \
+                if chunk.tool_calls:
+                    for obj in mapping.call_pieces(call, head, chunk, opening, sent, index):
+                        yield {"data": json.dumps(obj)}
+                elif chunk.text or opening or chunk.finished or call.continuous_usage \
                         or chunk.logprobs:
                     obj = mapping.piece(call, head, chunk.text, chunk.finish_reason, opening,
                                         chunk.logprobs, sent, chunk.prompt_logprobs, index)

@@ -9,7 +9,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.sampling import is_int, is_number
+from roseinfer.core.tools import check_tools
 from roseinfer.frontends.redis_streams.protocol import Chat, Prompt
 
 CHAT_DEFAULT_MAX_TOKENS = 1024  # OpenAI's chat default is "up to the context"
@@ -52,8 +54,8 @@ class Call:
 
 
 # Fields accepted only at their default (value, or None meaning "absent or null").
-_DEFAULTS = {"best_of": 1, "echo": False, "suffix": None, "tools": None,
-             "tool_choice": None, "functions": None, "function_call": None}
+_DEFAULTS = {"best_of": 1, "echo": False, "suffix": None, "functions": None,
+             "function_call": None}
 _LATER = "is not supported by this server yet"
 
 
@@ -125,7 +127,12 @@ def chat_call(body: dict) -> Call:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list")
-    chat = Chat([_message(m, i) for i, m in enumerate(messages)])
+    try:
+        tools = check_tools(body.get("tools"), body.get("tool_choice"),
+                            body.get("parallel_tool_calls", True))
+    except InvalidRequestError as e:
+        raise bad(e.field, str(e).partition(": ")[2]) from None
+    chat = Chat([_message(m, i) for i, m in enumerate(messages)], tools)
     params = _sampling(body, CHAT_DEFAULT_MAX_TOKENS)
     wanted, k = body.get("logprobs"), body.get("top_logprobs")
     if wanted not in (None, True, False):
@@ -143,17 +150,21 @@ def _message(m, i: int) -> dict:
     if not isinstance(m, dict):
         raise bad(param, "each message must be an object with role and content")
     role = {"developer": "system"}.get(m.get("role"), m.get("role"))
-    if role not in ("system", "user", "assistant"):
-        raise bad(f"{param}.role", f"role {m.get('role')!r} {_LATER}; use system, user or "
-                  "assistant")
+    if role not in ("system", "user", "assistant", "tool"):
+        raise bad(f"{param}.role", f"role {m.get('role')!r} {_LATER}; use system, user, "
+                  "assistant or tool")
+    # An assistant turn's tool calls, a tool turn's call id: the worker checks them.
+    extra = {k: m[k] for k in ("tool_calls", "tool_call_id") if m.get(k) is not None}
     content = m.get("content")
+    if content is None and extra.get("tool_calls"):
+        content = ""
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             raise bad(f"{param}.content", f"only text content parts; others {_LATER}")
         content = "".join(p.get("text", "") for p in content)
     if not isinstance(content, str):
         raise bad(f"{param}.content", "content must be a string or a list of text parts")
-    return {"role": role, "content": content}
+    return {"role": role, "content": content, **extra}
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -174,8 +185,8 @@ def _continuous(body: dict) -> bool:
 # --- replies -------------------------------------------------------------------------------
 
 def finish(reason: Optional[str]) -> Optional[str]:
-    """OpenAI knows stop and length; a cancelled request ended as a stop."""
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    """OpenAI knows stop, length and tool_calls; a cancelled request ended as a stop."""
+    return None if reason is None else reason if reason in ("length", "tool_calls") else "stop"
 
 
 def usage(*samples: Optional[dict]) -> dict:
@@ -251,8 +262,10 @@ class Sample:
     reason: Optional[str] = None
     usage: Optional[dict] = None
     prompt_entries: Optional[list] = None
+    tool_calls: list = field(default_factory=list)
 
     def add(self, chunk) -> None:
+        self.tool_calls += chunk.tool_calls or []
         self.text += chunk.text
         self.tokens += len(chunk.token_ids)
         self.entries += chunk.logprobs or []
@@ -268,6 +281,9 @@ def whole(call: Call, rid: str, model: str, samples: list[Sample]) -> dict:
             choice["prompt_logprobs"] = prompt_logprobs(s.prompt_entries)
         if call.chat:
             choice["message"] = {"role": "assistant", "content": s.text}
+            if s.tool_calls:  # OpenAI: content null when the turn is only calls
+                choice["message"].update(content=s.text or None, tool_calls=[
+                    {k: v for k, v in c.items() if k != "index"} for c in s.tool_calls])
         else:
             choice["text"] = s.text
         choices.append(choice)
@@ -294,3 +310,23 @@ def piece(call: Call, head: dict, text: Optional[str], reason: Optional[str],
     if call.chat:
         obj["object"] = "chat.completion.chunk"
     return obj
+
+
+def call_pieces(call: Call, head: dict, chunk, opening: bool, offset: int,
+                index: int = 0) -> list[dict]:
+    """A final chunk with tool calls as OpenAI streams them: its text, then for each call
+    its id and name, then its arguments, then the finish."""
+    out = []
+    if chunk.text or opening or chunk.logprobs:
+        out.append(piece(call, head, chunk.text, None, opening, chunk.logprobs, offset,
+                         chunk.prompt_logprobs, index))
+    for c in chunk.tool_calls:
+        fn = c["function"]
+        for delta in ({"index": c["index"], "id": c["id"], "type": "function",
+                       "function": {"name": fn["name"], "arguments": ""}},
+                      {"index": c["index"], "function": {"arguments": fn["arguments"]}}):
+            obj = piece(call, head, None, None, index=index)
+            obj["choices"][0]["delta"]["tool_calls"] = [delta]
+            out.append(obj)
+    out.append(piece(call, head, None, chunk.finish_reason, index=index))
+    return out

@@ -13,6 +13,8 @@ import copy
 from typing import Optional
 
 from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.plugins import default_registry
+from roseinfer.core.tools import ToolStream, parser_name
 from roseinfer.frontends.redis_streams.protocol import Chat, Limits, Request, decode_request
 from roseinfer.models.tokenizers import as_chat
 
@@ -28,6 +30,10 @@ class Admission:
         context = getattr(engine, "max_model_len", None)
         self.limits = Limits(max_entry_bytes, context, _max_prompt_chars(self.tokenizer, context))
         self.processors = getattr(engine, "processors", None)
+        plugins = getattr(engine, "plugins", None) or default_registry()
+        config = getattr(engine, "config", None)
+        self.tool_parser = plugins.create("tool_parser", parser_name(
+            getattr(config, "tool_call_parser", "auto"), getattr(engine, "hf_config", None)))
 
     def __call__(self, entry_id: str, fields: dict) -> Request:
         """The entry as a request whose text prompt is already token ids; raises
@@ -42,6 +48,13 @@ class Admission:
             self.processors.prepare(req.params)  # a grammar compiles here, not in the loop
         return req
 
+    def tool_streams(self, req: Request):
+        """A maker of each sample's ToolStream, for a request with tools; else None."""
+        if req.tools is None:
+            return None
+        parser = self.tool_parser if req.tools.choice == "auto" else None
+        return lambda: ToolStream(req.tools, parser)
+
     def templated(self, text: str) -> str:
         return as_chat(self.tokenizer, text) if self.chat_template else text
 
@@ -51,8 +64,10 @@ class Admission:
         if not self.has_template:
             raise InvalidRequestError(
                 "messages", "this worker's model has no chat template; send prompt instead")
+        # tools only when there are: without, a JsonTokenizer renders plain messages itself
+        tools = {"tools": list(chat.tools.tools)} if chat.tools is not None else {}
         return self.tokenizer.apply_chat_template(chat.messages, tokenize=False,
-                                                  add_generation_prompt=True)
+                                                  add_generation_prompt=True, **tools)
 
 
 def _max_prompt_chars(tokenizer, context: Optional[int]) -> Optional[int]:

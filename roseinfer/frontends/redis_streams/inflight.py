@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from roseinfer.frontends.redis_streams.metrics import Metrics
+from roseinfer.core.tools import ToolStream
 from roseinfer.frontends.redis_streams.protocol import Chunk
 
 # From this delivery on, an entry runs alone: when a batch keeps failing, running its
@@ -38,6 +39,9 @@ class InFlight:
     last_token_at: Optional[float] = None
     # When this worker last knew the entry its own: admitted after Redis delivered it.
     refreshed_at: float = field(default_factory=time.monotonic)
+    # A request with tools: makes each sample's stream of content and calls
+    tools: Optional[Callable[[], ToolStream]] = None
+    streams: dict[int, ToolStream] = field(default_factory=dict)
 
     @property
     def alone(self) -> bool:
@@ -49,8 +53,12 @@ class InFlight:
         h = self.held.get(out.index)
         if h is None:
             h = self.held[out.index] = Held(sent=self.resumed)
+        stream = None
+        if self.tools is not None:
+            stream = self.streams.get(out.index) or self.streams.setdefault(out.index,
+                                                                             self.tools())
         h.ids += out.new_token_ids
-        h.text += out.new_text
+        h.text += out.new_text if stream is None else stream.feed(out.new_text)
         if out.new_logprobs is not None:
             h.logprobs = (h.logprobs or []) + [_logprob_map(lp) for lp in out.new_logprobs]
         due = h.ids and (not h.sent or len(h.ids) >= self.stream_interval)
@@ -65,6 +73,12 @@ class InFlight:
         h.ids, h.text, h.logprobs, h.sent = [], "", None, True
         if out.finished:
             chunk.finish_reason = out.finish_reason
+            if stream is not None and out.finish_reason in ("stop", "length"):
+                rest, calls = stream.finish()
+                chunk.text += rest
+                if calls:
+                    chunk.tool_calls = [c.as_dict(i) for i, c in enumerate(calls)]
+                    chunk.finish_reason = "tool_calls"
             if out.error is not None:  # a step failed on this request alone (core/faults.py)
                 chunk.error = {"code": "internal", "message": out.error}
             chunk.usage = {"prompt_tokens": len(out.prompt_token_ids),

@@ -14,6 +14,7 @@ import msgpack
 
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.sampling import MAX_N, SamplingParams, is_int
+from roseinfer.core.tools import Tools, check_tools
 
 VERSION = "1"
 DEFAULT_PREFIX = "roseinfer"
@@ -25,13 +26,16 @@ SAMPLING_KEYS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "s
                  "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
                  "response_format", "logits_processors", "speculative")
 PARAM_KEYS = SAMPLING_KEYS + ("stream_interval", "raw")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 @dataclass
 class Chat:
-    """A conversation: the worker renders it with its model's chat template."""
+    """A conversation: the worker renders it, and the tools it offers, with its model's
+    chat template."""
     messages: list[dict]
+    tools: Optional[Tools] = None
 
 
 Prompt = Union[str, list[int], Chat]  # text, token ids of the worker's model, or messages
@@ -91,6 +95,7 @@ class Request:
     params: SamplingParams
     stream_interval: int = 1
     raw: bool = False        # a text prompt skips the worker's chat template
+    tools: Optional[Tools] = None
 
 
 @dataclass
@@ -113,6 +118,10 @@ class Chunk:
     # Requests with n > 1: the sample (0..n-1) the chunk belongs to; each ends with
     # its own final chunk.
     index: Optional[int] = None
+    # Requests with tools, final chunk only: the calls the output made, each
+    # {"index", "id", "type": "function", "function": {"name", "arguments"}} (arguments:
+    # JSON text); finish_reason is then "tool_calls". Their text is not in ``text``.
+    tool_calls: Optional[list[dict]] = None
 
     @property
     def finished(self) -> bool:
@@ -130,7 +139,7 @@ def encode_request(prompt: Prompt, rid: Optional[str] = None, **params) -> dict:
     if rid is not None and not RID_PATTERN.fullmatch(rid):
         raise ValueError(f"rid {rid!r} must be 1-128 characters of [A-Za-z0-9_.:-]")
     if isinstance(prompt, Chat):
-        body = {"messages": prompt.messages}
+        body = {"messages": prompt.messages, **(prompt.tools.as_body() if prompt.tools else {})}
     else:
         body = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt}
     body.update((k, v) for k, v in params.items() if v is not None)
@@ -186,8 +195,27 @@ def decode_request(entry_id: str, fields: dict, limits: Limits = Limits()) -> Re
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise InvalidRequestError("raw", f"must be true or false, got {_short(raw)}")
-    params = SamplingParams(**{k: body[k] for k in SAMPLING_KEYS if k in body})
-    return Request(rid, prompt, params, stream_interval, raw)
+    sampling = {k: body[k] for k in SAMPLING_KEYS if k in body}
+    tools = _tools(body, prompt)
+    if tools is not None and tools.forced:
+        if sampling.get("response_format") not in (None, {"type": "text"}):
+            raise InvalidRequestError("response_format", "cannot go with tool_choice required "
+                                      "or a named function: the tools' schemas constrain the "
+                                      "output")
+        sampling["response_format"] = tools.constraint()
+    return Request(rid, prompt, SamplingParams(**sampling), stream_interval, raw, tools)
+
+
+def _tools(body: dict, prompt: Prompt) -> Optional[Tools]:
+    given = [k for k in TOOL_KEYS if k in body]
+    if given and not isinstance(prompt, Chat):
+        raise InvalidRequestError(given[0], "goes with messages: tools are rendered by the "
+                                  "chat template")
+    if not given:
+        return None
+    prompt.tools = check_tools(body.get("tools"), body.get("tool_choice"),
+                               body.get("parallel_tool_calls", True))
+    return prompt.tools
 
 
 def _decode_body(raw: bytes) -> dict:
@@ -226,15 +254,57 @@ def _prompt(body: dict, limits: Limits) -> Prompt:
 
 
 def _chat(messages, limits: Limits) -> Chat:
-    ok = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-        for m in messages)
-    if not ok:
-        raise InvalidRequestError(
-            "messages", f"must be a non-empty list of maps with role ({', '.join(ROLES)}) "
-            "and content (a string)")
-    _check_chars("messages", sum(len(m["content"]) for m in messages), limits)
-    return Chat([{"role": m["role"], "content": m["content"]} for m in messages])
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "must be a non-empty list of maps with role "
+                                  f"({', '.join(ROLES)}) and content (a string)")
+    chat = Chat([_message(m, f"messages[{i}]") for i, m in enumerate(messages)])
+    _check_chars("messages", sum(len(m["content"]) + len(str(m.get("tool_calls", "")))
+                                 for m in chat.messages), limits)
+    return chat
+
+
+def _message(m, field: str) -> dict:
+    """One turn: role and content; an assistant turn may carry the tool calls it made
+    (content may then be empty), a tool turn the id of the call it answers."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise InvalidRequestError(field, f"must be a map with role ({', '.join(ROLES)}) and "
+                                  "content (a string)")
+    calls = m.get("tool_calls")
+    content = m.get("content")
+    if content is None and calls and m["role"] == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise InvalidRequestError(f"{field}.content", f"must be a string, got {_short(content)}")
+    out = {"role": m["role"], "content": content}
+    if calls is not None:
+        if m["role"] != "assistant" or not isinstance(calls, list):
+            raise InvalidRequestError(f"{field}.tool_calls", "only an assistant turn carries "
+                                      "tool_calls: a list of {id, type, function: {name, "
+                                      "arguments}}")
+        out["tool_calls"] = [_past_call(c, f"{field}.tool_calls[{i}]")
+                             for i, c in enumerate(calls)]
+    for key in ("tool_call_id", "name"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    return out
+
+
+def _past_call(call, field: str) -> dict:
+    """A call an earlier assistant turn made, its arguments as an object: chat templates
+    render them as JSON themselves."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequestError(field, "must be {id, type: function, function: {name, "
+                                  "arguments}}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args or "{}")
+        except ValueError:
+            raise InvalidRequestError(f"{field}.function.arguments",
+                                      "must be a JSON object (as text or a map)") from None
+    return {"id": str(call.get("id", "")), "type": "function",
+            "function": {"name": fn["name"], "arguments": args}}
 
 
 def _logit_bias(bias) -> dict:
@@ -360,6 +430,8 @@ def chunk_body(chunk: Chunk) -> bytes:
         body["error"] = chunk.error
     if chunk.index is not None:
         body["index"] = chunk.index
+    if chunk.tool_calls is not None:
+        body["tool_calls"] = chunk.tool_calls
     return msgpack.packb(body)
 
 
@@ -367,7 +439,8 @@ def decode_chunk(fields: dict) -> Chunk:
     body = msgpack.unpackb(fields[b"body"], raw=False)
     return Chunk(body["rid"], body["seq"], body["token_ids"], body["text"],
                  body["finish_reason"], body.get("usage"), body.get("error"),
-                 body.get("logprobs"), body.get("prompt_logprobs"), body.get("index"))
+                 body.get("logprobs"), body.get("prompt_logprobs"), body.get("index"),
+                 body.get("tool_calls"))
 
 
 def error_chunk(rid: str, code: str, message: str, seq: int = 0,

@@ -487,7 +487,8 @@ class Worker:
         deliveries = resume.deliveries if resume else 1
         self._inflight[req.rid] = InFlight(req.rid, entry_id, req.stream_interval, deliveries,
                                             entry_time(entry_id), resume is not None, seq,
-                                            req.params.n, running)
+                                            req.params.n, running,
+                                            tools=self.admission.tool_streams(req))
         if resume:
             self.metrics.resumed.inc()
             event("resumed", rid=req.rid, entry=entry_id, seq=seq, emitted_tokens=emitted_tokens,

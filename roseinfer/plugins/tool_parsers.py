@@ -1,0 +1,98 @@
+"""Tool-call parsers, one per model family's format, named as vLLM names them:
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per
+  call, after any text (Hermes, Qwen2.5, Qwen3).
+- ``llama3_json``: the output is the call, ``{"name": ..., "parameters": {...}}``, after an
+  optional ``<|python_tag|>``; several are joined by ``;`` (Llama 3.1-3.3).
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``, after any
+  text (Mistral's v3 tokenizer and its instruct models).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from roseinfer.core.hookspecs import hookimpl
+from roseinfer.core.tools import ToolCall, new_call
+
+
+@hookimpl
+def roseinfer_register_tool_parsers(register):
+    register("hermes", Hermes)
+    register("llama3_json", Llama3Json)
+    register("mistral", Mistral)
+
+
+def held_from(text: str, marker: str) -> int:
+    """Where ``marker`` starts in ``text``, or where a prefix of it ends the text (it may
+    be arriving); len(text) if neither."""
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return len(text) - n
+    return len(text)
+
+
+def _call(obj, arguments_key: str) -> ToolCall:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError(f"a call must be an object with a name, got {str(obj)[:100]!r}")
+    args = obj.get(arguments_key, obj.get("arguments", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        args = json.loads(args)
+    if not isinstance(args, dict):
+        raise ValueError(f"{obj['name']}'s arguments are not an object")
+    return new_call(obj["name"], args)
+
+
+class Hermes:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def start(self, text: str) -> int:
+        return held_from(text, self.OPEN)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        at = text.find(self.OPEN)
+        if at < 0:
+            return text, []
+        calls = [_call(json.loads(body), "arguments")
+                 for body in self.BLOCK.findall(text[at:]) if body.strip()]
+        return text[:at], calls
+
+
+class Llama3Json:
+    TAG = "<|python_tag|>"
+
+    def start(self, text: str) -> int:
+        head = text.lstrip()
+        if head.startswith("{") or head.startswith(self.TAG) or self.TAG.startswith(head):
+            return 0  # the whole output is a call, or may be
+        return len(text)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip().removeprefix(self.TAG).strip()
+        if not body.startswith("{"):
+            return text, []
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            obj, at = decoder.raw_decode(body, at)
+            calls.append(_call(obj, "parameters"))
+            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+        return "", calls
+
+
+class Mistral:
+    MARKER = "[TOOL_CALLS]"
+
+    def start(self, text: str) -> int:
+        return held_from(text, self.MARKER)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        at = text.find(self.MARKER)
+        if at < 0:
+            return text, []
+        value, _ = json.JSONDecoder().raw_decode(text[at + len(self.MARKER):].lstrip())
+        return text[:at], [_call(c, "arguments") for c in (value if isinstance(value, list)
+                                                            else [value])]

@@ -1,0 +1,182 @@
+"""Tool calling through the gateway with the official `openai` client, a real redis-server
+and a worker: a two-turn exchange, tool_choice required under sampling (every call valid
+against a nested schema), streamed calls equal to whole ones, bad tools refused with the
+field named, and the default model (no tool section in its template) still calling."""
+import json
+import shutil
+
+import jsonschema
+import openai
+import pytest
+
+from roseinfer import SamplingParams
+from roseinfer.core.tools import check_tools
+
+from .test_gateway import client, gateway  # noqa: F401  (a fixture)
+from .conftest import TINY_ENGINE
+
+# A chat template with a tool section, as Hermes-style templates have: the tools, then
+# each turn, an assistant turn's calls as <tool_call> blocks.
+TEMPLATE = ("{% if tools %}<|system|>Tools: {{ tools | tojson }}\n{% endif %}"
+            "{% for m in messages %}<|{{ m['role'] }}|>"
+            "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}"
+            "</tool_call>{% endfor %}{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+FORECAST = {"type": "object", "additionalProperties": False,
+            "required": ["place", "unit", "days"],
+            "properties": {
+                "place": {"type": "object", "additionalProperties": False,
+                          "required": ["city", "grid"],
+                          "properties": {"city": {"enum": ["Oslo", "Rome", "Lima"]},
+                                         "grid": {"type": "array", "maxItems": 3,
+                                                  "items": {"enum": [1, 2, 3]}}}},
+                "unit": {"enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "Weather.",
+                                           "parameters": FORECAST}},
+         {"type": "function", "function": {"name": "clock", "parameters": {
+             "type": "object", "additionalProperties": False, "properties": {}}}}]
+MESSAGES = [{"role": "user", "content": "Weather in Oslo for three days?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_llm(tiny_gpt2_dir, tmp_path_factory):
+    """A tiny GPT-2 with a chat template that renders tools, and a context of 1024 (the
+    tools' schemas take about 230 tokens of the prompt)."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from roseinfer import LLM
+
+    path = tmp_path_factory.mktemp("tiny-tools")
+    shutil.copytree(tiny_gpt2_dir, path, dirs_exist_ok=True)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=1024)
+                    ).save_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return LLM(str(path), **{**TINY_ENGINE, "num_kv_blocks": 400})
+
+
+def reference_calls(llm, messages, choice="required", parallel=True, max_tokens=80):
+    """The engine's own constrained output for the prompt transformers renders with the
+    tools: what the gateway's calls must be."""
+    prompt = llm.engine.tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                                      add_generation_prompt=True)
+    tools = check_tools(TOOLS, choice, parallel)
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                   response_format=tools.constraint()))
+    return [(c.name, json.loads(c.arguments)) for c in tools.forced_calls(out.text)]
+
+
+def calls_of(message):
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+def test_a_call_then_its_result_then_an_answer(tool_llm, start_worker, gateway):
+    start_worker(tool_llm.engine)
+    api = client(gateway())
+    reply = api.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                        tool_choice="required", max_tokens=80, temperature=0)
+    choice = choice0 = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert calls_of(choice.message) == reference_calls(tool_llm, MESSAGES)
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+
+    turn = choice0.message.tool_calls[0]
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": turn.id, "type": "function",
+             "function": {"name": turn.function.name, "arguments": turn.function.arguments}}]},
+        {"role": "tool", "tool_call_id": turn.id, "content": "Sunny, 21 C."}]
+    answer = api.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
+                                         max_tokens=12, temperature=0)
+    # what transformers renders for the same turns (arguments as an object, as templates
+    # take them), greedy through the engine
+    rendered = history[:1] + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": turn.id, "type": "function", "function": {
+                "name": turn.function.name, "arguments": json.loads(turn.function.arguments)}}]},
+        history[2]]
+    prompt = tool_llm.engine.tokenizer.apply_chat_template(rendered, tools=TOOLS, tokenize=False,
+                                                           add_generation_prompt=True)
+    assert "<|tool|>Sunny, 21 C." in prompt and "<tool_call>" in prompt
+    (ref,) = tool_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))
+    assert answer.choices[0].message.content == ref.text
+    assert answer.choices[0].finish_reason == "length"
+
+
+def test_required_gives_100_valid_calls_under_sampling(tool_llm, start_worker, gateway):
+    start_worker(tool_llm.engine)
+    api = client(gateway())
+    valid = 0
+    for seed in range(10):
+        reply = api.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, parallel_tool_calls=False,
+            tool_choice={"type": "function", "function": {"name": "forecast"}}, n=10,
+            max_tokens=120, temperature=1.0, seed=seed)
+        for choice in reply.choices:
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "forecast"
+            jsonschema.validate(json.loads(call.function.arguments), FORECAST)
+            valid += 1
+    assert valid == 100
+
+
+def test_streamed_calls_reassemble_to_the_whole_reply(tool_llm, start_worker, gateway):
+    start_worker(tool_llm.engine)
+    api = client(gateway())
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                  max_tokens=80, temperature=0)
+    whole = api.chat.completions.create(**kwargs).choices[0]
+    calls, finish = {}, None
+    for part in api.chat.completions.create(stream=True, **kwargs):
+        delta = part.choices[0].delta
+        for d in delta.tool_calls or []:
+            c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            c["id"] = d.id or c["id"]
+            c["name"] += (d.function.name or "") if d.function else ""
+            c["arguments"] += (d.function.arguments or "") if d.function else ""
+        finish = part.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
+        calls_of(whole.message)
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+     "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_bad_tools_are_400s_naming_the_field(tool_llm, start_worker, gateway, extra, param):
+    start_worker(tool_llm.engine)
+    api = client(gateway())
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **extra)
+    assert e.value.body["param"] == param
+
+
+def test_the_default_model_calls_under_required(start_worker, gateway):
+    """SmolLM2-135M-Instruct's template has no tool section: the tools are not in its
+    prompt, and the constrained output is still a valid call."""
+    from roseinfer import LLM
+
+    llm = LLM("SmolLM2-135M-Instruct", device="cpu", num_kv_blocks=64, cuda_graphs=False)
+    start_worker(llm.engine)
+    reply = client(gateway()).chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=120, temperature=0)
+    (call,) = reply.choices[0].message.tool_calls
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+    llm.close()
