@@ -68,6 +68,17 @@ def test_required_constrains_to_calls_of_the_tools_schemas():
         assert xgr.testing._is_grammar_accept_string(grammar, text) == ok, (schema, text)
 
 
+def test_a_list_cut_short_keeps_its_complete_calls():
+    t = Tools((WEATHER, TIME), "required")
+    cut = '[{"name":"get_time","arguments":{}}, {"name":"get_weather","arguments":{"ci'
+    assert [c.name for c in t.forced_calls(cut)] == ["get_time"]
+    with pytest.raises(ValueError):
+        t.forced_calls('[{"name":"get_ti')
+    stream = ToolStream(t, None)
+    stream.feed(cut)
+    assert [c.name for c in stream.finish()[1]] == ["get_time"]
+
+
 def test_forced_calls_read_one_call_or_a_list():
     t = Tools((WEATHER,), "required")
     calls = t.forced_calls('[{"name":"get_weather","arguments":{"city":"Oslo"}}]')

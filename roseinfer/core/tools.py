@@ -92,15 +92,35 @@ class Tools:
         return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": schema}}
 
     def forced_calls(self, text: str) -> list[ToolCall]:
-        """The calls of a constrained output."""
-        value = json.loads(text)
-        return [new_call(c["name"], c["arguments"])
-                for c in (value if isinstance(value, list) else [value])]
+        """The calls of a constrained output. A list that max_tokens cut short keeps the
+        calls it completed; raises ValueError if there are none."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = _complete_items(text)
+        calls = value if isinstance(value, list) else [value]
+        if not calls:
+            raise ValueError("no complete call")
+        return [new_call(c["name"], c["arguments"]) for c in calls]
 
     def as_body(self) -> dict:
         """The request fields that carry these tools (protocol v1)."""
         return {"tools": list(self.tools), "tool_choice": self.choice,
                 "parallel_tool_calls": self.parallel}
+
+
+def _complete_items(text: str) -> list:
+    """The whole items at the start of a JSON list cut short."""
+    if not text.startswith("["):
+        raise ValueError("not a list of calls")
+    decoder, items, at = json.JSONDecoder(), [], 1
+    while True:
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        items.append(item)
+        at += len(text[at:]) - len(text[at:].lstrip(", "))
 
 
 def check_tools(tools, choice="auto", parallel=True) -> Optional[Tools]:

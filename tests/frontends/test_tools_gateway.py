@@ -180,3 +180,85 @@ def test_the_default_model_calls_under_required(start_worker, gateway):
     schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
     llm.close()
+
+
+def test_auto_parses_the_call_the_model_writes(tool_llm, start_worker, gateway):
+    """tool_choice auto with the worker's parser (hermes, the family default here): the
+    output is made to be text then a call (a regex response_format, which a model that
+    calls would not need), and comes back as content and tool_calls, whole and streamed."""
+    start_worker(tool_llm.engine)
+    api = client(gateway())
+    written = ('The time: <tool_call>{"name": "clock", "arguments": {}}</tool_call>'
+               '<tool_call>{"name": "forecast", "arguments": {"place": {"city": "Oslo", '
+               '"grid": [1]}, "unit": "c", "days": 2}}</tool_call>')
+    pattern = "".join("\\" + c if c in "{}[]()|.*+?^$\\" else c for c in written)
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                  temperature=0, response_format={"type": "regex", "pattern": pattern})
+    whole = api.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "The time: "
+    assert calls_of(whole.message) == [
+        ("clock", {}), ("forecast", {"place": {"city": "Oslo", "grid": [1]}, "unit": "c",
+                                     "days": 2})]
+    content, names = "", []
+    for part in api.chat.completions.create(stream=True, **kwargs):
+        delta = part.choices[0].delta
+        content += delta.content or ""
+        names += [d.function.name for d in delta.tool_calls or [] if d.function.name]
+    assert content == "The time: " and names == ["clock", "forecast"]
+    one = api.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0]
+    assert [name for name, _ in calls_of(one.message)] == ["clock"]
+    none = api.chat.completions.create(tool_choice="none", **kwargs).choices[0]
+    assert none.message.content == written and not none.message.tool_calls
+    assert none.finish_reason == "stop"
+
+
+def test_a_langchain_agent_step(tool_llm, start_worker, gateway):
+    """langchain-openai as a user writes it: a tool from a typed function, bound to the
+    chat model; the call is run and its result sent back for the answer."""
+    from typing import Literal
+
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def local_time(zone: Literal["UTC", "CET", "JST"]) -> str:
+        """The time now in a time zone."""
+        return {"UTC": "11:00", "CET": "12:00", "JST": "20:00"}[zone]
+
+    start_worker(tool_llm.engine)
+    chat = ChatOpenAI(base_url=f"{gateway().url}/v1", api_key="none", model="tiny",
+                      temperature=0, max_tokens=60, max_retries=0)
+    history = [HumanMessage("What time is it in Tokyo?")]
+    step = chat.bind_tools([local_time], tool_choice="any",
+                           parallel_tool_calls=False).invoke(history)
+    (call,) = step.tool_calls
+    assert call["name"] == "local_time" and call["args"]["zone"] in ("UTC", "CET", "JST")
+    history += [step, ToolMessage(local_time.invoke(call["args"]), tool_call_id=call["id"])]
+    answer = chat.bind_tools([local_time]).invoke(history)
+    assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
+
+
+def test_roseinfer_submit_with_a_tools_file(tool_llm, start_worker, redis_server, prefix,
+                                            tmp_path):
+    import subprocess
+
+    from .conftest import roseinfer_cmd as roseinfer
+
+    start_worker(tool_llm.engine)
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    submit = ["submit", "--redis-url", redis_server.url, "--prefix", prefix, "--no-stream",
+              "--max-tokens", "80", "--messages-file", "-", "--tools-file",
+              str(tmp_path / "tools.json")]
+    called = subprocess.run(roseinfer(*submit, "--tool-choice", "required"), text=True,
+                            input=json.dumps(MESSAGES), capture_output=True, timeout=60)
+    assert called.returncode == 0, called.stderr
+    lines = called.stdout.strip().split("\n")
+    got = [json.loads(line)["tool_call"]["function"] for line in lines]
+    assert [(f["name"], json.loads(f["arguments"])) for f in got] == \
+        reference_calls(tool_llm, MESSAGES)
+    assert called.stderr.startswith("[tool_calls: ")
+    (tmp_path / "bad.json").write_text(json.dumps([{"type": "function"}]))
+    bad = subprocess.run(roseinfer(*submit[:-1], str(tmp_path / "bad.json")), text=True,
+                         input=json.dumps(MESSAGES), capture_output=True, timeout=60)
+    assert bad.returncode == 1 and "--tools-file: tools[0]" in bad.stderr

@@ -78,6 +78,7 @@ class Result:
     logprobs: Optional[list[dict]] = None   # one per id, if asked for (protocol Chunk)
     prompt_logprobs: Optional[list[Optional[dict]]] = None  # one per prompt token, if asked
     index: int = 0                          # the sample's, of a request with n > 1
+    tool_calls: Optional[list[dict]] = None  # the calls of a request with tools (protocol Chunk)
 
 
 class RequestFailed(Exception):
@@ -259,7 +260,7 @@ def _result(rid: str, chunks: list[Chunk], index: int) -> Result:
             logprobs = (logprobs or []) + c.logprobs
         prompt_logprobs = prompt_logprobs or c.prompt_logprobs
     return Result(rid, "".join(text), ids, c.finish_reason, c.usage, logprobs, prompt_logprobs,
-                  index)
+                  index, c.tool_calls)
 
 
 class Client:

@@ -11,6 +11,8 @@ import signal
 import sys
 import tomllib
 
+from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.tools import check_tools
 from roseinfer.frontends.redis_streams.protocol import DEFAULT_GROUP, DEFAULT_PREFIX, \
     DEFAULT_URL, Chat, Keys
 # The Redis client, the worker and the metrics are imported by the commands that use
@@ -111,6 +113,14 @@ def _add_submit_flags(submit: argparse.ArgumentParser) -> None:
                         help='the output\'s shape, e.g. \'{"type": "json_object"}\', '
                              '\'{"type": "regex", "pattern": "[0-9]+"}\' or a json_schema '
                              '(docs/protocol.md)')
+    submit.add_argument("--tools-file", default=None, metavar="FILE",
+                        help="tools the model may call, with --messages-file: a JSON list of "
+                             "OpenAI's {type: function, function: {name, description, "
+                             "parameters}}; calls print as JSON lines after the text")
+    submit.add_argument("--tool-choice", default=None, metavar="CHOICE",
+                        help="none, auto (default), required, or a function's name")
+    submit.add_argument("--no-parallel-tool-calls", dest="parallel_tool_calls",
+                        action="store_false", help="at most one call")
     submit.add_argument("--rid", default=None, help="request id (default: the entry ID)")
     submit.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print the text once it is complete")
@@ -319,6 +329,8 @@ def submit_command(args: argparse.Namespace) -> int:
     if code:
         return code
     print("" if args.stream else "".join(c.text for c in chunks))
+    for call in chunks[-1].tool_calls or []:
+        print(json.dumps({"tool_call": call}))
     if chunks[0].prompt_logprobs is not None:
         print(json.dumps({"prompt_logprobs": chunks[0].prompt_logprobs}))
     for c in chunks:
@@ -337,12 +349,31 @@ def _submitted_prompt(args: argparse.Namespace):
     if (args.prompt is None) == (args.messages_file is None):
         sys.exit("roseinfer submit: give a prompt or --messages-file, not both")
     if args.messages_file is None:
+        if args.tools_file is not None:
+            sys.exit("roseinfer submit: --tools-file goes with --messages-file")
         return args.prompt
+    return Chat(_json_file(args.messages_file, "--messages-file"), _tools(args))
+
+
+def _tools(args: argparse.Namespace):
+    if args.tools_file is None:
+        return None
+    choice = args.tool_choice
+    if choice not in (None, "none", "auto", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
     try:
-        with (sys.stdin if args.messages_file == "-" else open(args.messages_file)) as f:
-            return Chat(json.load(f))
+        return check_tools(_json_file(args.tools_file, "--tools-file"), choice,
+                           args.parallel_tool_calls)
+    except InvalidRequestError as e:
+        sys.exit(f"roseinfer submit: --tools-file: {e}")
+
+
+def _json_file(path: str, flag: str):
+    try:
+        with (sys.stdin if path == "-" else open(path)) as f:
+            return json.load(f)
     except (OSError, ValueError) as e:
-        sys.exit(f"roseinfer submit: cannot read --messages-file {args.messages_file}: {e}")
+        sys.exit(f"roseinfer submit: cannot read {flag} {path}: {e}")
 
 
 def _print_samples(client: Client, rid: str, n: int, timeout: float) -> int:
