@@ -148,3 +148,30 @@ def test_parallel_false_keeps_the_first_call():
     stream = ToolStream(Tools((WEATHER, TIME), "auto", parallel=False), parser("hermes"))
     stream.feed(text)
     assert [c.name for c in stream.finish()[1]] == ["get_time"]
+
+
+def test_llm_chat_renders_the_tools_and_returns_calls():
+    """LLM.chat on the default model (a real template without a tool section): no tools
+    is generate over the template's text; required is a valid call; auto its text."""
+    import jsonschema
+
+    from roseinfer import LLM, SamplingParams
+
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    with LLM("SmolLM2-135M-Instruct", device="cpu", num_kv_blocks=64,
+             cpu_compiled_step="off") as llm:
+        plain = llm.chat(messages, greedy)
+        prompt = llm.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=True)
+        assert plain.content == llm.generate([prompt], greedy)[0].text and not plain.tool_calls
+        called = llm.chat(messages, greedy, tools=[WEATHER], tool_choice="required",
+                          parallel_tool_calls=False)
+        auto = llm.chat(messages, greedy, tools=[WEATHER])
+        with pytest.raises(InvalidRequestError):
+            llm.chat(messages, tools=[WEATHER], tool_choice="always")
+    (call,) = called.tool_calls
+    assert called.finish_reason == "tool_calls" and called.content == ""
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    assert auto.content and auto.finish_reason in ("stop", "length")

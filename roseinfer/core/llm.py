@@ -1,12 +1,25 @@
 """LLM: the offline facade over Engine."""
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Iterable, Union
 
 from roseinfer.core.config import EngineConfig, config_from_args
 from roseinfer.core.engine import Engine, Prompt
 from roseinfer.core.outputs import RequestOutput
 from roseinfer.core.sampling import SamplingParams
+from roseinfer.core.tools import ToolCall, ToolStream, check_tools, parser_name
+
+
+@dataclass
+class ChatOutput:
+    """One assistant turn: its content, the tool calls it made, why it ended
+    ("tool_calls" when it made any), and the engine's output (ids, logprobs)."""
+    content: str
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    output: RequestOutput
 
 
 class LLM:
@@ -51,6 +64,35 @@ class LLM:
             final[out.request_id, out.index] = out
         return [final[rid, 0] if p.n == 1 else [final[rid, i] for i in range(p.n)]
                 for rid, p in zip(ids, per)]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
+             tools: list[dict] | None = None, tool_choice=None,
+             parallel_tool_calls: bool = True) -> ChatOutput:
+        """One assistant turn for ``messages``, rendered with the tools by the model's chat
+        template, as a worker renders them (core/tools.py): tool_choice "auto" parses the
+        calls out of the text with the model family's parser (config tool_call_parser),
+        "required" or a named function constrains the output to calls."""
+        spec = check_tools(tools, tool_choice, parallel_tool_calls)
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("chat answers one turn: use n=1 (generate takes n > 1)")
+        prompt = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True,
+            **({"tools": list(spec.tools)} if spec is not None else {}))
+        if spec is not None and spec.forced:
+            params = dataclasses.replace(params, response_format=spec.constraint())
+        (out,) = self.generate([prompt], params)
+        if spec is None:
+            return ChatOutput(out.text, [], out.finish_reason, out)
+        parser = None
+        if spec.choice == "auto":
+            parser = self.engine.plugins.create("tool_parser", parser_name(
+                self.engine.config.tool_call_parser, self.engine.hf_config))
+        stream = ToolStream(spec, parser)
+        content = stream.feed(out.text)
+        rest, calls = stream.finish()
+        return ChatOutput(content + rest, calls, "tool_calls" if calls else out.finish_reason,
+                          out)
 
     def _drive(self, total: int, use_tqdm: bool) -> Iterable[RequestOutput]:
         bar = None

@@ -46,20 +46,28 @@ def _call(obj, arguments_key: str) -> ToolCall:
     return new_call(obj["name"], args)
 
 
-class Hermes:
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+class AfterMarker:
+    """Calls that follow a marker, after any content."""
+    MARKER = ""
 
     def start(self, text: str) -> int:
-        return held_from(text, self.OPEN)
+        return held_from(text, self.MARKER)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        at = text.find(self.OPEN)
-        if at < 0:
-            return text, []
-        calls = [_call(json.loads(body), "arguments")
-                 for body in self.BLOCK.findall(text[at:]) if body.strip()]
-        return text[:at], calls
+        at = text.find(self.MARKER)
+        return (text, []) if at < 0 else (text[:at], self.calls(text[at:]))
+
+    def calls(self, text: str) -> list[ToolCall]:
+        raise NotImplementedError
+
+
+class Hermes(AfterMarker):
+    MARKER = "<tool_call>"
+    BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def calls(self, text: str) -> list[ToolCall]:
+        return [_call(json.loads(body), "arguments")
+                for body in self.BLOCK.findall(text) if body.strip()]
 
 
 class Llama3Json:
@@ -83,16 +91,9 @@ class Llama3Json:
         return "", calls
 
 
-class Mistral:
+class Mistral(AfterMarker):
     MARKER = "[TOOL_CALLS]"
 
-    def start(self, text: str) -> int:
-        return held_from(text, self.MARKER)
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        at = text.find(self.MARKER)
-        if at < 0:
-            return text, []
-        value, _ = json.JSONDecoder().raw_decode(text[at + len(self.MARKER):].lstrip())
-        return text[:at], [_call(c, "arguments") for c in (value if isinstance(value, list)
-                                                            else [value])]
+    def calls(self, text: str) -> list[ToolCall]:
+        value, _ = json.JSONDecoder().raw_decode(text[len(self.MARKER):].lstrip())
+        return [_call(c, "arguments") for c in (value if isinstance(value, list) else [value])]
