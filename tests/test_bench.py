@@ -159,13 +159,13 @@ def _bench(tmp_path, mode, model, *extra):
     return code, json.loads(out.read_text())
 
 
-def _assert_all_requests_complete(result, max_new=6):
+def _assert_all_requests_complete(result, max_new=6, prompt_tokens=(1, 4, 1, 4, 1)):
     runs = result["roseinfer"]["runs"]
     assert len(runs) == 2
     for run in runs:
         assert run["completed"] == run["num_requests"] == 5
         assert [r["output_tokens"] for r in run["requests"]] == [max_new] * 5
-        assert [r["prompt_tokens"] for r in run["requests"]] == [1, 4, 1, 4, 1]
+        assert [r["prompt_tokens"] for r in run["requests"]] == list(prompt_tokens)
         assert {r["finish_reason"] for r in run["requests"]} == {"length"}
         assert run["total_output_tokens"] == 5 * max_new
         assert 0 < run["ttft_ms"]["p50"] <= run["e2e_latency_ms"]["p50"]
@@ -405,3 +405,32 @@ def test_max_concurrency_caps_requests_in_flight(monkeypatch):
     rows = serve.client_run(spec)
     assert len(rows) == 12 and all(r["finish_reason"] == "length" for r in rows)
     assert peak == 3
+
+
+def test_bench_serve_chat_with_tools_through_the_gateway(tmp_path, tiny_dir):
+    """--endpoint openai-chat --tools-file: each text prompt a user turn offering the
+    tools (tool_choice auto), through the gateway; what tools cost is measured this way
+    (docs/gateway.md)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "tiny-chat"
+    shutil.copytree(tiny_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = ("{% if tools %}{{ tools | length }} tools\n{% endif %}"
+                         "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    tok.save_pretrained(model)
+    tools = tmp_path / "tools.json"
+    offered = [{"type": "function", "function": {"name": "f"}}]
+    tools.write_text(json.dumps(offered))
+    for extra, given in (([], None), (["--tools-file", str(tools)], offered)):
+        code, result = _bench(tmp_path, "serve", str(model), "--endpoint", "openai-chat",
+                              *extra)
+        assert code == 0
+        # each prompt as its template renders it: with the tools, a line more
+        lengths = [len(tok.encode(tok.apply_chat_template([{"role": "user", "content": " ".join(
+            ["Hello"] * n)}], tools=given, tokenize=False))) for n in (1, 4, 1, 4, 1)]
+        _assert_all_requests_complete(result, prompt_tokens=lengths)
+    with pytest.raises(SystemExit, match="openai-chat"):
+        _bench(tmp_path, "serve", str(model), "--tools-file", str(tools))

@@ -32,9 +32,14 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-offline", action="store_true",
                    help="also run the same requests on the engine alone (bench offline) first, "
                         "and report the ratio")
-    g.add_argument("--endpoint", choices=("redis", "openai"), default="redis",
-                   help="redis: clients write the stream (protocol v1); openai: through the "
-                        "OpenAI gateway, started in this process (default: %(default)s)")
+    g.add_argument("--endpoint", choices=("redis", "openai", "openai-chat"), default="redis",
+                   help="redis: clients write the stream (protocol v1); openai: completions "
+                        "through the OpenAI gateway, started in this process; openai-chat: "
+                        "chat completions there, each text prompt one user turn (default: "
+                        "%(default)s)")
+    g.add_argument("--tools-file", default=None, metavar="FILE",
+                   help="with --endpoint openai-chat: tools (a JSON list, OpenAI's shape) "
+                        "every request offers, tool_choice auto")
     g.add_argument("--ack-replicas", type=int, default=0,
                    help="the worker acknowledges a finished request once this many replicas of "
                    "--redis-url hold its chunks (worker --ack-replicas; default: %(default)s)")

@@ -3,6 +3,7 @@ warm-up and timed runs, compare, report."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import signal
@@ -122,7 +123,7 @@ class BenchRun:
                 **report.machine_info("cpu")}
         runs = []
         with ServeHarness(None, a.redis_url, a.client_procs, a.request_timeout,
-                          prefix=a.prefix, endpoint=a.endpoint) as harness:
+                          prefix=a.prefix, endpoint=a.endpoint, tools=_tools(a)) as harness:
             for k in range(a.warmup_runs):
                 self._ours(harness, w, f"warm-up {k + 1}/{a.warmup_runs}", f"w{k}")
             for k in range(a.repeat_runs):
@@ -236,7 +237,8 @@ class BenchRun:
             from roseinfer.bench.serve import ServeHarness
             a = self.args
             return ServeHarness(probe, a.redis_url, a.client_procs, a.request_timeout,
-                                endpoint=a.endpoint, ack_replicas=a.ack_replicas)
+                                endpoint=a.endpoint, ack_replicas=a.ack_replicas,
+                                tools=_tools(a))
         return _OfflineHarness(probe)
 
     # --- output ---------------------------------------------------------------------------
@@ -266,3 +268,14 @@ class _OfflineHarness:
     def run(self, w: Workload, run_id: str, progress: Progress):
         from roseinfer.bench.offline import run_offline
         return run_offline(self.probe, w, run_id, progress)
+
+
+def _tools(args) -> list | None:
+    """--tools-file's tools, for the chat endpoint only."""
+    path = getattr(args, "tools_file", None)
+    if path is None:
+        return None
+    if args.endpoint != "openai-chat":
+        raise SystemExit("--tools-file goes with --endpoint openai-chat")
+    with open(path) as f:
+        return json.load(f)

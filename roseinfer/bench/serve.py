@@ -34,8 +34,10 @@ class ServeHarness:
 
     def __init__(self, probe: Optional[EngineProbe], redis_url: Optional[str] = None,
                  client_procs: int = 1, request_timeout_s: float = 600.0,
-                 prefix: Optional[str] = None, endpoint: str = "redis", ack_replicas: int = 0):
+                 prefix: Optional[str] = None, endpoint: str = "redis", ack_replicas: int = 0,
+                 tools: Optional[list] = None):
         self.probe = probe
+        self.tools = tools
         self.ack_replicas = ack_replicas
         self.endpoint = endpoint
         self._gateway = None
@@ -67,7 +69,7 @@ class ServeHarness:
                 self._thread = threading.Thread(target=self._run_worker, daemon=True,
                                                 name="bench-worker")
                 self._thread.start()
-            if self.endpoint == "openai":
+            if self.endpoint.startswith("openai"):
                 from roseinfer.frontends.openai.app import BackgroundGateway, GatewayConfig
 
                 config = GatewayConfig(self.redis_url, self.prefix,
@@ -131,6 +133,8 @@ class ServeHarness:
                 "schedule": w.schedule, "shard": shard, "num_shards": self.client_procs,
                 "max_concurrency": _share(w.max_concurrency, shard, self.client_procs),
                 "gateway_url": self._gateway.url if self._gateway else None,
+                # the chat endpoint: the tools each request offers ([]: none)
+                "chat": (self.tools or []) if self.endpoint == "openai-chat" else None,
                 "timeout_s": self.timeout_s}
 
     def _wait(self, pending, progress: Progress) -> None:
@@ -203,13 +207,16 @@ class _Queue:
 
 
 class _Gateway:
-    """Requests through the OpenAI gateway: streamed completions, with the usage in
-    every chunk (vLLM's continuous_usage_stats) to count each chunk's tokens."""
+    """Requests through the OpenAI gateway: streamed completions (or chat completions, a
+    text prompt as one user turn, with tools if given), with the usage in every chunk
+    (vLLM's continuous_usage_stats) to count each chunk's tokens."""
 
     def __init__(self, spec: dict):
         import httpx
 
-        self.url = f"{spec['gateway_url']}/v1/completions"
+        self.chat = spec.get("chat")
+        kind = "completions" if self.chat is None else "chat/completions"
+        self.url = f"{spec['gateway_url']}/v1/{kind}"
         self.http = httpx.AsyncClient(timeout=spec["timeout_s"],
                                       limits=httpx.Limits(max_connections=None))
 
@@ -218,6 +225,13 @@ class _Gateway:
             raise ValueError("--endpoint openai streams every token: drop --stream-interval")
         body = {"model": "bench", "prompt": prompt, "stream": True, **params,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        if self.chat is not None:
+            if not isinstance(prompt, str):
+                raise ValueError("--endpoint openai-chat sends text prompts: use --dataset "
+                                 "repeat without --pretok")
+            body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+            if self.chat:
+                body["tools"] = self.chat
         return asyncio.create_task(self._request(body, rec, slots))
 
     async def _request(self, body: dict, rec: RequestRecord, slots) -> None:
