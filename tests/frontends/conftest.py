@@ -317,3 +317,22 @@ def run_until_idle(worker, limit=200):
             worker.run_once()  # flushes the last step's writes
             return
     raise AssertionError("worker did not finish its requests")
+
+
+@pytest.fixture
+def gateway(redis_server, prefix):
+    """gateway(**GatewayConfig fields) -> a started BackgroundGateway on the real Redis,
+    serving the model name "tiny"; stopped at teardown."""
+    from roseinfer.frontends.openai.app import BackgroundGateway, GatewayConfig
+
+    started = []
+
+    def start(**kw):
+        g = BackgroundGateway(GatewayConfig(redis_server.url, prefix, model_name="tiny", **kw),
+                              port=free_port())
+        started.append(g)
+        return g.start()
+
+    yield start
+    for g in started:
+        g.stop()

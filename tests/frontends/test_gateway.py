@@ -35,21 +35,6 @@ def chat_llm(tiny_gpt2_dir, tmp_path_factory):
     return LLM(str(path), **TINY_ENGINE)
 
 
-@pytest.fixture
-def gateway(redis_server, prefix):
-    started = []
-
-    def start(**kw):
-        g = BackgroundGateway(GatewayConfig(redis_server.url, prefix, model_name="tiny", **kw),
-                              port=free_port())
-        started.append(g)
-        return g.start()
-
-    yield start
-    for g in started:
-        g.stop()
-
-
 def client(g, key="none"):
     return openai.OpenAI(base_url=f"{g.url}/v1", api_key=key, max_retries=0)
 

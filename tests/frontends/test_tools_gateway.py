@@ -12,7 +12,7 @@ import pytest
 from roseinfer import SamplingParams
 from roseinfer.core.tools import check_tools
 
-from .test_gateway import client, gateway  # noqa: F401  (a fixture)
+from .test_gateway import client
 from .conftest import TINY_ENGINE
 
 # A chat template with a tool section, as Hermes-style templates have: the tools, then
