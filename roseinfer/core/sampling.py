@@ -57,6 +57,9 @@ class SamplingParams:
     logits_processors: dict[str, Any] = field(default_factory=dict)
     # False: no drafts for this request where the engine speculates (core/speculation.py).
     speculative: bool = True
+    # Lower runs first (vLLM's meaning): the waiting queue is ordered by it, then by
+    # arrival, and under KV pressure the lowest-priority running sequence is preempted.
+    priority: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -107,6 +110,8 @@ class SamplingParams:
                 bad(name, f"must be in [-2, 2] (0 = off), got {v!r}")
         if not isinstance(self.speculative, bool):
             bad("speculative", f"must be true or false, got {self.speculative!r}")
+        if not (is_int(self.priority) and -2**31 <= self.priority < 2**31):
+            bad("priority", f"must be a 32-bit integer (lower runs first), got {self.priority!r}")
         self._validate_bias()
         _validate_format(self.response_format)
         procs = self.logits_processors

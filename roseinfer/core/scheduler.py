@@ -5,6 +5,13 @@ next chunk of an unfinished prefill), then waiting ones are admitted while
 budget, sequence slots and KV blocks last. When blocks run out, the newest
 running sequence is preempted: its blocks are freed and it goes back to the
 front of the queue to be recomputed (prompt + generated tokens) later.
+
+Requests with a ``priority`` (lower first, vLLM's meaning) are ordered by it: the
+waiting queue by (priority, arrival), running sequences are served in priority order,
+and the one preempted is the lowest-priority (then newest) not yet served this step. A
+preempted sequence goes back ahead of every waiting one of its priority or lower. With
+every priority equal, all of this is the order above. Starvation is not bounded: a
+low-priority request waits for as long as higher-priority work keeps it from blocks.
 """
 from __future__ import annotations
 
@@ -43,10 +50,25 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Waiting, behind every sequence of a lower priority value or an earlier arrival."""
+        waiting, rank = self.waiting, _rank(seq)
+        at = len(waiting)
+        while at and _rank(waiting[at - 1]) > rank:
+            at -= 1
+        waiting.insert(at, seq)
+
+    def _to_front(self, seq: Sequence) -> None:
+        """Waiting, ahead of every sequence of its priority or a lower one."""
+        waiting, priority = self.waiting, seq.params.priority
+        at = 0
+        while at < len(waiting) and waiting[at].params.priority < priority:
+            at += 1
+        waiting.insert(at, seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
+        if any(s.params.priority for s in self.running):
+            self.running.sort(key=lambda s: s.params.priority)  # stable: arrival within
         preemptions = self.num_preemptions
         prefill = self._prefill_budget()
         budget, prefill = self._schedule_running(batch, self.budget, prefill)
@@ -94,7 +116,7 @@ class Scheduler:
             if left == 1 and seq.draft is not None:
                 n = self._fit_draft(batch, seq, budget)
             while not reserve(seq, n):
-                victim = self.running.pop()
+                victim = running.pop(_victim(running, i))
                 self._preempt(victim)
                 if victim is seq:
                     return budget, prefill
@@ -136,7 +158,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_seq(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._to_front(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
@@ -158,7 +180,7 @@ class Scheduler:
             self._drop(seq)
             self.blocks.free_seq(seq)
             seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
+            self._to_front(seq)
 
     @contextmanager
     def only(self, seqs: list[Sequence]):
@@ -176,3 +198,17 @@ class Scheduler:
 
     def num_unfinished(self) -> int:
         return len(self.running) + len(self.waiting)
+
+
+def _rank(seq: Sequence) -> tuple:
+    return seq.params.priority, seq.arrival_time
+
+
+def _victim(running: list[Sequence], first: int) -> int:
+    """Index of the sequence to preempt among ``running[first:]`` (not served this step):
+    the lowest priority, the newest of those; the last one when all are equal."""
+    at = len(running) - 1
+    for i in range(at - 1, first - 1, -1):
+        if running[i].params.priority > running[at].params.priority:
+            at = i
+    return at

@@ -83,7 +83,7 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
               "ignore_eos": body.get("ignore_eos"),
               "repetition_penalty": body.get("repetition_penalty"),
               "prompt_logprobs": body.get("prompt_logprobs"),
-              "speculative": body.get("speculative")}
+              "speculative": body.get("speculative"), "priority": body.get("priority")}
     optional_number = lambda v: v is None or is_number(v)  # noqa: E731
     for name, ok in (("n", lambda v: v is None or is_int(v)), ("max_tokens", is_int), ("temperature", is_number), ("top_p", is_number),
                      ("frequency_penalty", optional_number),
@@ -96,6 +96,7 @@ def _sampling(body: dict, max_tokens_default: int) -> dict:
                      ("min_p", lambda v: v is None or is_number(v)),
                      ("ignore_eos", lambda v: v is None or isinstance(v, bool)),
                      ("speculative", lambda v: v is None or isinstance(v, bool)),
+                     ("priority", lambda v: v is None or is_int(v)),
                      ("seed", lambda v: v is None or is_int(v)),
                      ("stop", lambda v: v is None or (isinstance(v, list)
                                                       and all(isinstance(s, str) for s in v)))):

@@ -24,7 +24,7 @@ RID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 SAMPLING_KEYS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                  "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs",
                  "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
-                 "response_format", "logits_processors", "speculative")
+                 "response_format", "logits_processors", "speculative", "priority")
 PARAM_KEYS = SAMPLING_KEYS + ("stream_interval", "raw")
 ROLES = ("system", "user", "assistant", "tool")
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
@@ -376,7 +376,7 @@ _SHELL_PARSERS = {
     "prompt": str, "prompt_token_ids": _ids, "n": int, "max_tokens": int, "temperature": float,
     "top_p": float, "top_k": int, "min_p": float, "seed": int, "stop": lambda s: [s],
     "stop_token_ids": _ids, "ignore_eos": _bool, "stream_interval": int, "raw": _bool,
-    "speculative": _bool,
+    "speculative": _bool, "priority": int,
     "logprobs": int, "prompt_logprobs": int, "repetition_penalty": float, "frequency_penalty": float,
     "presence_penalty": float, "logit_bias": _bias, "response_format": _json_map,
     "logits_processors": _json_map,

@@ -1,0 +1,78 @@
+"""Request priorities (lower runs first, vLLM's meaning): the waiting queue's order, the
+victim under KV pressure, and the field through protocol v1 and the gateway."""
+import pytest
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.scheduler import Scheduler
+from tests.models import tiny_llama
+
+
+def first_tokens_order(llm, requests):
+    """The order in which ``requests`` ((rid, priority) pairs, added at once) produce
+    their first token."""
+    engine, order = llm.engine, []
+    for rid, priority in requests:
+        engine.add_request(rid, [5, 6, 7, 8], SamplingParams(
+            max_tokens=3, temperature=0, ignore_eos=True, priority=priority))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in order:
+                order.append(out.request_id)
+    return order
+
+
+def test_waiting_requests_run_by_priority_then_arrival():
+    with LLM(tiny_llama(), device="cpu", dtype="float32", max_num_seqs=1,
+             num_kv_blocks=64, cpu_compiled_step="off") as llm:
+        assert first_tokens_order(llm, [("a", 0), ("b", 0), ("c", -1), ("d", 5),
+                                        ("e", -1)]) == ["c", "e", "a", "b", "d"]
+        # equal priorities: arrival order, as without them
+        assert first_tokens_order(llm, [(r, 0) for r in "pqrs"]) == list("pqrs")
+
+
+def test_kv_pressure_preempts_the_lowest_priority_first(monkeypatch):
+    victims = []
+    preempt = Scheduler._preempt
+
+    def recorded(self, seq):
+        victims.append(seq.request_id)
+        preempt(self, seq)
+
+    monkeypatch.setattr(Scheduler, "_preempt", recorded)
+    with LLM(tiny_llama(), device="cpu", dtype="float32", block_size=4, num_kv_blocks=10,
+             max_num_seqs=4, enable_prefix_cache=False, cpu_compiled_step="off") as llm:
+        params = {rid: SamplingParams(max_tokens=14, temperature=0, ignore_eos=True,
+                                      priority=p)
+                  for rid, p in (("low", 3), ("high", -2), ("mid", 0))}
+        for rid, p in params.items():
+            llm.engine.add_request(rid, [9, 8, 7, 6, 5], p)
+        done = {}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                if out.finished:
+                    done[out.request_id] = len(out.token_ids)
+    assert victims and victims[0] == "low"  # admitted first, preempted first
+    assert "high" not in victims
+    assert done == {"low": 14, "high": 14, "mid": 14}
+
+
+def test_priority_is_a_32_bit_integer():
+    assert SamplingParams().priority == 0
+    for bad in (1.5, "1", 2**31, True):
+        with pytest.raises(InvalidRequestError, match="^priority: "):
+            SamplingParams(priority=bad)
+
+
+def test_priority_through_the_protocol_and_the_gateway():
+    from roseinfer.frontends.openai.mapping import APIError, chat_call
+    from roseinfer.frontends.redis_streams.protocol import decode_request, encode_request
+    from tests.frontends.test_protocol import as_redis
+
+    assert decode_request("1-0", as_redis(encode_request("x", priority=-3))).params.priority == -3
+    assert decode_request("1-0", as_redis({"prompt": "x", "priority": "7"})).params.priority == 7
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_call({"messages": messages, "priority": 2}).params["priority"] == 2
+    with pytest.raises(APIError) as e:
+        chat_call({"messages": messages, "priority": "high"})
+    assert e.value.param == "priority"
