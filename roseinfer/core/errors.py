@@ -12,3 +12,9 @@ class InvalidRequestError(ValueError):
 
 class ConfigError(ValueError):
     """A bad engine configuration value."""
+
+
+def short(value, width: int = 60) -> str:
+    """repr() of a client's value, cut short: an error message must not carry megabytes."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width] + f"... ({len(text)} characters)"

@@ -48,9 +48,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.aside: tuple = ()  # the queues only() set aside
         self.num_preemptions = 0
+        self.prioritized = False  # some request had a priority: running is kept in its order
 
     def add(self, seq: Sequence) -> None:
         """Waiting, behind every sequence of a lower priority value or an earlier arrival."""
+        self.prioritized = self.prioritized or seq.params.priority != 0
         waiting, rank = self.waiting, _rank(seq)
         at = len(waiting)
         while at and _rank(waiting[at - 1]) > rank:
@@ -67,7 +69,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
-        if any(s.params.priority for s in self.running):
+        if self.prioritized:
             self.running.sort(key=lambda s: s.params.priority)  # stable: arrival within
         preemptions = self.num_preemptions
         prefill = self._prefill_budget()

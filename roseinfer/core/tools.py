@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Optional, Protocol, Union
 
-from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.errors import InvalidRequestError, short as _short
 
 log = logging.getLogger(__name__)
 CHOICES = ("none", "auto", "required")
@@ -215,8 +215,3 @@ class ToolStream:
             return rest, []
         calls = calls if self.tools.parallel else calls[:1]
         return content[self.sent:] if len(content) > self.sent else "", calls
-
-
-def _short(value, width: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[:width] + "..."

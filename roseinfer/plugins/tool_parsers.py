@@ -70,12 +70,18 @@ class Hermes(AfterMarker):
                 for body in self.BLOCK.findall(text) if body.strip()]
 
 
+LEADING_SPACE = re.compile(r"\s*")
+
+
 class Llama3Json:
     TAG = "<|python_tag|>"
 
     def start(self, text: str) -> int:
-        head = text.lstrip()
-        if head.startswith("{") or head.startswith(self.TAG) or self.TAG.startswith(head):
+        # Called as the output grows: only its first characters after whitespace decide
+        # (no copy of the whole text each time).
+        at = LEADING_SPACE.match(text).end()
+        head = text[at:at + len(self.TAG)]
+        if head.startswith("{") or self.TAG.startswith(head):
             return 0  # the whole output is a call, or may be
         return len(text)
 

@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import msgpack
 
-from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.errors import InvalidRequestError, short as _short
 from roseinfer.core.sampling import MAX_N, SamplingParams, is_int
 from roseinfer.core.tools import Tools, check_tools
 
@@ -342,12 +342,6 @@ def _check_stop_sizes(body: dict, limits: Limits) -> None:
         raise InvalidRequestError(
             "stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got "
             f"{len(body['stop_token_ids'])}")
-
-
-def _short(value, width: int = 60) -> str:
-    """repr() of a client's value, cut short: an error message must not carry megabytes."""
-    text = repr(value)
-    return text if len(text) <= width else text[:width] + f"... ({len(text)} characters)"
 
 
 # Shell form: the same keys as plain string fields, for redis-cli users. Lists of ids are
