@@ -25,7 +25,19 @@ class MetadataStore(Protocol):
 
 
 def block_hash(parent: int, tokens: Seq[int]) -> int:
+    # Python's hash of a tuple of ints is the same in every process of one Python
+    # version (no hash seed for ints), so workers of a fleet can compare them.
     return hash((parent, tuple(tokens)))
+
+
+def prompt_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
+    """The hashes match_prefix looks up for a prompt: of each full block but the one
+    holding its last token."""
+    hashes, parent = [], NO_HASH
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
 
 
 class BlockManager:
@@ -38,6 +50,9 @@ class BlockManager:
         self.copy_block = copy_block
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        # Changes to `cached`, (hash, cached?) in order, while a frontend follows them (it
+        # tells a fleet which prompts this engine holds: frontends/redis_streams/routing.py)
+        self.journal: Optional[list[tuple[int, bool]]] = None
         self.on_free_seq: Callable[[object], None] = lambda seq: None
 
     @property
@@ -104,7 +119,8 @@ class BlockManager:
             h = block_hash(parent, tokens)
             b = seq.block_table[i]
             self.store.set_hash(b, h, tokens)
-            self.cached.setdefault(h, b)
+            if self.cached.setdefault(h, b) == b and self.journal is not None:
+                self.journal.append((h, True))
             seq.block_hashes.append(h)
 
     def fork(self, parent, child) -> None:
@@ -140,6 +156,8 @@ class BlockManager:
         if h != NO_HASH:
             if self.cached.get(h) == b:
                 del self.cached[h]
+                if self.journal is not None:
+                    self.journal.append((h, False))
             self.store.set_hash(b, NO_HASH, ())
         self.store.set_ref(b, 1)
         return b

@@ -53,3 +53,8 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return self.seq.num_prompt_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache when the request was first scheduled."""
+        return self.seq.num_cached_tokens or 0

@@ -21,7 +21,8 @@ class Sequence:
                  "block_table", "block_hashes", "status", "finish_reason", "generator",
                  "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
                  "row", "synced", "sample_words", "logprobs", "prompt_logprobs",
-                 "constraints", "num_accepted", "index", "key", "error", "draft", "spec")
+                 "constraints", "num_accepted", "index", "key", "error", "draft", "spec",
+                 "num_cached_tokens")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
@@ -32,6 +33,7 @@ class Sequence:
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.num_computed = 0          # tokens whose K/V are in the cache
+        self.num_cached_tokens: Optional[int] = None  # prompt tokens the prefix cache held
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.status = Status.WAITING

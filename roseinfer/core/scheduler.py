@@ -146,6 +146,8 @@ class Scheduler:
                 break
             if not seq.block_table:  # else it holds blocks shared with it (Engine._queue)
                 seq.num_computed = self.blocks.match_prefix(seq)
+                if seq.num_cached_tokens is None:  # what the cache saved it, first time in
+                    seq.num_cached_tokens = seq.num_computed
             n = min(seq.num_scheduled_tokens - seq.num_computed, budget)
             if not self.blocks.reserve(seq, n):
                 self.blocks.free_seq(seq)

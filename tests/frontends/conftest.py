@@ -81,8 +81,7 @@ class FakeOutput:
     prompt_logprobs: object = None
     index: int = 0
     error: object = None
-
-
+    num_cached_tokens: int = 0
 
 
 class FakeEngine:

@@ -144,7 +144,7 @@ def test_a_dead_workers_request_resumes_after_its_last_chunk(worker, client, fak
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     assert sum((c.token_ids for c in chunks), []) == [99, 0, 1, 2, 3, 4]
     assert "".join(c.text for c in chunks) == "vabcde"
-    assert chunks[-1].usage == {"prompt_tokens": 2, "completion_tokens": 6}
+    assert chunks[-1].usage == {"prompt_tokens": 2, "completion_tokens": 6, "cached_tokens": 0}
     assert fake_redis.xlen(KEYS.requests) == 0  # acknowledged and deleted
     assert worker.metrics.resumed._value.get() == 1
 

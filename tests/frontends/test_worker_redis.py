@@ -50,6 +50,8 @@ def test_concurrent_mixed_requests_match_llm_generate(tiny_llm, start_worker, re
     for (result, _, _), ref in zip(greedy, expected):
         assert (result.token_ids, result.text, result.finish_reason) == \
             (ref.token_ids, ref.text, ref.finish_reason)
+        cached = result.usage.pop("cached_tokens")
+        assert 0 <= cached < len(ref.prompt_token_ids)
         assert result.usage == {"prompt_tokens": len(ref.prompt_token_ids),
                                 "completion_tokens": len(ref.token_ids)}
 

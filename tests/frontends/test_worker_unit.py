@@ -42,7 +42,7 @@ def test_one_request_end_to_end(worker, client, fake_redis):
     # "a" = 97 % 100 -> 97, "b" -> 98; the toy model continues 99, 0, 1, 2
     assert sum((c.token_ids for c in got), []) == [99, 0, 1, 2]
     assert "".join(c.text for c in got) == "vabc"
-    assert got[-1].usage == {"prompt_tokens": 2, "completion_tokens": 4}
+    assert got[-1].usage == {"prompt_tokens": 2, "completion_tokens": 4, "cached_tokens": 0}
     assert pending(fake_redis) == 0 and fake_redis.xlen(KEYS.requests) == 0  # acked and deleted
     assert 0 < fake_redis.ttl(KEYS.out(rid)) <= 3600
 

@@ -196,7 +196,9 @@ def usage(*samples: Optional[dict]) -> dict:
     samples = [u or {} for u in samples] or [{}]
     p = max(u.get("prompt_tokens", 0) for u in samples)
     c = sum(u.get("completion_tokens", 0) for u in samples)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = max(u.get("cached_tokens", 0) for u in samples)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def worker_error(error: dict) -> APIError:

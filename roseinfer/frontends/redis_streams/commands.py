@@ -45,6 +45,12 @@ WORKER_SETTINGS = {
                              "hold its chunks (Redis WAIT; docs/operations.md)"),
     "ack_timeout_ms": (1000, int, "with --ack-replicas: wait this long for the replicas, "
                                   "then acknowledge anyway (logged as ack_unreplicated)"),
+    "no_route": (False, bool, "serve every entry this worker reads, never handing one to the "
+                              "worker whose prefix cache holds its prompt (docs/operations.md)"),
+    "route_min_gain_tokens": (128, int, "hand an entry over only to a worker holding at least "
+                                        "this many more of its prompt's tokens"),
+    "route_max_load": (1.0, float, "hand no entry to a worker running this many times its "
+                                   "max_num_seqs or more"),
 }
 
 
@@ -187,6 +193,7 @@ def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                 announce: bool = False) -> int:
     from roseinfer.core.llm import llm_from_args  # torch loads only for commands that need it
     from roseinfer.frontends.redis_streams import metrics
+    from roseinfer.frontends.redis_streams.routing import RouteConfig
     from roseinfer.frontends.redis_streams.worker import EngineFailed, Worker
 
     # Both before the model loads: fail fast on an unreachable Redis or a taken port.
@@ -203,7 +210,9 @@ def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                         chat_template=not settings["raw"], model_name=args.model,
                         max_entry_bytes=settings["max_entry_bytes"],
                         ack_replicas=settings["ack_replicas"],
-                        ack_timeout_ms=settings["ack_timeout_ms"])
+                        ack_timeout_ms=settings["ack_timeout_ms"],
+                        route=None if settings["no_route"] else RouteConfig(
+                            settings["route_min_gain_tokens"], settings["route_max_load"]))
         gateway = _start_gateway(args, settings, redis_url)
         if announce:
             print(f"roseinfer is serving {args.model} at {redis_url}; from another terminal:\n"

@@ -82,7 +82,8 @@ class InFlight:
             if out.error is not None:  # a step failed on this request alone (core/faults.py)
                 chunk.error = {"code": "internal", "message": out.error}
             chunk.usage = {"prompt_tokens": len(out.prompt_token_ids),
-                           "completion_tokens": len(out.token_ids)}
+                           "completion_tokens": len(out.token_ids),
+                           "cached_tokens": out.num_cached_tokens}
         return chunk
 
     def observe(self, out, metrics: Metrics) -> int:

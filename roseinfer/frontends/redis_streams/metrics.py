@@ -56,6 +56,8 @@ class Metrics:
                                  buckets=REQUEST_BUCKETS)
         self.resumed = metric(Counter, "requests_resumed",
                               "Requests taken over from another worker (or a failed step).")
+        self.routed = metric(Counter, "requests_routed",
+                             "Request entries handed to the worker holding their prompt's prefix.")
         self.dead_lettered = metric(Counter, "requests_dead_lettered",
                                     "Entries moved to P:dead after too many deliveries.")
         self.step_failures = metric(Counter, "engine_step_failures", "engine.step() exceptions.")

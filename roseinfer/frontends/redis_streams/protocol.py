@@ -74,6 +74,25 @@ class Keys:
         # Literal braces: the rid is the Redis Cluster hash tag of its reply stream.
         return f"{self.prefix}:out:{{{rid}}}"
 
+    # Routing's keys (routing.py) share the request stream's Redis Cluster slot: the
+    # script that hands an entry to another worker touches the stream and an inbox.
+    def inbox(self, consumer: str) -> str:
+        """Entries handed to a worker by another: read in the same XREADGROUP as requests."""
+        return f"{{{self.requests}}}:inbox:{consumer}"
+
+    def cached(self, consumer: str) -> str:
+        """A worker's cached prompt blocks: a set of block hashes."""
+        return f"{{{self.requests}}}:cached:{consumer}"
+
+    def load(self, consumer: str) -> str:
+        """A worker's load (msgpack), rewritten as it changes, expiring with its heartbeat."""
+        return f"{{{self.requests}}}:load:{consumer}"
+
+    @property
+    def fleet(self) -> str:
+        """The set of workers that route: whose cached and load keys to look at."""
+        return f"{{{self.requests}}}:fleet"
+
 
 @dataclass(frozen=True)
 class Limits:

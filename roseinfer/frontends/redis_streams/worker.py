@@ -16,6 +16,7 @@ are waited out; SIGTERM drains.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import sys
@@ -42,6 +43,8 @@ from roseinfer.frontends.redis_streams.pace import Pace
 from roseinfer.frontends.redis_streams.publisher import Publisher
 from roseinfer.frontends.redis_streams.protocol import (
     DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, chunk_body, entry_time, error_chunk, reply_rid)
+from roseinfer.frontends.redis_streams.routing import (
+    CacheReport, RouteConfig, Router, forward, from_inbox)
 from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, read_takeovers
 
 # Cancels of requests this worker has not read yet: remembered so that a request cancelled
@@ -49,6 +52,10 @@ from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, re
 MAX_REMEMBERED_CANCELS = 10_000
 # GIL hand-over while the worker runs: see run(). (docs/benchmarks.md, "Through Redis")
 STEP_LOOP_SWITCH_INTERVAL_S = 0.0005
+# Entries handed over by other workers (routing.py) read per round while no slot is free,
+# and at most left unread when the worker stops (handed back to the group).
+INBOX_READ_COUNT = 16
+INBOX_LEAVE_COUNT = 10_000
 
 
 def default_consumer_name() -> str:
@@ -65,6 +72,7 @@ class _Plan:
     owned: list         # InFlight and Takeover entries to refresh (often none)
     slots: int          # new requests to read
     block: Optional[int]
+    inbox: bool         # read entries handed over by other workers (routing.py)
 
 
 class Worker:
@@ -82,7 +90,7 @@ class Worker:
                  reply_maxlen: int = 100_000, progress_every_s: float = 10.0,
                  chat_template: bool = True, model_name: str = "", send_thread: bool = True,
                  max_entry_bytes: int = Limits.max_entry_bytes, ack_replicas: int = 0,
-                 ack_timeout_ms: int = 1000):
+                 ack_timeout_ms: int = 1000, route: Optional[RouteConfig] = RouteConfig()):
         if claim_idle_ms < 100:
             raise ValueError(f"claim_idle_ms must be at least 100, got {claim_idle_ms}")
         if max_deliveries < 1:
@@ -125,6 +133,16 @@ class Worker:
         self.publisher = Publisher(self.keys, self.metrics)
         self._totals = self.publisher.totals
         self.pace = Pace(progress_every_s, claim_idle_ms, self._totals)
+        # route None: every entry read here is served here (routing.py)
+        self.report = self.router = None
+        if route is not None:
+            # Its keys outlive a heartbeat missed while the worker blocks on an idle read.
+            ttl_s = self.heartbeat.ttl_s + math.ceil(block_ms / 1000)
+            self.report = CacheReport(self.keys, self.consumer, engine, ttl_s)
+            holds = self.report.blocks.cached.__contains__ if self.report.blocks else None
+            if holds is not None:
+                self.router = Router(redis, self.keys, self.consumer,
+                                     engine.config.block_size, holds, route)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -133,6 +151,8 @@ class Worker:
         # Cancels sent before this worker started concern requests it cannot own yet.
         last = self.outage.call(lambda: self.redis.xrevrange(self.keys.cancel, count=1))
         self._cancel_cursor = last[0][0] if last else "0-0"
+        if self.report is not None:
+            self.outage.call(lambda: self.outbox.send(self.report.join))
         event("started", consumer=self.consumer, stream=self.keys.requests, group=self.group,
               max_num_seqs=self.engine.config.max_num_seqs,
               claim_idle_ms=self.ownership.claim_idle_ms, max_deliveries=self.max_deliveries)
@@ -185,6 +205,9 @@ class Worker:
         unfinished = len(self._inflight) + len(self._suspects)
         self._hand_back_all()
         self.outbox.write(self.heartbeat.remove)
+        if self.report is not None:
+            self._hand_back_inbox()
+            self.outbox.write(self.report.leave)
         self.outbox.send()
         self._forget_consumer_if_idle()
         event("stopped", consumer=self.consumer, handed_back=unfinished)
@@ -209,6 +232,11 @@ class Worker:
         if self.heartbeat.due():
             status = "draining" if self.stopping else "serving"
             self.outbox.write(self.heartbeat.write, status, **self._live_status())
+            if self.report is not None:
+                self.outbox.write(self.report.refresh, self.report.load(self.stopping))
+        changes = self.report.take(self.stopping) if self.report is not None else None
+        if changes is not None:
+            self.outbox.write(self.report.write, changes)
         if self.outbox.reads_out:
             self.outbox.post()
         else:
@@ -222,18 +250,30 @@ class Worker:
         pipe.xread({self.keys.cancel: self._cancel_cursor}, count=1000)
         now = time.monotonic()  # when the round is sent: ages as Redis will see them
         self.ownership.refresh(pipe, [(o.entry_id, now - o.refreshed_at) for o in plan.owned])
+        inbox = {self.keys.inbox(self.consumer): ">"} if plan.inbox else {}
         if plan.slots:
-            pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">"},
+            pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">", **inbox},
                             count=plan.slots, block=plan.block)
+        elif inbox:  # no slot free, but entries handed here were placed for their prefix
+            pipe.xreadgroup(self.group, self.consumer, inbox, count=INBOX_READ_COUNT)
 
     def _parse_reads(self, plan: "_Plan", replies: list) -> tuple:
-        """(cancel read, refresh replies, request read, decoded requests), off the loop."""
+        """(cancel read, refresh replies, request read, decoded requests, inbox entry IDs,
+        {entry ID: worker} for entries to hand to another worker), off the loop."""
         cancel_read, *reads = replies
         request_read = reads[len(plan.owned):]
-        decoded = []
+        decoded, inbox_ids, shared = [], [], []
         if request_read and request_read[0] and not isinstance(request_read[0], Exception):
-            decoded = [self._decoded(i.decode(), f) for i, f in request_read[0][0][1]]
-        return cancel_read, reads[:len(plan.owned)], request_read, decoded
+            for stream, entries in request_read[0]:
+                if stream.decode() == self.keys.requests:
+                    shared = [self._decoded(i.decode(), f) for i, f in entries]
+                    continue
+                inbox_ids = [i for i, _ in entries]
+                decoded += [self._decoded(*from_inbox(f)) for _, f in entries]
+        places = self.router.place([(e, r) for e, _, r in shared if not isinstance(r, Exception)]) \
+            if self.router is not None and shared else {}
+        return cancel_read, reads[:len(plan.owned)], request_read, decoded + shared, inbox_ids, \
+            places
 
     def _decoded(self, entry_id: str, fields: dict) -> tuple:
         try:
@@ -243,7 +283,7 @@ class Worker:
 
     def _on_reads(self, plan: "_Plan", reads: tuple, confirmed_at: float) -> None:
         """Cancels first, then new entries; ownership lost or kept."""
-        cancel_read, refreshed, request_read, decoded = reads
+        cancel_read, refreshed, request_read, decoded, inbox_ids, places = reads
         self._keep_or_drop(plan.owned, refreshed, confirmed_at)
         cancels = cancel_read[0][1] if cancel_read else []
         if cancels:
@@ -252,8 +292,15 @@ class Worker:
             if b"rid" in f:
                 self._cancel(f[b"rid"].decode(errors="replace"))
         if request_read and self._readable(request_read[0]):
+            if inbox_ids:
+                self.outbox.write(self._done_inbox, inbox_ids)
             for entry_id, fields, request in decoded:
-                self._admit(entry_id, fields, request=request)
+                if entry_id is None:
+                    continue  # not an inbox entry of this version: nothing to serve
+                if entry_id in places:
+                    self._forward(entry_id, fields, places[entry_id])
+                else:
+                    self._admit(entry_id, fields, request=request)
 
     def _plan(self) -> _Plan:
         now = time.monotonic()
@@ -262,7 +309,8 @@ class Worker:
             self._next_refresh = now + self._tick_s
             owned = [*self._inflight.values(), *self._suspects]
         idle = not (self.engine.has_unfinished() or self._suspects)
-        return _Plan(owned, self._free_slots(), self.block_ms if idle else None)
+        inbox = self.report is not None and not self._closed()
+        return _Plan(owned, self._free_slots(), self.block_ms if idle else None, inbox)
 
     def _claim_due(self) -> bool:
         now = time.monotonic()
@@ -294,15 +342,23 @@ class Worker:
         return True
 
     def _ensure_group(self) -> None:
-        try:
-            # From id 0: requests queued before the first worker started are served too.
-            self.redis.xgroup_create(self.keys.requests, self.group, id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        streams = [self.keys.requests]
+        if self.report is not None:
+            streams.append(self.keys.inbox(self.consumer))
+        for stream in streams:
+            try:
+                # From id 0: requests queued before the first worker started are served too.
+                self.redis.xgroup_create(stream, self.group, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    def _closed(self) -> bool:
+        """Taking no new entries: stopping, or a suspect runs alone."""
+        return self.stopping or bool(self._suspects) or any(f.alone for f in self._inflight.values())
 
     def _free_slots(self) -> int:
-        if self.stopping or self._suspects or any(f.alone for f in self._inflight.values()):
+        if self._closed():
             return 0
         return max(0, self.engine.config.max_num_seqs - self.engine.num_unfinished())
 
@@ -395,6 +451,33 @@ class Worker:
         self.metrics.finished("error")
         event("dead_lettered", logging.WARNING, rid=t.rid, entry=t.entry_id,
               deliveries=t.deliveries, dead_stream=self.keys.dead)
+
+    def _forward(self, entry_id: str, fields: dict, peer: str) -> None:
+        self.outbox.write(forward, self.keys, self.group, self.consumer, entry_id, fields, peer,
+                          self.report.ttl_s)
+        self.metrics.routed.inc()
+        event("routed", entry=entry_id, to=peer)
+
+    def _done_inbox(self, pipe, ids: list) -> None:
+        inbox = self.keys.inbox(self.consumer)
+        pipe.xack(inbox, self.group, *ids)
+        pipe.xdel(inbox, *ids)
+
+    def _hand_back_inbox(self) -> None:
+        """Entries handed here that were not read yet: back to the group, claimable at once."""
+        inbox = self.keys.inbox(self.consumer)
+        try:
+            read = self.outage.call(lambda: self.redis.xreadgroup(
+                self.group, self.consumer, {inbox: ">"}, count=INBOX_LEAVE_COUNT))
+        except ResponseError:  # the inbox expired (NOGROUP): nothing was handed here since
+            return
+        entries = read[0][1] if read else []
+        for inbox_id, fields in entries:
+            entry_id, _ = from_inbox(fields)
+            if entry_id is not None:
+                self.outbox.write(self.ownership.hand_back, entry_id, 1, False)
+        if entries:
+            self.outbox.write(self._done_inbox, [i for i, _ in entries])
 
     def _hand_back_all(self) -> None:
         """Give every unfinished entry back to the group, not counted as a delivery."""

@@ -1,0 +1,172 @@
+"""Prefix-aware routing (routing.py) on a real Redis: the router's choice, an entry read by one
+worker and served by the one holding its prefix, and a routed worker killed mid-run."""
+import random
+import signal
+import time
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+import redis
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.core.blocks import prompt_hashes
+from roseinfer.frontends.redis_streams.client import Client
+from roseinfer.frontends.redis_streams.protocol import Keys
+from roseinfer.frontends.redis_streams.routing import RouteConfig, Router
+from roseinfer.frontends.redis_streams.worker import Worker
+
+from .conftest import TINY_ENGINE, WORDS, assert_well_formed, pending, raw_chunks, wait_until
+from .test_reliability_processes import START_TIMEOUT_S, alive, assert_match_llm_generate
+
+BLOCK = 16
+
+
+def request(ids, prompt_logprobs=None):
+    return SimpleNamespace(prompt=ids, params=SamplingParams(prompt_logprobs=prompt_logprobs))
+
+
+@pytest.fixture
+def fleet(real_redis, prefix):
+    """fleet(name, blocks held of PROMPT, unfinished, draining=False): a peer's keys."""
+    keys = Keys(prefix)
+
+    def add(name, held, unfinished=0, draining=False, max_num_seqs=8):
+        real_redis.sadd(keys.fleet, name)
+        if held:
+            real_redis.sadd(keys.cached(name), *HASHES[:held])
+        real_redis.set(keys.load(name), msgpack.packb(
+            {"unfinished": unfinished, "draining": draining, "max_num_seqs": max_num_seqs}))
+    return add
+
+
+PROMPT = list(range(1000, 1000 + 20 * BLOCK + 5))
+HASHES = prompt_hashes(PROMPT, BLOCK)
+
+
+def router(real_redis, prefix, own=0, min_gain_tokens=2 * BLOCK):
+    mine = set(HASHES[:own])
+    return Router(real_redis, Keys(prefix), "me", BLOCK, mine.__contains__,
+                  RouteConfig(min_gain_tokens=min_gain_tokens))
+
+
+def test_the_router_picks_the_peer_holding_the_longest_prefix(real_redis, prefix, fleet):
+    fleet("a", 10)
+    fleet("b", 4)
+    fleet("me", 20)  # its own name is never a peer
+    assert router(real_redis, prefix).place([("1-0", request(PROMPT))]) == {"1-0": "a"}
+    # Not enough to gain over what this worker holds itself: it stays.
+    assert router(real_redis, prefix, own=9).place([("1-0", request(PROMPT))]) == {}
+    assert router(real_redis, prefix, own=3).place([("1-0", request(PROMPT))]) == {"1-0": "a"}
+    # A prompt computed whole (prompt_logprobs) gains nothing anywhere; a short one neither.
+    assert router(real_redis, prefix).place([("1-0", request(PROMPT, 1)),
+                                             ("2-0", request(PROMPT[:BLOCK + 1]))]) == {}
+
+
+def test_a_loaded_draining_or_dead_peer_gets_nothing(real_redis, prefix, fleet):
+    keys = Keys(prefix)
+    fleet("a", 10, unfinished=7)
+    fleet("b", 6)
+    fleet("c", 12, draining=True)
+    # One slot left at a: the first entry takes it, the next goes to the second best.
+    placed = router(real_redis, prefix).place([("1-0", request(PROMPT)), ("2-0", request(PROMPT))])
+    assert placed == {"1-0": "a", "2-0": "b"}
+    real_redis.delete(keys.load("a"))  # its heartbeat expired
+    r = router(real_redis, prefix)
+    assert r.place([("3-0", request(PROMPT))]) == {"3-0": "b"}
+    assert real_redis.smembers(keys.fleet) == {b"b", b"c"}  # a is dropped from the fleet
+
+
+def test_an_entry_read_by_one_worker_is_served_by_the_one_holding_its_prefix(
+        tiny_llm, tiny_gpt2_dir, redis_server, real_redis, prefix):
+    """Two workers stepped by hand: the holder serves a prompt; the other reads its
+    follow-up, hands it over without serving it, and the holder serves it from its cache,
+    with the tokens an engine alone gives."""
+    other_llm = LLM(tiny_gpt2_dir, **TINY_ENGINE)
+    route = RouteConfig(min_gain_tokens=32)
+    holder, other = (Worker(llm.engine, redis.Redis.from_url(redis_server.url), prefix=prefix,
+                            consumer=name, block_ms=20, send_thread=False, route=route)
+                     for llm, name in ((tiny_llm, "holder"), (other_llm, "other")))
+    client = Client(redis_server.url, prefix)
+    words = random.Random(prefix).choices(WORDS, k=60)
+    history = " ".join(words)
+    holder.setup()
+    first = client.submit(history + " one", max_tokens=4, temperature=0)
+    _run_until_done(holder, client, first)
+    other.setup()
+    follow_up = history + " one two three"
+    rid = client.submit(follow_up, max_tokens=8, temperature=0, ignore_eos=True)
+    for _ in range(3):
+        other.run_once()
+    assert not other.engine.has_unfinished()
+    assert other.metrics.routed._value.get() == 1
+    chunks = _run_until_done(holder, client, rid)
+    usage = chunks[-1].usage
+    assert usage["cached_tokens"] >= usage["prompt_tokens"] - 3 * BLOCK
+    ref = tiny_llm.generate([follow_up], SamplingParams(max_tokens=8, temperature=0,
+                                                        ignore_eos=True))[0]
+    assert sum((c.token_ids for c in chunks), []) == ref.token_ids
+    assert_well_formed(raw_chunks(real_redis, prefix, rid))
+    assert pending(real_redis, prefix) == 0
+    for w in (holder, other):
+        w.stop(0)
+        w.run()  # leaves: hands nothing back, removes its keys
+    keys = Keys(prefix)
+    assert not real_redis.exists(keys.fleet, keys.cached("holder"), keys.load("other"))
+
+
+def _run_until_done(worker, client, rid, limit=200):
+    for _ in range(limit):
+        worker.run_once()
+        chunks = raw_chunks(client.redis, client.keys.prefix, rid)
+        if chunks and chunks[-1].finished:
+            worker.run_once()  # sends the ack
+            return chunks
+    raise AssertionError(f"{rid} did not finish")
+
+
+@pytest.fixture
+def worker_processes(worker_process, redis_server):
+    return lambda consumer, *flags: worker_process(redis_server.url, consumer, *flags)
+
+
+def test_a_routed_worker_killed_mid_run_loses_nothing(
+        tiny_llm, worker_processes, real_redis, prefix, redis_server):
+    """Follow-ups of one history go to the worker holding it, also from the other worker;
+    it is killed while serving them, and the other resumes each: every request completes
+    with greedy decoding's tokens, each seq once."""
+    keys = Keys(prefix)
+    flags = ("--claim-idle-ms", "1000", "--route-min-gain-tokens", "32")
+    holder = worker_processes("holder", *flags)
+    wait_until(lambda: alive(real_redis, prefix, "holder"), START_TIMEOUT_S)
+    client = Client(redis_server.url, prefix)
+    history = " ".join(random.Random(prefix).choices(WORDS, k=60))
+    client.generate(history + " zero", max_tokens=2, temperature=0, timeout=60)
+    survivor = worker_processes("survivor", *flags)
+    wait_until(lambda: alive(real_redis, prefix, "holder", "survivor"), START_TIMEOUT_S)
+    rng = random.Random(2)
+    reqs = [(f"{history} {' '.join(rng.choices(WORDS, k=3))}",
+             {"max_tokens": rng.randint(60, 100), "temperature": 0, "ignore_eos": True})
+            for _ in range(12)]
+    rids = []
+    for p, kw in reqs:  # one at a time: each wakes the idle survivor, which routes it
+        rids.append(client.submit(p, **kw))
+        time.sleep(0.05)
+
+    def holder_mid_request():
+        owned = real_redis.xpending_range(keys.requests, "workers", "-", "+", 100,
+                                          consumername="holder")
+        progress = [raw_chunks(real_redis, prefix, p["message_id"].decode()) for p in owned]
+        return sum(len(c) >= 2 and not c[-1].finished for c in progress) >= 2
+
+    wait_until(holder_mid_request, 60)
+    holder.kill()
+    holder.wait()
+    for rid in rids:
+        assert list(client.stream(rid, timeout=90))[-1].finish_reason == "length"
+    assert_match_llm_generate(tiny_llm, real_redis, prefix, rids, reqs)
+    wait_until(lambda: pending(real_redis, prefix) == 0)
+    survivor.send_signal(signal.SIGTERM)
+    _, log = survivor.communicate(timeout=30)
+    assert survivor.returncode == 0, log
+    assert "event=routed" in log and "event=resumed" in log
