@@ -126,8 +126,8 @@ class CacheReport:
 
     def leave(self, pipe) -> None:
         pipe.srem(self.keys.fleet, self.consumer)
-        pipe.delete(self.keys.cached(self.consumer), self.keys.load(self.consumer),
-                    self.keys.inbox(self.consumer))
+        for key in (self.keys.cached, self.keys.load, self.keys.inbox):
+            pipe.delete(key(self.consumer))  # one by one: a cluster pipeline wants that
 
     def _write_load(self, pipe, load: tuple) -> None:
         body = {"unfinished": load[0], "draining": load[1], "max_num_seqs": self.max_num_seqs}
@@ -166,11 +166,13 @@ class Router:
             if not names:
                 return {}
             pipe = self.redis.pipeline(transaction=False)
-            pipe.mget([self.keys.load(n) for n in names])
+            for n in names:
+                pipe.get(self.keys.load(n))
             for _, hashes in wanted:
                 for n in names:
                     pipe.smismember(self.keys.cached(n), hashes)
-            loads, *held = pipe.execute()
+            replies = pipe.execute()
+            loads, held = replies[:len(names)], replies[len(names):]
         except RedisError as e:  # routing only saves work: the entries stay here
             log.debug("event=route_lookup_failed error=%s", e)
             return {}

@@ -1,0 +1,231 @@
+"""A fleet of `roseinfer worker` processes on one Redis, routing on against off.
+
+Workloads (token ids, so any model works, random weights included):
+- chat: C conversations of T turns over a shared system prompt; each turn adds a user
+  message of U tokens (a range) and the answer of A tokens; a conversation sends its next
+  turn when the previous one finished. Measures the fleet-wide prefix-cache hit rate
+  (usage.cached_tokens / prompt tokens), TTFT and throughput.
+- random: R prompts with nothing shared, P tokens each, sent at --rate per second.
+- priority: a low-priority batch (--batch requests, priority 10) submitted at once, and
+  interactive requests (priority 0) at --rate per second; the interactive TTFT against the
+  same requests on an idle fleet.
+
+Runs: `--runs 1:off 4:off 4:on` (workers:routing); each starts its workers, warms them up,
+runs the workload, stops them. Usage (the repository root on PYTHONPATH):
+  python3 docs/bench/fleet_routing.py --workload chat --model gpt2-random --device cpu \
+      --runs 1:off 2:off 2:on --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from roseinfer.frontends.redis_streams.client import AsyncClient
+from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=["chat", "random", "priority"], default="chat")
+    p.add_argument("--runs", nargs="+", default=["1:off", "4:off", "4:on"],
+                   help="WORKERS:off|on, run in this order")
+    p.add_argument("--model", default="gpt2-random")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--worker-flags", default="", help="more flags for every worker")
+    p.add_argument("--vocab", type=int, default=50000, help="token ids are drawn below this")
+    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--user-tokens", default="100-300", help="a turn's user message, MIN-MAX")
+    p.add_argument("--answer-tokens", type=int, default=64)
+    p.add_argument("--requests", type=int, default=256, help="random and priority workloads")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="random workload")
+    p.add_argument("--rate", type=float, default=8.0, help="requests/s (random, interactive)")
+    p.add_argument("--batch", type=int, default=1024, help="priority: low-priority requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    return p.parse_args()
+
+
+class Fleet:
+    """Worker processes on one prefix; stopped (SIGTERM, then killed) on exit."""
+
+    def __init__(self, args, url: str, workers: int, route: bool):
+        self.prefix = f"fleet-{uuid.uuid4().hex[:6]}"
+        self.procs, self.logs = [], []
+        cpu = args.device == "cpu"
+        threads = max(1, (os.cpu_count() or 1) // workers) if cpu else None
+        for i in range(workers):
+            cmd = [sys.executable, "-m", "roseinfer.cli", "worker", "--redis-url", url,
+                   "--prefix", self.prefix, "--consumer", f"w{i}", "--model", args.model,
+                   "--device", args.device, "--raw", *args.worker_flags.split()]
+            cmd += ["--dtype", args.dtype] if args.dtype else []
+            cmd += [] if route else ["--no-route"]
+            env = dict(os.environ)
+            if cpu:
+                env["OMP_NUM_THREADS"] = str(threads)
+            else:
+                env["CUDA_VISIBLE_DEVICES"] = str(i)
+            log = open(os.path.join(args.out, f"{self.prefix}-w{i}.log"), "w")
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+
+    def wait_started(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc, log in zip(self.procs, self.logs):
+            while "event=started" not in open(log.name).read():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"a worker did not start; see {log.name}")
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for log in self.logs:
+            log.close()
+
+    def routed(self) -> int:
+        return sum(open(log.name).read().count("event=routed") for log in self.logs)
+
+
+async def one(client: AsyncClient, prompt: list[int], max_tokens: int, **params) -> dict:
+    sent = time.monotonic()
+    rid = await client.submit(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                              **params)
+    ttft, ids, usage = None, [], None
+    async for chunk in client.stream(rid, timeout=3600):
+        if chunk.token_ids and ttft is None:
+            ttft = time.monotonic() - sent
+        ids += chunk.token_ids
+        usage = chunk.usage or usage
+    return {"ttft": ttft, "e2e": time.monotonic() - sent, "ids": ids, "sent": sent,
+            "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage.get("cached_tokens", 0)}
+
+
+def ids(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+async def chat(client: AsyncClient, args, rng: random.Random) -> list[dict]:
+    system = ids(rng, args.vocab, args.system_tokens)
+    lo, hi = map(int, args.user_tokens.split("-"))
+    plans = [[ids(rng, args.vocab, rng.randint(lo, hi)) for _ in range(args.turns)]
+             for _ in range(args.conversations)]
+    starts = [rng.uniform(0, 2.0) for _ in plans]  # conversations begin within 2 s
+
+    async def conversation(turns: list[list[int]], start: float) -> list[dict]:
+        await asyncio.sleep(start)
+        history, out = list(system), []
+        for t, user in enumerate(turns):
+            history += user
+            r = await one(client, history, args.answer_tokens)
+            r["turn"] = t
+            history += r["ids"]
+            out.append(r)
+        return out
+
+    done = await asyncio.gather(*(conversation(p, s) for p, s in zip(plans, starts)))
+    return [r for conv in done for r in conv]
+
+
+async def at_rate(client: AsyncClient, prompts: list[list[int]], rate: float,
+                  max_tokens: int, **params) -> list[dict]:
+    tasks = []
+    for i, prompt in enumerate(prompts):
+        tasks.append(asyncio.create_task(one(client, prompt, max_tokens, **params)))
+        await asyncio.sleep(1 / rate)
+    return list(await asyncio.gather(*tasks))
+
+
+async def random_prompts(client, args, rng) -> list[dict]:
+    prompts = [ids(rng, args.vocab, args.prompt_tokens) for _ in range(args.requests)]
+    return await at_rate(client, prompts, args.rate, args.answer_tokens)
+
+
+async def priority(client, args, rng) -> dict:
+    """Interactive requests alone, then the same beside a low-priority batch."""
+    interactive = [ids(rng, args.vocab, args.prompt_tokens) for _ in range(args.requests)]
+    idle = await at_rate(client, interactive, args.rate, args.answer_tokens)
+    batch = [ids(rng, args.vocab, args.prompt_tokens) for _ in range(args.batch)]
+    batch_tasks = [asyncio.create_task(one(client, p, args.answer_tokens, priority=10))
+                   for p in batch]
+    await asyncio.sleep(5)  # the batch fills every worker first
+    interactive = [ids(rng, args.vocab, args.prompt_tokens) for _ in range(args.requests)]
+    busy = await at_rate(client, interactive, args.rate, args.answer_tokens)
+    batch_done = await asyncio.gather(*batch_tasks)
+    return {"idle": idle, "busy": busy, "batch": batch_done}
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def summary(results: list[dict], wall: float) -> dict:
+    prompt = sum(r["prompt_tokens"] for r in results)
+    cached = sum(r["cached_tokens"] for r in results)
+    ttft = [r["ttft"] for r in results]
+    return {"requests": len(results), "hit_rate": cached / prompt if prompt else 0.0,
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99),
+            "req_per_s": len(results) / wall,
+            "completion_tok_per_s": sum(len(r["ids"]) for r in results) / wall, "wall_s": wall}
+
+
+async def run(args, url: str, workers: int, route: bool) -> dict:
+    fleet = Fleet(args, url, workers, route)
+    try:
+        fleet.wait_started()
+        async with AsyncClient(url, fleet.prefix, max_connections=64) as client:
+            warm = random.Random(99)
+            await asyncio.gather(*(one(client, ids(warm, args.vocab, 64), 8)
+                                   for _ in range(2 * workers)))
+            rng = random.Random(args.seed)
+            started = time.monotonic()
+            if args.workload == "chat":
+                results = await chat(client, args, rng)
+            elif args.workload == "random":
+                results = await random_prompts(client, args, rng)
+            else:
+                parts = await priority(client, args, rng)
+                wall = time.monotonic() - started
+                return {"workers": workers, "route": route, "routed": fleet.routed(),
+                        **{k: summary(v, wall) for k, v in parts.items()}}
+            wall = time.monotonic() - started
+        return {"workers": workers, "route": route, "routed": fleet.routed(),
+                **summary(results, wall)}
+    finally:
+        fleet.stop()
+
+
+def main() -> None:
+    args = parse()
+    os.makedirs(args.out, exist_ok=True)
+    port = free_port()
+    with EmbeddedRedis(port=port) as server:
+        rows = []
+        for spec in args.runs:
+            workers, mode = spec.split(":")
+            row = asyncio.run(run(args, server.url, int(workers), mode == "on"))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    with open(os.path.join(args.out, f"fleet-{args.workload}.json"), "w") as f:
+        json.dump({"args": vars(args), "runs": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
