@@ -1,5 +1,7 @@
 """Request priorities (lower runs first, vLLM's meaning): the waiting queue's order, the
 victim under KV pressure, and the field through protocol v1 and the gateway."""
+import time
+
 import pytest
 
 from roseinfer import LLM, SamplingParams
@@ -76,3 +78,54 @@ def test_priority_through_the_protocol_and_the_gateway():
     with pytest.raises(APIError) as e:
         chat_call({"messages": messages, "priority": "high"})
     assert e.value.param == "priority"
+
+
+def test_a_full_batch_gives_a_slot_up_to_a_higher_priority_request():
+    """One sequence slot, a low-priority request running: a high-priority one arriving
+    takes its slot at once, and the low one is recomputed to the same tokens after."""
+    with LLM(tiny_llama(), device="cpu", dtype="float32", max_num_seqs=1,
+             num_kv_blocks=64, cpu_compiled_step="off") as llm:
+        params = lambda p: SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                          priority=p)
+        low_alone, high_alone = (o.token_ids for o in llm.generate([[5, 6, 7, 8], [9, 8, 7]],
+                                                                   params(0)))
+        engine, finished = llm.engine, []
+        engine.add_request("low", [5, 6, 7, 8], params(5))
+        for _ in range(3):
+            engine.step()
+        engine.add_request("high", [9, 8, 7], params(0))
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finished.append(out.request_id)
+                    done[out.request_id] = out.token_ids
+        assert finished == ["high", "low"]
+        assert engine.stats().num_preemptions >= 1
+        assert done == {"low": low_alone, "high": high_alone}
+
+
+def test_priority_ages_a_request_that_waited_long_enough_runs_first():
+    """With 10 ms of aging per priority unit, a priority-5 request that waited 100 ms ranks
+    before a priority-0 one arriving then; without the wait it ranks after."""
+    with LLM(tiny_llama(), device="cpu", dtype="float32", max_num_seqs=1, num_kv_blocks=64,
+             cpu_compiled_step="off", priority_aging_s=0.01) as llm:
+        engine, order = llm.engine, []
+        params = lambda p: SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                          priority=p)
+        engine.add_request("old-low", [5, 6, 7], params(5))
+        time.sleep(0.1)
+        engine.add_request("new-high", [5, 6, 7], params(0))
+        engine.add_request("new-low", [5, 6, 7], params(5))
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    order.append(out.request_id)
+        assert order == ["old-low", "new-high", "new-low"]
+
+
+def test_priority_aging_must_be_positive():
+    from roseinfer.core.config import ConfigError, EngineConfig
+    for bad in (0, -1.0, "10"):
+        with pytest.raises(ConfigError, match="priority_aging_s"):
+            EngineConfig(priority_aging_s=bad)

@@ -7,6 +7,7 @@ and including its own. K/V of the step are appended to the cache first.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -51,14 +52,16 @@ class StepContext:
     slots: SlotBatch
 
 
-_context: Optional[StepContext] = None
+# Per thread: a CPU step compiles on a background thread while the loop steps the engine
+# eagerly, and a process may step several engines (tests, a fleet in one process).
+_local = threading.local()
 
 
 def set_context(ctx: Optional[StepContext]) -> None:
-    global _context
-    _context = ctx
+    _local.context = ctx
 
 
 def get_context() -> StepContext:
-    assert _context is not None, "model called outside an engine step"
-    return _context
+    ctx = getattr(_local, "context", None)
+    assert ctx is not None, "model called outside an engine step"
+    return ctx

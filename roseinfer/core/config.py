@@ -40,6 +40,10 @@ class EngineConfig:
     # by step anyway) are spared.
     decode_steps: int = 8
     decode_steps_min_seqs: int = 32
+    # Requests with a priority (lower first) age: one of priority p ranks as if it had
+    # arrived p x this many seconds later, so it waits behind later arrivals of a lower
+    # value q for at most (p - q) x this long (core/scheduler.py).
+    priority_aging_s: float = 10.0
     # Steps that carry prefill chunks run as CUDA graphs too, captured for
     # token-count buckets up to this many tokens (default and cap:
     # max_num_batched_tokens; 0: only decode steps run as graphs). Under
@@ -117,6 +121,8 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got "
                               f"{self.gpu_memory_utilization!r}")
+        if not (isinstance(self.priority_aging_s, (int, float)) and self.priority_aging_s > 0):
+            raise ConfigError(f"priority_aging_s must be a number > 0, got {self.priority_aging_s!r}")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 0.95]")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

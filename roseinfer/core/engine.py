@@ -88,7 +88,8 @@ class Engine:
         if mixed_prefill is None and self.device.type == "cpu":
             mixed_prefill = CPU_MIXED_PREFILL_TOKENS
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.decode_steps, config.decode_steps_min_seqs, mixed_prefill)
+                                   config.decode_steps, config.decode_steps_min_seqs, mixed_prefill,
+                                   config.priority_aging_s)
         self.blocks.on_free_seq = self.runner.rows.release
         plugins.get("logits_processor", config.structured_output)  # fail early, listing names
         self.processors = Processors(plugins, ProcessorContext(

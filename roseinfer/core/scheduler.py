@@ -6,12 +6,15 @@ budget, sequence slots and KV blocks last. When blocks run out, the newest
 running sequence is preempted: its blocks are freed and it goes back to the
 front of the queue to be recomputed (prompt + generated tokens) later.
 
-Requests with a ``priority`` (lower first, vLLM's meaning) are ordered by it: the
-waiting queue by (priority, arrival), running sequences are served in priority order,
-and the one preempted is the lowest-priority (then newest) not yet served this step. A
-preempted sequence goes back ahead of every waiting one of its priority or lower. With
-every priority equal, all of this is the order above. Starvation is not bounded: a
-low-priority request waits for as long as higher-priority work keeps it from blocks.
+Requests with a ``priority`` (lower first, vLLM's meaning) are ordered by their rank:
+arrival + priority x ``priority_aging_s``, as if a request of priority p had arrived p
+aging periods later. The waiting queue is in rank order, running sequences are served in
+it, and the one preempted under KV pressure is the highest-ranked not yet served this
+step. When every sequence slot is taken and the head of the queue outranks a running
+sequence, that one gives its slot up (vLLM's priority preemption). A preempted sequence
+goes back ahead of every waiting one of its rank or a later one. With every priority
+equal, all of this is the order above (arrival). Starvation is bounded: a request waits
+behind later arrivals of a lower priority value q for at most (p - q) x priority_aging_s.
 """
 from __future__ import annotations
 
@@ -37,8 +40,9 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  decode_steps: int = 1, decode_steps_min_seqs: int = 1,
-                 max_mixed_prefill_tokens: int | None = None):
+                 max_mixed_prefill_tokens: int | None = None, priority_aging_s: float = 10.0):
         self.blocks = blocks
+        self.aging_s = priority_aging_s
         self.mixed_prefill = max_mixed_prefill_tokens
         self.decode_steps = decode_steps
         self.window_min_seqs = decode_steps_min_seqs
@@ -50,28 +54,33 @@ class Scheduler:
         self.num_preemptions = 0
         self.prioritized = False  # some request had a priority: running is kept in its order
 
+    def rank(self, seq: Sequence) -> float:
+        """Lower runs first: the arrival, later by priority_aging_s per priority unit."""
+        return seq.arrival_time + seq.params.priority * self.aging_s
+
     def add(self, seq: Sequence) -> None:
-        """Waiting, behind every sequence of a lower priority value or an earlier arrival."""
+        """Waiting, behind every sequence of a lower or equal rank."""
         self.prioritized = self.prioritized or seq.params.priority != 0
-        waiting, rank = self.waiting, _rank(seq)
+        waiting, rank = self.waiting, self.rank(seq)
         at = len(waiting)
-        while at and _rank(waiting[at - 1]) > rank:
+        while at and self.rank(waiting[at - 1]) > rank:
             at -= 1
         waiting.insert(at, seq)
 
     def _to_front(self, seq: Sequence) -> None:
-        """Waiting, ahead of every sequence of its priority or a lower one."""
-        waiting, priority = self.waiting, seq.params.priority
+        """Waiting, ahead of every sequence of its rank or a later one."""
+        waiting, rank = self.waiting, self.rank(seq)
         at = 0
-        while at < len(waiting) and waiting[at].params.priority < priority:
+        while at < len(waiting) and self.rank(waiting[at]) < rank:
             at += 1
         waiting.insert(at, seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
-        if self.prioritized:
-            self.running.sort(key=lambda s: s.params.priority)  # stable: arrival within
         preemptions = self.num_preemptions
+        if self.prioritized:
+            self.running.sort(key=self.rank)
+            self._give_slots_up()  # the head is admitted next step, as after any preemption
         prefill = self._prefill_budget()
         budget, prefill = self._schedule_running(batch, self.budget, prefill)
         if self.num_preemptions == preemptions:  # admit nothing while preempting
@@ -79,6 +88,15 @@ class Scheduler:
         if self.decode_steps > 1 and len(batch.seqs) >= self.window_min_seqs:
             self._widen(batch)
         return batch
+
+    def _give_slots_up(self) -> None:
+        """Every slot taken: a running sequence that the head of the queue outranks goes
+        back to wait, so that the head is admitted (running is in rank order)."""
+        running, waiting = self.running, self.waiting
+        while (waiting and len(running) >= self.max_num_seqs
+               and self.rank(running[-1]) > self.rank(waiting[0])
+               and not waiting[0].pending):
+            self._preempt(running.pop())
 
     def _widen(self, batch: ScheduledBatch) -> None:
         """Make a decode-only batch a window of several steps, as many as every
@@ -118,7 +136,7 @@ class Scheduler:
             if left == 1 and seq.draft is not None:
                 n = self._fit_draft(batch, seq, budget)
             while not reserve(seq, n):
-                victim = running.pop(_victim(running, i))
+                victim = running.pop()  # the latest-ranked (running is in rank order)
                 self._preempt(victim)
                 if victim is seq:
                     return budget, prefill
@@ -202,17 +220,3 @@ class Scheduler:
 
     def num_unfinished(self) -> int:
         return len(self.running) + len(self.waiting)
-
-
-def _rank(seq: Sequence) -> tuple:
-    return seq.params.priority, seq.arrival_time
-
-
-def _victim(running: list[Sequence], first: int) -> int:
-    """Index of the sequence to preempt among ``running[first:]`` (not served this step):
-    the lowest priority, the newest of those; the last one when all are equal."""
-    at = len(running) - 1
-    for i in range(at - 1, first - 1, -1):
-        if running[i].params.priority > running[at].params.priority:
-            at = i
-    return at

@@ -44,9 +44,9 @@ PROMPT = list(range(1000, 1000 + 20 * BLOCK + 5))
 HASHES = prompt_hashes(PROMPT, BLOCK)
 
 
-def router(real_redis, prefix, own=0, min_gain_tokens=2 * BLOCK):
+def router(real_redis, prefix, own=0, min_gain_tokens=2 * BLOCK, own_load=0):
     mine = set(HASHES[:own])
-    return Router(real_redis, Keys(prefix), "me", BLOCK, mine.__contains__,
+    return Router(real_redis, Keys(prefix), "me", BLOCK, mine.__contains__, lambda: own_load,
                   RouteConfig(min_gain_tokens=min_gain_tokens))
 
 
@@ -69,8 +69,11 @@ def test_a_loaded_draining_or_dead_peer_gets_nothing(real_redis, prefix, fleet):
     fleet("b", 6)
     fleet("c", 12, draining=True)
     # One slot left at a: the first entry takes it, the next goes to the second best.
-    placed = router(real_redis, prefix).place([("1-0", request(PROMPT)), ("2-0", request(PROMPT))])
+    placed = router(real_redis, prefix, own_load=6).place([("1-0", request(PROMPT)),
+                                                           ("2-0", request(PROMPT))])
     assert placed == {"1-0": "a", "2-0": "b"}
+    # a runs more than 2 (8 / 8, at least 2) sequences beyond this worker's 4: b gets it.
+    assert router(real_redis, prefix, own_load=4).place([("1-0", request(PROMPT))]) == {"1-0": "b"}
     real_redis.delete(keys.load("a"))  # its heartbeat expired
     r = router(real_redis, prefix)
     assert r.place([("3-0", request(PROMPT))]) == {"3-0": "b"}
@@ -82,7 +85,7 @@ def test_an_entry_read_by_one_worker_is_served_by_the_one_holding_its_prefix(
     """Two workers stepped by hand: the holder serves a prompt; the other reads its
     follow-up, hands it over without serving it, and the holder serves it from its cache,
     with the tokens an engine alone gives."""
-    other_llm = LLM(tiny_gpt2_dir, **TINY_ENGINE)
+    other_llm = LLM(tiny_gpt2_dir, **TINY_ENGINE, cpu_compiled_step="off")  # see test_lanes
     route = RouteConfig(min_gain_tokens=32)
     holder, other = (Worker(llm.engine, redis.Redis.from_url(redis_server.url), prefix=prefix,
                             consumer=name, block_ms=20, send_thread=False, route=route)

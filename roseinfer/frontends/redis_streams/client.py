@@ -281,7 +281,7 @@ class Client:
     def submit(self, prompt: Prompt, *, rid: Optional[str] = None, **params) -> str:
         """Queue a request; returns its rid (the entry ID unless ``rid`` is given)."""
         fields = encode_request(prompt, rid, **params)
-        entry_id = _retried(lambda: self.redis.xadd(self.keys.requests, fields))
+        entry_id = _retried(lambda: self.redis.xadd(self.keys.lane(params), fields))
         return rid or entry_id.decode()
 
     def stream(self, rid: str, timeout: Optional[float] = None, n: int = 1) -> Iterator[Chunk]:
@@ -381,7 +381,7 @@ class AsyncClient:
 
     async def submit(self, prompt: Prompt, *, rid: Optional[str] = None, **params) -> str:
         fields = encode_request(prompt, rid, **params)
-        entry_id = await _retried_async(lambda: self.redis.xadd(self.keys.requests, fields))
+        entry_id = await _retried_async(lambda: self.redis.xadd(self.keys.lane(params), fields))
         return rid or entry_id.decode()
 
     async def stream(self, rid: str, timeout: Optional[float] = None,

@@ -51,6 +51,9 @@ WORKER_SETTINGS = {
                                         "this many more of its prompt's tokens"),
     "route_max_load": (1.0, float, "hand no entry to a worker running this many times its "
                                    "max_num_seqs or more"),
+    "route_max_excess": (None, int, "hand no entry to a worker running more than this many "
+                                    "sequences beyond this one's (default: its max_num_seqs/8, "
+                                    "at least 2)"),
 }
 
 
@@ -212,7 +215,8 @@ def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                         ack_replicas=settings["ack_replicas"],
                         ack_timeout_ms=settings["ack_timeout_ms"],
                         route=None if settings["no_route"] else RouteConfig(
-                            settings["route_min_gain_tokens"], settings["route_max_load"]))
+                            settings["route_min_gain_tokens"], settings["route_max_load"],
+                            settings["route_max_excess"]))
         gateway = _start_gateway(args, settings, redis_url)
         if announce:
             print(f"roseinfer is serving {args.model} at {redis_url}; from another terminal:\n"

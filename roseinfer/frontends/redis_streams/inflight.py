@@ -35,6 +35,7 @@ class InFlight:
     seq: int = 0                    # of the next chunk
     n: int = 1                      # samples: chunks carry their index when n > 1
     running: int = 1                # samples not finished yet (the step loop's count)
+    priority: int = 0               # the request's (lanes.py, core/scheduler.py)
     held: dict[int, Held] = field(default_factory=dict)   # by sample index
     last_token_at: Optional[float] = None
     # When this worker last knew the entry its own: admitted after Redis delivered it.

@@ -89,6 +89,18 @@ class Keys:
         return f"{{{self.requests}}}:load:{consumer}"
 
     @property
+    def backlog(self) -> str:
+        """Requests with a priority above 0: moved into the request stream as workers have
+        room (lanes.py). In the request stream's slot: the move is one script."""
+        return f"{{{self.requests}}}:backlog"
+
+    def lane(self, params: dict) -> str:
+        """Where a request with these keys is added: background work (priority > 0) to the
+        backlog, the rest to the request stream."""
+        priority = params.get("priority") or 0
+        return self.backlog if isinstance(priority, int) and priority > 0 else self.requests
+
+    @property
     def fleet(self) -> str:
         """The set of workers that route: whose cached and load keys to look at."""
         return f"{{{self.requests}}}:fleet"

@@ -12,8 +12,10 @@ loop's own round trips; docs/protocol.md, "Routing"):
 A worker that reads an entry from the shared stream places it (Router, on the reader
 thread, once the entry is tokenized): one pipelined round trip asks each live peer's set
 how many of the prompt's leading blocks it holds (SMISMEMBER). The entry goes to the peer
-holding the most when that is at least ``min_gain_tokens`` more than this worker holds and
-the peer runs fewer than ``max_load`` x its max_num_seqs sequences; else it stays here.
+holding the most when that is at least ``min_gain_tokens`` more than this worker holds,
+unless that peer is loaded past a bound: it runs ``max_load`` x its max_num_seqs sequences
+or more, or more than ``max_excess`` (default: an eighth of its max_num_seqs, at least 2)
+beyond this worker's own (SGLang's router balances the same way). Else it stays here.
 With nothing to share (no peer holds the first blocks) it stays, at the cost of that
 lookup, off the step loop.
 
@@ -63,6 +65,7 @@ return 1
 class RouteConfig:
     min_gain_tokens: int = 128  # a peer must hold this many more prompt tokens than we do
     max_load: float = 1.0       # x max_num_seqs: a peer at or past it gets nothing
+    max_excess: Optional[int] = None  # sequences a peer may run beyond ours; None: auto
 
 
 class CacheReport:
@@ -139,6 +142,7 @@ class _Peer:
     name: str
     load: int      # unfinished sequences, plus entries routed to it since it said so
     capacity: float
+    excess: int    # beyond the router's own load
 
 
 class Router:
@@ -146,11 +150,12 @@ class Router:
     thread. ``holds(h)``: whether this worker's own prefix cache holds block hash h."""
 
     def __init__(self, redis, keys: Keys, consumer: str, block_size: int,
-                 holds: Callable[[int], bool], config: RouteConfig = RouteConfig()):
+                 holds: Callable[[int], bool], own_load: Callable[[], int],
+                 config: RouteConfig = RouteConfig()):
         self.redis, self.keys, self.consumer = redis, keys, consumer
-        self.block_size, self.holds = block_size, holds
+        self.block_size, self.holds, self.own_load = block_size, holds, own_load
         self.min_gain_blocks = max(1, math.ceil(config.min_gain_tokens / block_size))
-        self.max_load = config.max_load
+        self.max_load, self.max_excess = config.max_load, config.max_excess
         self._names: list[str] = []
         self._names_at = -math.inf
         self._routed: dict[str, tuple[bytes, int]] = {}  # peer: (its load report, routed since)
@@ -177,10 +182,14 @@ class Router:
             log.debug("event=route_lookup_failed error=%s", e)
             return {}
         peers = self._peers(names, loads)
+        own_load = self.own_load()
         places = {}
         for i, (entry_id, hashes) in enumerate(wanted):
-            peer = self._best(peers, names, held[i * len(names):(i + 1) * len(names)], hashes)
-            if peer is not None:
+            peer = self._best(peers, names, held[i * len(names):(i + 1) * len(names)], hashes,
+                              own_load)
+            if peer is None:
+                own_load += 1
+            else:
                 places[entry_id] = peer.name
                 peer.load += 1
                 report, routed = self._routed[peer.name]
@@ -193,12 +202,13 @@ class Router:
             return []  # untokenized (no tokenizer here), or computed whole anyway
         return prompt_hashes(prompt[:MAX_LOOKUP_BLOCKS * self.block_size + 1], self.block_size)
 
-    def _best(self, peers: dict, names: list[str], held: list, hashes: list[int]):
+    def _best(self, peers: dict, names: list[str], held: list, hashes: list[int],
+              own_load: int):
         own = _leading(self.holds(h) for h in hashes)
         best, best_blocks = None, own + self.min_gain_blocks - 1
         for name, members in zip(names, held):
             peer = peers.get(name)
-            if peer is None or peer.load >= peer.capacity:
+            if peer is None or peer.load >= peer.capacity or peer.load > own_load + peer.excess:
                 continue
             blocks = _leading(members)
             if blocks > best_blocks or (best is not None and blocks == best_blocks
@@ -228,8 +238,11 @@ class Router:
             if report != raw:  # a fresh report counts what was routed to it before
                 routed = 0
             self._routed[name] = (raw, routed)
+            excess = self.max_excess
+            if excess is None:
+                excess = max(2, load["max_num_seqs"] // 8)
             peers[name] = _Peer(name, load["unfinished"] + routed,
-                                load["max_num_seqs"] * self.max_load)
+                                load["max_num_seqs"] * self.max_load, excess)
         if gone:  # a live worker puts its name back with its next heartbeat
             self.redis.srem(self.keys.fleet, *gone)
         return peers

@@ -35,6 +35,7 @@ from roseinfer.frontends.redis_streams.connection import follow_slots, is_cluste
 from roseinfer.frontends.redis_streams.events import event, log
 from roseinfer.frontends.redis_streams.heartbeat import Heartbeat
 from roseinfer.frontends.redis_streams.inflight import RUN_ALONE_FROM_DELIVERY, InFlight
+from roseinfer.frontends.redis_streams.lanes import Backlog
 from roseinfer.frontends.redis_streams.metrics import Metrics
 from roseinfer.frontends.redis_streams.outage import GaveUp, Outage
 from roseinfer.frontends.redis_streams.outbox import Outbox
@@ -72,7 +73,9 @@ class _Plan:
     owned: list         # InFlight and Takeover entries to refresh (often none)
     slots: int          # new requests to read
     block: Optional[int]
-    inbox: bool         # read entries handed over by other workers (routing.py)
+    open: bool          # taking entries: not stopping, no suspect running alone
+    free: int           # slots free now: backlog entries to move into the stream (lanes.py)
+    promote: bool       # move them this round
 
 
 class Worker:
@@ -133,6 +136,7 @@ class Worker:
         self.publisher = Publisher(self.keys, self.metrics)
         self._totals = self.publisher.totals
         self.pace = Pace(progress_every_s, claim_idle_ms, self._totals)
+        self.backlog = Backlog(self.keys, group, getattr(engine.config, "priority_aging_s", 10.0))
         # route None: every entry read here is served here (routing.py)
         self.report = self.router = None
         if route is not None:
@@ -141,8 +145,8 @@ class Worker:
             self.report = CacheReport(self.keys, self.consumer, engine, ttl_s)
             holds = self.report.blocks.cached.__contains__ if self.report.blocks else None
             if holds is not None:
-                self.router = Router(redis, self.keys, self.consumer,
-                                     engine.config.block_size, holds, route)
+                self.router = Router(redis, self.keys, self.consumer, engine.config.block_size,
+                                     holds, engine.num_unfinished, route)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -250,7 +254,11 @@ class Worker:
         pipe.xread({self.keys.cancel: self._cancel_cursor}, count=1000)
         now = time.monotonic()  # when the round is sent: ages as Redis will see them
         self.ownership.refresh(pipe, [(o.entry_id, now - o.refreshed_at) for o in plan.owned])
-        inbox = {self.keys.inbox(self.consumer): ">"} if plan.inbox else {}
+        if not plan.open:
+            return
+        if plan.promote:
+            self.backlog.promote(pipe, plan.free)
+        inbox = {self.keys.inbox(self.consumer): ">"} if self.report is not None else {}
         if plan.slots:
             pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">", **inbox},
                             count=plan.slots, block=plan.block)
@@ -261,7 +269,9 @@ class Worker:
         """(cancel read, refresh replies, request read, decoded requests, inbox entry IDs,
         {entry ID: worker} for entries to hand to another worker), off the loop."""
         cancel_read, *reads = replies
-        request_read = reads[len(plan.owned):]
+        request_read = reads[len(plan.owned) + plan.promote:]
+        if plan.promote:
+            self.backlog.moved(reads[len(plan.owned)])
         decoded, inbox_ids, shared = [], [], []
         if request_read and request_read[0] and not isinstance(request_read[0], Exception):
             for stream, entries in request_read[0]:
@@ -309,8 +319,9 @@ class Worker:
             self._next_refresh = now + self._tick_s
             owned = [*self._inflight.values(), *self._suspects]
         idle = not (self.engine.has_unfinished() or self._suspects)
-        inbox = self.report is not None and not self._closed()
-        return _Plan(owned, self._free_slots(), self.block_ms if idle else None, inbox)
+        is_open = not self._closed()
+        return _Plan(owned, self._read_slots(), self.block_ms if idle else None,
+                     is_open, self._free_slots(), is_open and self.backlog.due())
 
     def _claim_due(self) -> bool:
         now = time.monotonic()
@@ -361,6 +372,14 @@ class Worker:
         if self._closed():
             return 0
         return max(0, self.engine.config.max_num_seqs - self.engine.num_unfinished())
+
+    def _read_slots(self) -> int:
+        """Free slots, and those of background work (priority > 0), which a request read
+        now takes over if it ranks before it (core/scheduler.py)."""
+        if self._closed():
+            return 0
+        background = sum(f.running for f in self._inflight.values() if f.priority > 0)
+        return max(0, self._free_slots() + background)
 
     def _live_status(self) -> dict:
         s = self.engine.stats()
@@ -570,7 +589,7 @@ class Worker:
         deliveries = resume.deliveries if resume else 1
         self._inflight[req.rid] = InFlight(req.rid, entry_id, req.stream_interval, deliveries,
                                             entry_time(entry_id), resume is not None, seq,
-                                            req.params.n, running,
+                                            req.params.n, running, req.params.priority,
                                             tools=self.admission.tool_streams(req))
         if resume:
             self.metrics.resumed.inc()

@@ -1,0 +1,70 @@
+"""Background work (priority > 0) through the backlog (lanes.py) on a real Redis: the move
+into the request stream, and a worker full of background work serving an interactive
+request first."""
+import time
+
+import redis
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.frontends.redis_streams.client import Client
+from roseinfer.frontends.redis_streams.lanes import Backlog
+from roseinfer.frontends.redis_streams.protocol import Keys
+
+from .conftest import TINY_ENGINE, assert_well_formed, raw_chunks, wait_until
+
+
+def promote(r, keys, slots, max_wait_s=60.0):
+    pipe = r.pipeline(transaction=False)
+    Backlog(keys, "workers", max_wait_s).promote(pipe, slots)
+    return pipe.execute()[0]
+
+
+def test_the_backlog_moves_as_much_as_there_is_room_for(real_redis, prefix):
+    keys = Keys(prefix)
+    real_redis.xgroup_create(keys.requests, "workers", id="0", mkstream=True)
+    client = Client(redis_client=real_redis, prefix=prefix)
+    rids = [client.submit("x", priority=3) for _ in range(5)]
+    assert real_redis.xlen(keys.backlog) == 5 and real_redis.xlen(keys.requests) == 0
+    client.submit("now")  # priority 0: straight to the request stream
+    assert promote(real_redis, keys, 3) == [2, 3]  # room: 3 slots less 1 unread
+    assert promote(real_redis, keys, 3) == [0, 3]  # 3 unread now: no room
+    moved = [f for _, f in real_redis.xrange(keys.requests)][1:]
+    assert [f[b"rid"].decode() for f in moved] == rids[:2]  # the IDs their client got
+    assert promote(real_redis, keys, 0, max_wait_s=0) == [1, 2]  # waited long enough
+
+
+def test_a_worker_full_of_background_work_serves_an_interactive_request_first(
+        tiny_llm, tiny_gpt2_dir, start_worker, redis_server, real_redis, prefix):
+    """Two slots, both running priority-10 requests: a priority-0 request is read beside
+    them, takes a slot, and ends first; the background requests then end with the tokens
+    they have alone (recomputed after giving their slot up)."""
+    client = Client(redis_server.url, prefix)
+    long = {"max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    # Its own compiled CPU step off: two engines of one model building it at once in one
+    # process have failed a step (not seen with one engine per process, as workers run).
+    two_slots = LLM(tiny_gpt2_dir, **{**TINY_ENGINE, "max_num_seqs": 2, "cpu_compiled_step": "off"})
+    start_worker(two_slots.engine)
+    prompts = ["one two three", "four five six"]
+    background = [client.submit(p, priority=10, **long) for p in prompts]
+    wait_until(lambda: all(len(raw_chunks(real_redis, prefix, r)) >= 3 for r in background), 60)
+    rid = client.submit("seven eight", max_tokens=4, temperature=0, ignore_eos=True)
+    final = list(client.stream(rid, timeout=60))[-1]
+    assert final.finish_reason == "length"
+    assert not any(raw_chunks(real_redis, prefix, r)[-1].finished for r in background)
+    assert two_slots.engine.stats().num_preemptions >= 1  # a background one gave its slot up
+    for r, p in zip(background, prompts):
+        chunks = list(client.stream(r, timeout=120))
+        ref = tiny_llm.generate([p], SamplingParams(**long))[0]
+        assert sum((c.token_ids for c in chunks), []) == ref.token_ids
+        assert_well_formed(raw_chunks(real_redis, prefix, r))
+
+
+def test_redis_cli_background_work_without_a_rid_answers_on_its_backlog_id(
+        tiny_llm, start_worker, real_redis, prefix):
+    keys = Keys(prefix)
+    start_worker(tiny_llm.engine)
+    entry = real_redis.xadd(keys.backlog, {"prompt": "hello", "max_tokens": "3",
+                                           "priority": "1"}).decode()
+    wait_until(lambda: (c := raw_chunks(real_redis, prefix, entry)) and c[-1].finished, 30)
+    assert_well_formed(raw_chunks(real_redis, prefix, entry))
+    assert real_redis.xlen(keys.backlog) == 0
