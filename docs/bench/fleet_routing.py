@@ -157,17 +157,23 @@ async def random_prompts(client, args, rng) -> list[dict]:
 
 
 async def priority(client, args, rng) -> dict:
-    """Interactive requests alone, then the same beside a low-priority batch."""
+    """Interactive requests on the idle fleet, then the same number beside a low-priority
+    batch (into the backlog, not streamed here: only the interactive replies are read)."""
     interactive = [ids(rng, args.vocab, args.prompt_tokens) for _ in range(args.requests)]
     idle = await at_rate(client, interactive, args.rate, args.answer_tokens)
-    batch = [ids(rng, args.vocab, args.prompt_tokens) for _ in range(args.batch)]
-    batch_tasks = [asyncio.create_task(one(client, p, args.answer_tokens, priority=10))
-                   for p in batch]
+    started = time.monotonic()
+    for _ in range(args.batch):
+        await client.submit(ids(rng, args.vocab, args.prompt_tokens), max_tokens=args.answer_tokens,
+                            temperature=0, ignore_eos=True, priority=10)
     await asyncio.sleep(5)  # the batch fills every worker first
     interactive = [ids(rng, args.vocab, args.prompt_tokens) for _ in range(args.requests)]
     busy = await at_rate(client, interactive, args.rate, args.answer_tokens)
-    batch_done = await asyncio.gather(*batch_tasks)
-    return {"idle": idle, "busy": busy, "batch": batch_done}
+    left = await client.redis.xlen(client.keys.backlog)  # > 0: saturated all along
+    while await client.redis.xlen(client.keys.backlog) or await client.redis.xlen(
+            client.keys.requests):
+        await asyncio.sleep(0.5)
+    return {"idle": idle, "busy": busy, "batch_left_after_interactive": left,
+            "batch_s": time.monotonic() - started}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -204,7 +210,8 @@ async def run(args, url: str, workers: int, route: bool) -> dict:
                 parts = await priority(client, args, rng)
                 wall = time.monotonic() - started
                 return {"workers": workers, "route": route, "routed": fleet.routed(),
-                        **{k: summary(v, wall) for k, v in parts.items()}}
+                        **{k: summary(v, wall) if isinstance(v, list) else v
+                           for k, v in parts.items()}}
             wall = time.monotonic() - started
         return {"workers": workers, "route": route, "routed": fleet.routed(),
                 **summary(results, wall)}

@@ -101,6 +101,9 @@ def _add_submit_flags(submit: argparse.ArgumentParser) -> None:
     submit.add_argument("--top-k", type=int, default=None)
     submit.add_argument("--min-p", type=float, default=None)
     submit.add_argument("--seed", type=int, default=None)
+    submit.add_argument("--priority", type=int, default=None,
+                        help="lower runs first; above 0 the request waits in the backlog "
+                             "(docs/protocol.md, Priorities)")
     submit.add_argument("-n", "--n", type=int, default=None,
                         help="independent samples (1-16); with more than one, each sample's "
                              "text prints whole when it ends, under a '--- sample I ---' line")
@@ -325,7 +328,7 @@ def submit_command(args: argparse.Namespace) -> int:
                                              "seed", "stop", "ignore_eos", "stream_interval",
                                              "logprobs", "prompt_logprobs", "repetition_penalty",
                                              "frequency_penalty", "presence_penalty",
-                                             "response_format")}
+                                             "response_format", "priority")}
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     client = Client(prefix=args.prefix, redis_client=_connect(args.redis_url))
     rid = client.submit(_submitted_prompt(args), rid=args.rid, **params)
