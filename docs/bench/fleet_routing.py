@@ -52,7 +52,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=8.0, help="requests/s (random, interactive)")
     p.add_argument("--batch", type=int, default=1024, help="priority: low-priority requests")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the results' JSON goes here")
+    p.add_argument("--logs", default=None, help="the workers' logs go here (default: --out)")
     return p.parse_args()
 
 
@@ -75,7 +76,7 @@ class Fleet:
                 env["OMP_NUM_THREADS"] = str(threads)
             else:
                 env["CUDA_VISIBLE_DEVICES"] = str(i)
-            log = open(os.path.join(args.out, f"{self.prefix}-w{i}.log"), "w")
+            log = open(os.path.join(args.logs or args.out, f"{self.prefix}-w{i}.log"), "w")
             self.logs.append(log)
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
 
@@ -222,6 +223,7 @@ async def run(args, url: str, workers: int, route: bool) -> dict:
 def main() -> None:
     args = parse()
     os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.logs or args.out, exist_ok=True)
     port = free_port()
     with EmbeddedRedis(port=port) as server:
         rows = []
@@ -230,7 +232,8 @@ def main() -> None:
             row = asyncio.run(run(args, server.url, int(workers), mode == "on"))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    with open(os.path.join(args.out, f"fleet-{args.workload}.json"), "w") as f:
+    tag = os.path.basename(args.model)
+    with open(os.path.join(args.out, f"fleet-{args.workload}-{tag}.json"), "w") as f:
         json.dump({"args": vars(args), "runs": rows}, f, indent=1)
 
 

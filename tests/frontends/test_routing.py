@@ -149,7 +149,7 @@ def test_a_routed_worker_killed_mid_run_loses_nothing(
     wait_until(lambda: alive(real_redis, prefix, "holder", "survivor"), START_TIMEOUT_S)
     rng = random.Random(2)
     reqs = [(f"{history} {' '.join(rng.choices(WORDS, k=3))}",
-             {"max_tokens": rng.randint(60, 100), "temperature": 0, "ignore_eos": True})
+             {"max_tokens": rng.randint(150, 180), "temperature": 0, "ignore_eos": True})
             for _ in range(12)]
     rids = []
     for p, kw in reqs:  # one at a time: each wakes the idle survivor, which routes it
@@ -160,7 +160,7 @@ def test_a_routed_worker_killed_mid_run_loses_nothing(
         owned = real_redis.xpending_range(keys.requests, "workers", "-", "+", 100,
                                           consumername="holder")
         progress = [raw_chunks(real_redis, prefix, p["message_id"].decode()) for p in owned]
-        return sum(len(c) >= 2 and not c[-1].finished for c in progress) >= 2
+        return any(len(c) >= 2 and not c[-1].finished for c in progress)
 
     wait_until(holder_mid_request, 60)
     holder.kill()

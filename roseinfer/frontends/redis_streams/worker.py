@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from redis import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams import engine_health
@@ -280,10 +280,27 @@ class Worker:
                     continue
                 inbox_ids = [i for i, _ in entries]
                 decoded += [self._decoded(*from_inbox(f)) for _, f in entries]
-        places = self.router.place([(e, r) for e, _, r in shared if not isinstance(r, Exception)]) \
-            if self.router is not None and shared else {}
+        places = self._hand_over(shared) if self.router is not None and shared else {}
         return cancel_read, reads[:len(plan.owned)], request_read, decoded + shared, inbox_ids, \
             places
+
+    def _hand_over(self, shared: list) -> dict[str, str]:
+        """Hand the entries a peer should serve (routing.py) to it, here on the reader
+        thread, so that they do not wait for this worker's step; returns {entry ID: peer}
+        for those no longer this worker's. One that could not be sent stays here."""
+        places = self.router.place([(e, r) for e, _, r in shared if not isinstance(r, Exception)])
+        if not places:
+            return {}
+        fields = {e: f for e, f, _ in shared}
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id, peer in places.items():
+            forward(pipe, self.keys, self.group, self.consumer, entry_id, fields[entry_id], peer,
+                    self.report.ttl_s)
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except RedisError:  # not sent, or sent and lost: the fence drops what is not ours
+            return {}
+        return {e: p for (e, p), r in zip(places.items(), replies) if r == 1}
 
     def _decoded(self, entry_id: str, fields: dict) -> tuple:
         try:
@@ -308,7 +325,7 @@ class Worker:
                 if entry_id is None:
                     continue  # not an inbox entry of this version: nothing to serve
                 if entry_id in places:
-                    self._forward(entry_id, fields, places[entry_id])
+                    self._routed(entry_id, places[entry_id])
                 else:
                     self._admit(entry_id, fields, request=request)
 
@@ -471,9 +488,7 @@ class Worker:
         event("dead_lettered", logging.WARNING, rid=t.rid, entry=t.entry_id,
               deliveries=t.deliveries, dead_stream=self.keys.dead)
 
-    def _forward(self, entry_id: str, fields: dict, peer: str) -> None:
-        self.outbox.write(forward, self.keys, self.group, self.consumer, entry_id, fields, peer,
-                          self.report.ttl_s)
+    def _routed(self, entry_id: str, peer: str) -> None:
         self.metrics.routed.inc()
         event("routed", entry=entry_id, to=peer)
 
