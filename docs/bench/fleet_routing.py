@@ -51,6 +51,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=512, help="random workload")
     p.add_argument("--rate", type=float, default=8.0, help="requests/s (random, interactive)")
     p.add_argument("--batch", type=int, default=1024, help="priority: low-priority requests")
+    p.add_argument("--batch-tokens", type=int, default=256, help="priority: each one's tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="the results' JSON goes here")
     p.add_argument("--logs", default=None, help="the workers' logs go here (default: --out)")
@@ -164,7 +165,7 @@ async def priority(client, args, rng) -> dict:
     idle = await at_rate(client, interactive, args.rate, args.answer_tokens)
     started = time.monotonic()
     for _ in range(args.batch):
-        await client.submit(ids(rng, args.vocab, args.prompt_tokens), max_tokens=args.answer_tokens,
+        await client.submit(ids(rng, args.vocab, args.prompt_tokens), max_tokens=args.batch_tokens,
                             temperature=0, ignore_eos=True, priority=10)
     await asyncio.sleep(5)  # the batch fills every worker first
     interactive = [ids(rng, args.vocab, args.prompt_tokens) for _ in range(args.requests)]

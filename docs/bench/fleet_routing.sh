@@ -18,6 +18,6 @@ for w in "$@"; do
     random) run --workload random --runs $W:off $W:on $W:off $W:on --requests 512 \
               --prompt-tokens 1024 --answer-tokens 64 --rate 40 ;;
     priority) run --workload priority --runs $W:on --requests 64 --rate 4 --prompt-tokens 512 \
-                --answer-tokens 64 --batch 4096 ;;
+                --answer-tokens 64 --batch 4096 --batch-tokens 256 ;;
   esac
 done

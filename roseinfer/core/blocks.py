@@ -50,9 +50,10 @@ class BlockManager:
         self.copy_block = copy_block
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
-        # Changes to `cached`, (hash, cached?) in order, while a frontend follows them (it
-        # tells a fleet which prompts this engine holds: frontends/redis_streams/routing.py)
-        self.journal: Optional[list[tuple[int, bool]]] = None
+        # Changes to `cached`, (hash, cached?, a sequence's first block?) in order, while a
+        # frontend follows them (it tells a fleet which prompts this engine holds:
+        # frontends/redis_streams/routing.py)
+        self.journal: Optional[list[tuple[int, bool, bool]]] = None
         self.on_free_seq: Callable[[object], None] = lambda seq: None
 
     @property
@@ -120,7 +121,7 @@ class BlockManager:
             b = seq.block_table[i]
             self.store.set_hash(b, h, tokens)
             if self.cached.setdefault(h, b) == b and self.journal is not None:
-                self.journal.append((h, True))
+                self.journal.append((h, True, i == 0))
             seq.block_hashes.append(h)
 
     def fork(self, parent, child) -> None:
@@ -157,7 +158,7 @@ class BlockManager:
             if self.cached.get(h) == b:
                 del self.cached[h]
                 if self.journal is not None:
-                    self.journal.append((h, False))
+                    self.journal.append((h, False, False))
             self.store.set_hash(b, NO_HASH, ())
         self.store.set_ref(b, 1)
         return b

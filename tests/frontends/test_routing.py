@@ -13,7 +13,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.core.blocks import prompt_hashes
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.protocol import Keys
-from roseinfer.frontends.redis_streams.routing import RouteConfig, Router
+from roseinfer.frontends.redis_streams.routing import WATCH_EVERY_S, RouteConfig, Router
 from roseinfer.frontends.redis_streams.worker import Worker
 
 from .conftest import TINY_ENGINE, WORDS, assert_well_formed, pending, raw_chunks, wait_until
@@ -35,8 +35,10 @@ def fleet(real_redis, prefix):
         real_redis.sadd(keys.fleet, name)
         if held:
             real_redis.sadd(keys.cached(name), *HASHES[:held])
+        real_redis.lpush(keys.roots(name), 7, HASHES[0], 8)  # its prompt among others
         real_redis.set(keys.load(name), msgpack.packb(
-            {"unfinished": unfinished, "draining": draining, "max_num_seqs": max_num_seqs}))
+            {"unfinished": unfinished, "draining": draining, "roots": 3,
+             "max_num_seqs": max_num_seqs}))
     return add
 
 
@@ -45,9 +47,21 @@ HASHES = prompt_hashes(PROMPT, BLOCK)
 
 
 def router(real_redis, prefix, own=0, min_gain_tokens=2 * BLOCK, own_load=0):
+    """A router whose mirror has looked three times: the names, their loads, the roots
+    those list."""
     mine = set(HASHES[:own])
-    return Router(real_redis, Keys(prefix), "me", BLOCK, mine.__contains__, lambda: own_load,
-                  RouteConfig(min_gain_tokens=min_gain_tokens))
+    r = Router(real_redis, Keys(prefix), "me", BLOCK, mine.__contains__, lambda: own_load,
+               RouteConfig(min_gain_tokens=min_gain_tokens))
+    for _ in range(3):
+        look(r, real_redis)
+    return r
+
+
+def look(router, real_redis):
+    time.sleep(WATCH_EVERY_S)
+    pipe = real_redis.pipeline(transaction=False)
+    router.watch(pipe)
+    router.watched(pipe.execute())
 
 
 def test_the_router_picks_the_peer_holding_the_longest_prefix(real_redis, prefix, fleet):
@@ -74,10 +88,20 @@ def test_a_loaded_draining_or_dead_peer_gets_nothing(real_redis, prefix, fleet):
     assert placed == {"1-0": "a", "2-0": "b"}
     # a runs more than 2 (8 / 8, at least 2) sequences beyond this worker's 4: b gets it.
     assert router(real_redis, prefix, own_load=4).place([("1-0", request(PROMPT))]) == {"1-0": "b"}
-    real_redis.delete(keys.load("a"))  # its heartbeat expired
     r = router(real_redis, prefix)
+    real_redis.delete(keys.load("a"))  # its heartbeat expired
+    look(r, real_redis)
     assert r.place([("3-0", request(PROMPT))]) == {"3-0": "b"}
+    look(r, real_redis)
     assert real_redis.smembers(keys.fleet) == {b"b", b"c"}  # a is dropped from the fleet
+
+
+def test_a_prompt_no_peer_lists_costs_no_round_trip(real_redis, prefix, fleet, monkeypatch):
+    fleet("a", 10)
+    r = router(real_redis, prefix)
+    monkeypatch.setattr(real_redis, "pipeline", lambda **kw: pytest.fail("a round trip"))
+    other = [t + 1 for t in PROMPT]  # its first block is not a's
+    assert r.place([("1-0", request(other))]) == {}
 
 
 def test_an_entry_read_by_one_worker_is_served_by_the_one_holding_its_prefix(
@@ -97,6 +121,8 @@ def test_an_entry_read_by_one_worker_is_served_by_the_one_holding_its_prefix(
     first = client.submit(history + " one", max_tokens=4, temperature=0)
     _run_until_done(holder, client, first)
     other.setup()
+    for _ in range(4):  # idle rounds, in which its mirror reads the holder's roots
+        other.run_once()
     follow_up = history + " one two three"
     rid = client.submit(follow_up, max_tokens=8, temperature=0, ignore_eos=True)
     for _ in range(3):
@@ -147,6 +173,7 @@ def test_a_routed_worker_killed_mid_run_loses_nothing(
     client.generate(history + " zero", max_tokens=2, temperature=0, timeout=60)
     survivor = worker_processes("survivor", *flags)
     wait_until(lambda: alive(real_redis, prefix, "holder", "survivor"), START_TIMEOUT_S)
+    time.sleep(3.5)  # three idle reads of 1 s: the survivor's mirror lists the holder's roots
     rng = random.Random(2)
     reqs = [(f"{history} {' '.join(rng.choices(WORDS, k=3))}",
              {"max_tokens": rng.randint(150, 180), "temperature": 0, "ignore_eos": True})

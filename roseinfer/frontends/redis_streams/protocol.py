@@ -84,6 +84,10 @@ class Keys:
         """A worker's cached prompt blocks: a set of block hashes."""
         return f"{{{self.requests}}}:cached:{consumer}"
 
+    def roots(self, consumer: str) -> str:
+        """The first-block hashes of a worker's newest cached prompts: a list, newest first."""
+        return f"{{{self.requests}}}:roots:{consumer}"
+
     def load(self, consumer: str) -> str:
         """A worker's load (msgpack), rewritten as it changes, expiring with its heartbeat."""
         return f"{{{self.requests}}}:load:{consumer}"

@@ -5,19 +5,23 @@ loop's own round trips; docs/protocol.md, "Routing"):
 - ``cached:C``, a set of the block hashes in its prefix cache (core/blocks.py), changed each
   round by what the block manager's journal says was cached or evicted: never more members
   than the worker has KV blocks;
-- ``load:C``, its unfinished sequences, rewritten when they change and expiring with its
-  heartbeat, so a dead worker's is gone within three heartbeats;
+- ``roots:C``, the first-block hashes of its newest cached prompts (a list, the newest
+  ROOTS_KEPT);
+- ``load:C``, its unfinished sequences and how many roots it has listed, rewritten when
+  they change and expiring with its heartbeat, so a dead worker's is gone within three
+  heartbeats;
 - ``fleet``, the set of worker names.
 
-A worker that reads an entry from the shared stream places it (Router, on the reader
-thread, once the entry is tokenized): one pipelined round trip asks each live peer's set
-how many of the prompt's leading blocks it holds (SMISMEMBER). The entry goes to the peer
+Each worker mirrors its peers' loads and roots in its own round trips (Router.watch: the
+loads, and the roots listed since it last looked). A worker that reads an entry from the
+shared stream places it (Router.place, on the reader thread, once the entry is tokenized).
+When no peer lists the prompt's first block, it stays here at once: nothing to share costs
+no round trip. Else one pipelined round trip asks those peers' sets how many of the
+prompt's leading blocks they hold (SMISMEMBER). The entry goes to the peer
 holding the most when that is at least ``min_gain_tokens`` more than this worker holds,
 unless that peer is loaded past a bound: it runs ``max_load`` x its max_num_seqs sequences
 or more, or more than ``max_excess`` (default: an eighth of its max_num_seqs, at least 2)
 beyond this worker's own (SGLang's router balances the same way). Else it stays here.
-With nothing to share (no peer holds the first blocks) it stays, at the cost of that
-lookup, off the step loop.
 
 Handing it over is one script (FORWARD_SCRIPT): if the entry is still this worker's, its
 ownership moves to the peer (XCLAIM with JUSTID: not a delivery) and a copy of its fields
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -46,6 +51,8 @@ log = logging.getLogger("roseinfer.worker")
 INBOX_ENTRY_FIELD = b"_entry"
 INBOX_MAXLEN = 10_000      # an inbox is drained every round; this only guards Redis
 FLEET_EVERY_S = 1.0        # how often a router rereads the fleet's names
+WATCH_EVERY_S = 0.01       # at most this often a round trip carries the mirror's reads
+ROOTS_KEPT = 4096          # first blocks a worker lists, and a mirror keeps per peer
 MAX_LOOKUP_BLOCKS = 512    # prompt blocks looked up per entry (8,192 tokens of 16)
 
 # KEYS: the request stream, the peer's inbox. ARGV: group, this consumer, entry ID, the
@@ -81,11 +88,13 @@ class CacheReport:
         if self.blocks is not None:
             self.blocks.journal = []
         self._load: Optional[tuple] = None
+        self._roots = 0  # first blocks listed since start
 
     def join(self, pipe) -> None:
         """At start: a set of what the cache holds now (after a restart under the same
         name, the old one goes), and the name into the fleet."""
         pipe.delete(self.keys.cached(self.consumer))
+        pipe.delete(self.keys.roots(self.consumer))
         if self.blocks is not None:
             held = list(self.blocks.cached)
             if held:
@@ -94,29 +103,36 @@ class CacheReport:
         self.refresh(pipe, self.load(False))
 
     def load(self, draining: bool) -> tuple:
-        self._load = (self.engine.num_unfinished(), draining)
+        self._load = (self.engine.num_unfinished(), draining, self._roots)
         return self._load
 
     def take(self, draining: bool) -> Optional[tuple]:
-        """This round's changes: (block hashes cached, evicted, the load if it changed)."""
-        added = evicted = ()
-        if self.blocks is not None and self.blocks.journal:
-            last = dict(self.blocks.journal)  # a hash cached then evicted: its last word
-            self.blocks.journal.clear()
+        """This round's changes: (block hashes cached, evicted, first blocks cached, the
+        load if it changed)."""
+        added = evicted = roots = ()
+        journal = self.blocks.journal if self.blocks is not None else None
+        if journal:
+            last = {h: cached for h, cached, _ in journal}  # cached then evicted: its last word
+            roots = list(dict.fromkeys(h for h, cached, root in journal if cached and root))
+            journal.clear()
             added = [h for h, cached in last.items() if cached]
             evicted = [h for h, cached in last.items() if not cached]
+            self._roots += len(roots)
         old = self._load
         load = self.load(draining)
         if not added and not evicted and load == old:
             return None
-        return added, evicted, load if load != old else None
+        return added, evicted, roots, load if load != old else None
 
     def write(self, pipe, changes: tuple) -> None:
-        added, evicted, load = changes
+        added, evicted, roots, load = changes
         if added:
             pipe.sadd(self.keys.cached(self.consumer), *added)
         if evicted:
             pipe.srem(self.keys.cached(self.consumer), *evicted)
+        if roots:
+            pipe.lpush(self.keys.roots(self.consumer), *roots)
+            pipe.ltrim(self.keys.roots(self.consumer), 0, ROOTS_KEPT - 1)
         if load is not None:
             self._write_load(pipe, load)
 
@@ -124,16 +140,17 @@ class CacheReport:
         """With each heartbeat: the keys kept alive, the name in the fleet."""
         self._write_load(pipe, load)
         pipe.sadd(self.keys.fleet, self.consumer)
-        pipe.expire(self.keys.cached(self.consumer), self.ttl_s)
-        pipe.expire(self.keys.inbox(self.consumer), self.ttl_s)
+        for key in (self.keys.cached, self.keys.roots, self.keys.inbox):
+            pipe.expire(key(self.consumer), self.ttl_s)
 
     def leave(self, pipe) -> None:
         pipe.srem(self.keys.fleet, self.consumer)
-        for key in (self.keys.cached, self.keys.load, self.keys.inbox):
+        for key in (self.keys.cached, self.keys.roots, self.keys.load, self.keys.inbox):
             pipe.delete(key(self.consumer))  # one by one: a cluster pipeline wants that
 
     def _write_load(self, pipe, load: tuple) -> None:
-        body = {"unfinished": load[0], "draining": load[1], "max_num_seqs": self.max_num_seqs}
+        body = {"unfinished": load[0], "draining": load[1], "roots": load[2],
+                "max_num_seqs": self.max_num_seqs}
         pipe.set(self.keys.load(self.consumer), msgpack.packb(body), ex=self.ttl_s)
 
 
@@ -157,43 +174,109 @@ class Router:
         self.min_gain_blocks = max(1, math.ceil(config.min_gain_tokens / block_size))
         self.max_load, self.max_excess = config.max_load, config.max_excess
         self._names: list[str] = []
-        self._names_at = -math.inf
-        self._routed: dict[str, tuple[bytes, int]] = {}  # peer: (its load report, routed since)
+        self._names_at = self._watch_at = -math.inf
+        self._loads: dict[str, dict] = {}        # peer: its load, as last read
+        self._routed: dict[str, int] = {}        # peer: entries routed to it since then
+        self._roots: dict[str, tuple[int, OrderedDict]] = {}  # peer: (roots read, newest)
+        self._gone: list[str] = []
+        self._asked: list[tuple] = []
+
+    # --- the mirror, in the worker's round trips -----------------------------------------
+
+    def watch(self, pipe) -> int:
+        """Queue the reads that keep the mirror fresh: the fleet's names (each second), the
+        peers' loads, and the roots each listed since the last look. Returns how many
+        replies watched() takes; none when it looked less than WATCH_EVERY_S ago."""
+        now = time.monotonic()
+        self._asked = []
+        if now - self._watch_at < WATCH_EVERY_S:
+            return 0
+        self._watch_at = now
+        if self._gone:
+            pipe.srem(self.keys.fleet, *self._gone)  # a live one puts its name back
+            self._asked.append(("gone", None, 0))
+            self._gone = []
+        if now - self._names_at >= FLEET_EVERY_S:
+            self._names_at = now
+            pipe.smembers(self.keys.fleet)
+            self._asked.append(("fleet", None, 0))
+        for name in self._names:
+            pipe.get(self.keys.load(name))
+            self._asked.append(("load", name, 0))
+            listed = self._loads.get(name, {}).get("roots", 0)
+            read = self._roots.get(name, (0, None))[0]
+            if listed > read:
+                pipe.lrange(self.keys.roots(name), 0, min(listed - read, ROOTS_KEPT) - 1)
+                self._asked.append(("roots", name, listed))
+        return len(self._asked)
+
+    def watched(self, replies: list) -> None:
+        for (kind, name, listed), reply in zip(self._asked, replies):
+            if isinstance(reply, Exception):
+                continue
+            if kind == "fleet":
+                self._names = sorted(n.decode() for n in reply if n.decode() != self.consumer)
+                for gone in set(self._loads) - set(self._names):  # left the fleet
+                    self._loads.pop(gone)
+                    self._roots.pop(gone, None)
+            elif kind == "load":
+                self._load_read(name, reply)
+            elif kind == "roots":
+                self._roots_read(name, listed, reply)
+
+    def _load_read(self, name: str, raw: Optional[bytes]) -> None:
+        if raw is None:  # its load expired: dead, or paused past its heartbeats
+            self._loads.pop(name, None)
+            self._roots.pop(name, None)
+            self._gone.append(name)
+            return
+        load = msgpack.unpackb(raw)
+        if load != self._loads.get(name):
+            self._routed[name] = 0  # a fresh report counts what was routed to it before
+        if load["roots"] < self._roots.get(name, (0, None))[0]:
+            self._roots.pop(name, None)  # restarted under the same name
+        self._loads[name] = load
+
+    def _roots_read(self, name: str, listed: int, newest_first: list) -> None:
+        read, roots = self._roots.get(name, (0, OrderedDict()))
+        for h in reversed(newest_first):
+            roots[int(h)] = None
+            roots.move_to_end(int(h))
+        while len(roots) > ROOTS_KEPT:
+            roots.popitem(last=False)
+        self._roots[name] = (listed, roots)
+
+    # --- placing entries -----------------------------------------------------------------
 
     def place(self, requests: list) -> dict[str, str]:
         """{entry ID: peer} for the (entry ID, Request) pairs that should go elsewhere."""
-        wanted = [(entry_id, hashes) for entry_id, req in requests
-                  if len(hashes := self._hashes(req)) >= self.min_gain_blocks]
+        peers = self._peers()
+        wanted = []
+        for entry_id, req in requests:
+            hashes = self._hashes(req)
+            holders = [p for p in peers if hashes and hashes[0] in self._roots[p.name][1]]
+            if len(hashes) >= self.min_gain_blocks and holders:
+                wanted.append((entry_id, hashes, holders))
         if not wanted:
             return {}
         try:
-            names = self._fleet()
-            if not names:
-                return {}
             pipe = self.redis.pipeline(transaction=False)
-            for n in names:
-                pipe.get(self.keys.load(n))
-            for _, hashes in wanted:
-                for n in names:
-                    pipe.smismember(self.keys.cached(n), hashes)
-            replies = pipe.execute()
-            loads, held = replies[:len(names)], replies[len(names):]
+            for _, hashes, holders in wanted:
+                for p in holders:
+                    pipe.smismember(self.keys.cached(p.name), hashes)
+            held = iter(pipe.execute())
         except RedisError as e:  # routing only saves work: the entries stay here
             log.debug("event=route_lookup_failed error=%s", e)
             return {}
-        peers = self._peers(names, loads)
-        own_load = self.own_load()
-        places = {}
-        for i, (entry_id, hashes) in enumerate(wanted):
-            peer = self._best(peers, names, held[i * len(names):(i + 1) * len(names)], hashes,
-                              own_load)
+        own_load, places = self.own_load(), {}
+        for entry_id, hashes, holders in wanted:
+            peer = self._best([(p, next(held)) for p in holders], hashes, own_load)
             if peer is None:
                 own_load += 1
             else:
                 places[entry_id] = peer.name
                 peer.load += 1
-                report, routed = self._routed[peer.name]
-                self._routed[peer.name] = (report, routed + 1)
+                self._routed[peer.name] += 1
         return places
 
     def _hashes(self, req) -> list[int]:
@@ -202,13 +285,11 @@ class Router:
             return []  # untokenized (no tokenizer here), or computed whole anyway
         return prompt_hashes(prompt[:MAX_LOOKUP_BLOCKS * self.block_size + 1], self.block_size)
 
-    def _best(self, peers: dict, names: list[str], held: list, hashes: list[int],
-              own_load: int):
+    def _best(self, held: list, hashes: list[int], own_load: int) -> Optional[_Peer]:
         own = _leading(self.holds(h) for h in hashes)
         best, best_blocks = None, own + self.min_gain_blocks - 1
-        for name, members in zip(names, held):
-            peer = peers.get(name)
-            if peer is None or peer.load >= peer.capacity or peer.load > own_load + peer.excess:
+        for peer, members in held:
+            if peer.load >= peer.capacity or peer.load > own_load + peer.excess:
                 continue
             blocks = _leading(members)
             if blocks > best_blocks or (best is not None and blocks == best_blocks
@@ -216,35 +297,17 @@ class Router:
                 best, best_blocks = peer, blocks
         return best
 
-    def _fleet(self) -> list[str]:
-        now = time.monotonic()
-        if now - self._names_at >= FLEET_EVERY_S:
-            names = self.redis.smembers(self.keys.fleet)
-            self._names = sorted(n.decode() for n in names if n.decode() != self.consumer)
-            self._names_at = now
-        return self._names
-
-    def _peers(self, names: list[str], loads: list) -> dict[str, _Peer]:
-        """The live peers (a load key that expired is a dead or paused worker), not draining."""
-        peers, gone = {}, []
-        for name, raw in zip(names, loads):
-            if raw is None:
-                gone.append(name)
+    def _peers(self) -> list[_Peer]:
+        """The live peers that are not draining, as last read, with what was routed since."""
+        peers = []
+        for name, load in self._loads.items():
+            if load["draining"] or name not in self._roots:
                 continue
-            load = msgpack.unpackb(raw)
-            if load["draining"]:
-                continue
-            report, routed = self._routed.get(name, (b"", 0))
-            if report != raw:  # a fresh report counts what was routed to it before
-                routed = 0
-            self._routed[name] = (raw, routed)
             excess = self.max_excess
             if excess is None:
                 excess = max(2, load["max_num_seqs"] // 8)
-            peers[name] = _Peer(name, load["unfinished"] + routed,
-                                load["max_num_seqs"] * self.max_load, excess)
-        if gone:  # a live worker puts its name back with its next heartbeat
-            self.redis.srem(self.keys.fleet, *gone)
+            peers.append(_Peer(name, load["unfinished"] + self._routed.get(name, 0),
+                               load["max_num_seqs"] * self.max_load, excess))
         return peers
 
 

@@ -76,6 +76,7 @@ class _Plan:
     open: bool          # taking entries: not stopping, no suspect running alone
     free: int           # slots free now: backlog entries to move into the stream (lanes.py)
     promote: bool       # move them this round
+    watch: int = 0      # replies of the routing mirror's reads (routing.py), set when sent
 
 
 class Worker:
@@ -258,6 +259,8 @@ class Worker:
             return
         if plan.promote:
             self.backlog.promote(pipe, plan.free)
+        if self.router is not None:
+            plan.watch = self.router.watch(pipe)
         inbox = {self.keys.inbox(self.consumer): ">"} if self.report is not None else {}
         if plan.slots:
             pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">", **inbox},
@@ -269,9 +272,12 @@ class Worker:
         """(cancel read, refresh replies, request read, decoded requests, inbox entry IDs,
         {entry ID: worker} for entries to hand to another worker), off the loop."""
         cancel_read, *reads = replies
-        request_read = reads[len(plan.owned) + plan.promote:]
+        at = len(plan.owned)
         if plan.promote:
-            self.backlog.moved(reads[len(plan.owned)])
+            self.backlog.moved(reads[at])
+        if plan.watch:
+            self.router.watched(reads[at + plan.promote:at + plan.promote + plan.watch])
+        request_read = reads[at + plan.promote + plan.watch:]
         decoded, inbox_ids, shared = [], [], []
         if request_read and request_read[0] and not isinstance(request_read[0], Exception):
             for stream, entries in request_read[0]:
