@@ -15,9 +15,10 @@ run() {  # fleet_routing.py flags
 for w in "$@"; do
   case $w in
     chat) run --workload chat --runs 1:off $W:off $W:on ;;
+    chat2) run --workload chat --runs 2:off 2:on ;;
     random) run --workload random --runs $W:off $W:on $W:off $W:on --requests 512 \
               --prompt-tokens 1024 --answer-tokens 64 --rate 40 ;;
     priority) run --workload priority --runs $W:on --requests 64 --rate 4 --prompt-tokens 512 \
-                --answer-tokens 64 --batch 4096 --batch-tokens 256 ;;
+                --answer-tokens 64 --batch 12000 --batch-tokens 256 ;;
   esac
 done
