@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from roseinfer.core.blocks import NO_HASH, BlockManager
+from roseinfer.core.blocks import NO_HASH, BlockManager, prompt_hashes
 from roseinfer.core.plugins import default_registry
 from roseinfer.core.request import Sequence
 from roseinfer.core.sampling import SamplingParams
@@ -72,6 +72,27 @@ def test_freed_blocks_stay_cached_until_reused(store):
     run_prefill(bm, filler)
     assert bm.cached == {h: blk for h, blk in bm.cached.items() if blk in filler.block_table}
     assert bm.match_prefix(make_seq("d", list(range(8)) + [9])) == 0
+
+
+def test_the_journal_follows_the_cache_and_prompts_in_use():
+    """What a worker tells its fleet (frontends/redis_streams/routing.py): blocks cached
+    and evicted in order, first blocks marked, and a first block again when reused."""
+    bm = manager("slots", num_blocks=4)
+    bm.journal = []
+    a = make_seq("a", list(range(9)))
+    run_prefill(bm, a)
+    h0, h1 = prompt_hashes(list(range(9)), 4)
+    assert bm.journal == [(h0, True, True), (h1, True, False)]
+    bm.free_seq(a)
+    bm.journal.clear()
+    b = make_seq("b", list(range(9)))
+    assert bm.match_prefix(b) == 8
+    assert bm.journal == [(h0, True, True)]
+    bm.free_seq(b)
+    bm.journal.clear()
+    run_prefill(bm, make_seq("c", list(range(100, 116))))  # evicts both
+    assert {(h, cached) for h, cached, _ in bm.journal if not cached} == {(h0, False), (h1, False)}
+    assert prompt_hashes(list(range(9)), 4) == [h0, h1]  # deterministic across calls
 
 
 @pytest.mark.parametrize("store", STORES)

@@ -50,9 +50,9 @@ class BlockManager:
         self.copy_block = copy_block
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
-        # Changes to `cached`, (hash, cached?, a sequence's first block?) in order, while a
-        # frontend follows them (it tells a fleet which prompts this engine holds:
-        # frontends/redis_streams/routing.py)
+        # Changes to `cached`, (hash, cached?, a sequence's first block?) in order, first
+        # blocks again when a prompt reuses them, while a frontend follows them (it tells a
+        # fleet which prompts this engine holds: frontends/redis_streams/routing.py)
         self.journal: Optional[list[tuple[int, bool, bool]]] = None
         self.on_free_seq: Callable[[object], None] = lambda seq: None
 
@@ -80,6 +80,8 @@ class BlockManager:
             self._take(b)
             seq.block_table.append(b)
             seq.block_hashes.append(h)
+            if i == 0 and self.journal is not None:  # a prompt in use: listed as recent again
+                self.journal.append((h, True, True))
             parent = h
         return len(seq.block_table) * bs
 

@@ -3,9 +3,8 @@ into the request stream, and a worker full of background work serving an interac
 request first."""
 import time
 
-import redis
-
 from roseinfer import LLM, SamplingParams
+from roseinfer.frontends.redis_streams import status
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.lanes import Backlog
 from roseinfer.frontends.redis_streams.protocol import Keys
@@ -26,11 +25,15 @@ def test_the_backlog_moves_as_much_as_there_is_room_for(real_redis, prefix):
     rids = [client.submit("x", priority=3) for _ in range(5)]
     assert real_redis.xlen(keys.backlog) == 5 and real_redis.xlen(keys.requests) == 0
     client.submit("now")  # priority 0: straight to the request stream
+    assert status.collect(real_redis, keys, "workers")["backlog"] == 5
     assert promote(real_redis, keys, 3) == [2, 3]  # room: 3 slots less 1 unread
     assert promote(real_redis, keys, 3) == [0, 3]  # 3 unread now: no room
     moved = [f for _, f in real_redis.xrange(keys.requests)][1:]
     assert [f[b"rid"].decode() for f in moved] == rids[:2]  # the IDs their client got
-    assert promote(real_redis, keys, 0, max_wait_s=0) == [1, 2]  # waited long enough
+    time.sleep(0.06)
+    # Waited 60 ms: not 3 (its priority) x 50 ms, but 3 x 10 ms; the head moves regardless.
+    assert promote(real_redis, keys, 0, max_wait_s=0.05) == [0, 3]
+    assert promote(real_redis, keys, 0, max_wait_s=0.01) == [1, 2]
 
 
 def test_a_worker_full_of_background_work_serves_an_interactive_request_first(

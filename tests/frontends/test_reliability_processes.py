@@ -48,30 +48,43 @@ def test_kill_9_mid_flight_the_other_worker_resumes_without_gap_or_repeat(
         tiny_llm, worker_processes, real_redis, prefix, redis_server, flags):
     """Speculating workers too (the tiny GPT-2's greedy output loops, so prompt lookup
     drafts most of it): chunks of several tokens resume as exactly as single ones."""
-    keys = Keys(prefix)
     victim = worker_processes("victim", "--claim-idle-ms", "1000", *flags)
     survivor = worker_processes("survivor", "--claim-idle-ms", "1000", *flags)
     wait_until(lambda: alive(real_redis, prefix, "victim", "survivor"), START_TIMEOUT_S)
     reqs = greedy_requests(10, random.Random(1), (60, 120))
     client = Client(redis_server.url, prefix)
     rids = [client.submit(p, **kw) for p, kw in reqs]  # no rid given: rid = entry ID
+    kill_mid_request(real_redis, prefix, victim, "victim")
+    assert "event=resumed" in drained_log(tiny_llm, client, real_redis, prefix, rids, reqs,
+                                          survivor)
 
-    def victim_mid_request():
-        owned = real_redis.xpending_range(keys.requests, "workers", "-", "+", 100, consumername="victim")
+
+def kill_mid_request(real_redis, prefix, proc, consumer, timeout=30):
+    """SIGKILL the worker process ``proc`` once one of its entries is part-way streamed."""
+    keys = Keys(prefix)
+
+    def mid_request():
+        owned = real_redis.xpending_range(keys.requests, "workers", "-", "+", 100,
+                                          consumername=consumer)
         progress = [raw_chunks(real_redis, prefix, p["message_id"].decode()) for p in owned]
         return any(len(c) >= 2 and not c[-1].finished for c in progress)
 
-    wait_until(victim_mid_request, 30)
-    victim.kill()
-    victim.wait()
+    wait_until(mid_request, timeout)
+    proc.kill()
+    proc.wait()
+
+
+def drained_log(llm, client, real_redis, prefix, rids, reqs, survivor, timeout=60) -> str:
+    """Every request ends with greedy decoding's tokens, each seq once; then the surviving
+    worker drains on SIGTERM and exits 0. Returns its log."""
     for rid in rids:
-        assert list(client.stream(rid, timeout=60))[-1].finish_reason == "length"
-    assert_match_llm_generate(tiny_llm, real_redis, prefix, rids, reqs)
+        assert list(client.stream(rid, timeout=timeout))[-1].finish_reason == "length"
+    assert_match_llm_generate(llm, real_redis, prefix, rids, reqs)
     wait_until(lambda: pending(real_redis, prefix) == 0)
     survivor.send_signal(signal.SIGTERM)
     _, log = survivor.communicate(timeout=30)
     assert survivor.returncode == 0, log
-    assert "event=resumed" in log
+    return log
 
 
 def test_a_tensor_parallel_worker_serves_and_a_dead_rank_hands_its_requests_back(

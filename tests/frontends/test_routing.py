@@ -1,7 +1,6 @@
 """Prefix-aware routing (routing.py) on a real Redis: the router's choice, an entry read by one
 worker and served by the one holding its prefix, and a routed worker killed mid-run."""
 import random
-import signal
 import time
 from types import SimpleNamespace
 
@@ -17,7 +16,7 @@ from roseinfer.frontends.redis_streams.routing import WATCH_EVERY_S, RouteConfig
 from roseinfer.frontends.redis_streams.worker import Worker
 
 from .conftest import TINY_ENGINE, WORDS, assert_well_formed, pending, raw_chunks, wait_until
-from .test_reliability_processes import START_TIMEOUT_S, alive, assert_match_llm_generate
+from .test_reliability_processes import START_TIMEOUT_S, alive, drained_log, kill_mid_request
 
 BLOCK = 16
 
@@ -164,7 +163,6 @@ def test_a_routed_worker_killed_mid_run_loses_nothing(
     """Follow-ups of one history go to the worker holding it, also from the other worker;
     it is killed while serving them, and the other resumes each: every request completes
     with greedy decoding's tokens, each seq once."""
-    keys = Keys(prefix)
     flags = ("--claim-idle-ms", "1000", "--route-min-gain-tokens", "32")
     holder = worker_processes("holder", *flags)
     wait_until(lambda: alive(real_redis, prefix, "holder"), START_TIMEOUT_S)
@@ -183,20 +181,6 @@ def test_a_routed_worker_killed_mid_run_loses_nothing(
         rids.append(client.submit(p, **kw))
         time.sleep(0.05)
 
-    def holder_mid_request():
-        owned = real_redis.xpending_range(keys.requests, "workers", "-", "+", 100,
-                                          consumername="holder")
-        progress = [raw_chunks(real_redis, prefix, p["message_id"].decode()) for p in owned]
-        return any(len(c) >= 2 and not c[-1].finished for c in progress)
-
-    wait_until(holder_mid_request, 60)
-    holder.kill()
-    holder.wait()
-    for rid in rids:
-        assert list(client.stream(rid, timeout=90))[-1].finish_reason == "length"
-    assert_match_llm_generate(tiny_llm, real_redis, prefix, rids, reqs)
-    wait_until(lambda: pending(real_redis, prefix) == 0)
-    survivor.send_signal(signal.SIGTERM)
-    _, log = survivor.communicate(timeout=30)
-    assert survivor.returncode == 0, log
+    kill_mid_request(real_redis, prefix, holder, "holder", timeout=60)
+    log = drained_log(tiny_llm, client, real_redis, prefix, rids, reqs, survivor, timeout=90)
     assert "event=routed" in log and "event=resumed" in log

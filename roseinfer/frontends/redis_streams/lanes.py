@@ -9,9 +9,11 @@ many entries from the backlog's head as it has free slots more than the stream h
 unread. The stream then holds little more than the fleet can start at once, and a request
 added to it waits behind at most that much.
 
-Starvation is bounded here too: an entry that has waited ``max_wait_s`` in the backlog is
-moved by the next worker round whatever the stream holds (the worker's
-priority_aging_s; inside the engine, the scheduler's aging takes over).
+Starvation is bounded here too: an entry of priority p at the backlog's head that has
+waited p x ``max_wait_s`` (the worker's priority_aging_s) is moved by the next worker round
+whatever the stream holds; it then ranks with the entries arriving after it, as the
+scheduler's aging has it. The backlog is in arrival order: an entry behind the head waits
+for the head.
 """
 from __future__ import annotations
 
@@ -19,11 +21,26 @@ import time
 
 from roseinfer.frontends.redis_streams.protocol import Keys
 
-# KEYS: the request stream, the backlog. ARGV: group, free slots, max wait (ms).
+# KEYS: the request stream, the backlog. ARGV: group, free slots, max wait (ms) per unit of
+# priority (read from the entry: its body's, or a shell-form field; 1 if neither).
 # Acknowledged entries are deleted (ownership.py), so the stream's length less its
 # pending entries is what waits unread. An entry without a rid keeps its backlog ID as
 # its rid: that is the ID its client was given. Returns the entries moved and left.
 PROMOTE_SCRIPT = """
+local function priority(fields)
+  local p = 1
+  for i = 1, #fields, 2 do
+    if fields[i] == 'priority' then
+      p = tonumber(fields[i + 1]) or p
+    elseif fields[i] == 'body' and cmsgpack then
+      local ok, body = pcall(cmsgpack.unpack, fields[i + 1])
+      if ok and type(body) == 'table' and tonumber(body.priority) then
+        p = tonumber(body.priority)
+      end
+    end
+  end
+  return math.max(p, 1)
+end
 local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1])
 if pending.err then
   return {0, redis.call('XLEN', KEYS[2])}
@@ -34,7 +51,8 @@ now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local moved = 0
 for _, entry in ipairs(redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', math.max(room, 1))) do
   local id, fields = entry[1], entry[2]
-  if moved >= room and now - tonumber(string.match(id, '^(%d+)')) < tonumber(ARGV[3]) then
+  local waited = now - tonumber(string.match(id, '^(%d+)'))
+  if moved >= room and waited < priority(fields) * tonumber(ARGV[3]) then
     break
   end
   local has_rid = false

@@ -5,8 +5,8 @@ loop's own round trips; docs/protocol.md, "Routing"):
 - ``cached:C``, a set of the block hashes in its prefix cache (core/blocks.py), changed each
   round by what the block manager's journal says was cached or evicted: never more members
   than the worker has KV blocks;
-- ``roots:C``, the first-block hashes of its newest cached prompts (a list, the newest
-  ROOTS_KEPT);
+- ``roots:C``, the first-block hashes of the prompts it cached or reused most recently (a
+  list, the newest ROOTS_KEPT);
 - ``load:C``, its unfinished sequences and how many roots it has listed, rewritten when
   they change and expiring with its heartbeat, so a dead worker's is gone within three
   heartbeats;
@@ -23,11 +23,7 @@ unless that peer is loaded past a bound: it runs ``max_load`` x its max_num_seqs
 or more, or more than ``max_excess`` (default: an eighth of its max_num_seqs, at least 2)
 beyond this worker's own (SGLang's router balances the same way). Else it stays here.
 
-Handing it over is one script (FORWARD_SCRIPT): if the entry is still this worker's, its
-ownership moves to the peer (XCLAIM with JUSTID: not a delivery) and a copy of its fields
-goes to the peer's inbox stream, which the peer reads in the same blocking XREADGROUP as the
-shared stream. From then on the entry is the peer's as if it had read it itself: refreshed
-by it, acknowledged with its final chunk, claimed by others if it dies (ownership.py).
+Handing it over is inbox.py's.
 """
 from __future__ import annotations
 
@@ -42,31 +38,14 @@ import msgpack
 from redis.exceptions import RedisError
 
 from roseinfer.core.blocks import prompt_hashes
-from roseinfer.frontends.redis_streams.ownership import OWNER_LUA
 from roseinfer.frontends.redis_streams.protocol import Keys
 
 log = logging.getLogger("roseinfer.worker")
 
-# The entry ID in an inbox entry; the other fields are the request entry's own.
-INBOX_ENTRY_FIELD = b"_entry"
-INBOX_MAXLEN = 10_000      # an inbox is drained every round; this only guards Redis
 FLEET_EVERY_S = 1.0        # how often a router rereads the fleet's names
 WATCH_EVERY_S = 0.01       # at most this often a round trip carries the mirror's reads
 ROOTS_KEPT = 4096          # first blocks a worker lists, and a mirror keeps per peer
 MAX_LOOKUP_BLOCKS = 512    # prompt blocks looked up per entry (8,192 tokens of 16)
-
-# KEYS: the request stream, the peer's inbox. ARGV: group, this consumer, entry ID, the
-# peer, the inbox's expiry (s), then the entry's fields. Returns 1 if handed over.
-FORWARD_SCRIPT = OWNER_LUA + """
-if owner(KEYS[1], ARGV[1], ARGV[3]) ~= ARGV[2] then
-  return 0
-end
-redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[4], 0, ARGV[3], 'JUSTID')
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', %d, '*', '%s', ARGV[3], unpack(ARGV, 6))
-redis.call('EXPIRE', KEYS[2], ARGV[5])
-return 1
-""" % (INBOX_MAXLEN, INBOX_ENTRY_FIELD.decode())
-
 
 @dataclass(frozen=True)
 class RouteConfig:
@@ -309,21 +288,6 @@ class Router:
             peers.append(_Peer(name, load["unfinished"] + self._routed.get(name, 0),
                                load["max_num_seqs"] * self.max_load, excess))
         return peers
-
-
-def forward(pipe, keys: Keys, group: str, consumer: str, entry_id: str, fields: dict,
-            peer: str, ttl_s: int) -> None:
-    """Queue the hand-over of an entry this worker owns to ``peer`` (FORWARD_SCRIPT)."""
-    flat = [x for kv in fields.items() for x in kv]
-    pipe.execute_command("EVAL", FORWARD_SCRIPT, 2, keys.requests, keys.inbox(peer), group,
-                         consumer, entry_id, peer, ttl_s, *flat)
-
-
-def from_inbox(fields: dict) -> tuple[Optional[str], dict]:
-    """(the request entry's ID, its own fields) of an inbox entry."""
-    entry_id = fields.get(INBOX_ENTRY_FIELD)
-    rest = {k: v for k, v in fields.items() if k != INBOX_ENTRY_FIELD}
-    return (entry_id.decode() if entry_id is not None else None), rest
 
 
 def _leading(flags) -> int:

@@ -15,7 +15,8 @@ def collect(redis: Redis, keys: Keys, group: str) -> dict:
     now = seconds + micros / 1e6  # Redis's clock, the one entry IDs come from
     workers = read_heartbeats(redis, keys)
     status = {"stream": keys.requests, "group": group, "waiting": 0, "oldest_waiting_s": None,
-              "pending": 0, "dead": redis.xlen(keys.dead), "workers": workers, "orphans": []}
+              "pending": 0, "dead": redis.xlen(keys.dead), "backlog": redis.xlen(keys.backlog),
+              "workers": workers, "orphans": []}
     groups = redis.xinfo_groups(keys.requests) if redis.exists(keys.requests) else []
     info = next((g for g in groups if g["name"].decode() == group), None)
     if info is None:
@@ -47,7 +48,8 @@ def _waiting(redis: Redis, keys: Keys, info: dict) -> int:
 def render(s: dict) -> str:
     oldest = "" if s["oldest_waiting_s"] is None else f", oldest {s['oldest_waiting_s']:.1f}s"
     queue = (f"queue {s['stream']} (group {s['group']}): {s['waiting']} waiting{oldest}, "
-             f"{s['pending']} pending, {s['dead']} dead-lettered")
+             f"{s['pending']} pending, {s['dead']} dead-lettered, {s['backlog']} in the backlog "
+             "(priority > 0)")
     lines = [queue, f"workers: {len(s['workers'])} alive"]
     if s["workers"]:
         lines.append(f"  {'CONSUMER':<28} {'STATUS':<9} {'IN-FLIGHT':>9} {'RUNNING':>7} "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from redis import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams import engine_health
@@ -34,6 +34,7 @@ from roseinfer.frontends.redis_streams.admission import Admission
 from roseinfer.frontends.redis_streams.connection import follow_slots, is_cluster
 from roseinfer.frontends.redis_streams.events import event, log
 from roseinfer.frontends.redis_streams.heartbeat import Heartbeat
+from roseinfer.frontends.redis_streams import inbox
 from roseinfer.frontends.redis_streams.inflight import RUN_ALONE_FROM_DELIVERY, InFlight
 from roseinfer.frontends.redis_streams.lanes import Backlog
 from roseinfer.frontends.redis_streams.metrics import Metrics
@@ -44,8 +45,7 @@ from roseinfer.frontends.redis_streams.pace import Pace
 from roseinfer.frontends.redis_streams.publisher import Publisher
 from roseinfer.frontends.redis_streams.protocol import (
     DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, chunk_body, entry_time, error_chunk, reply_rid)
-from roseinfer.frontends.redis_streams.routing import (
-    CacheReport, RouteConfig, Router, forward, from_inbox)
+from roseinfer.frontends.redis_streams.routing import CacheReport, RouteConfig, Router
 from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, read_takeovers
 
 # Cancels of requests this worker has not read yet: remembered so that a request cancelled
@@ -53,10 +53,6 @@ from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, re
 MAX_REMEMBERED_CANCELS = 10_000
 # GIL hand-over while the worker runs: see run(). (docs/benchmarks.md, "Through Redis")
 STEP_LOOP_SWITCH_INTERVAL_S = 0.0005
-# Entries handed over by other workers (routing.py) read per round while no slot is free,
-# and at most left unread when the worker stops (handed back to the group).
-INBOX_READ_COUNT = 16
-INBOX_LEAVE_COUNT = 10_000
 
 
 def default_consumer_name() -> str:
@@ -139,11 +135,12 @@ class Worker:
         self.pace = Pace(progress_every_s, claim_idle_ms, self._totals)
         self.backlog = Backlog(self.keys, group, getattr(engine.config, "priority_aging_s", 10.0))
         # route None: every entry read here is served here (routing.py)
-        self.report = self.router = None
+        self.report = self.router = self.inbox = None
         if route is not None:
             # Its keys outlive a heartbeat missed while the worker blocks on an idle read.
             ttl_s = self.heartbeat.ttl_s + math.ceil(block_ms / 1000)
             self.report = CacheReport(self.keys, self.consumer, engine, ttl_s)
+            self.inbox = inbox.Inbox(redis, self.keys, group, self.consumer, ttl_s)
             holds = self.report.blocks.cached.__contains__ if self.report.blocks else None
             if holds is not None:
                 self.router = Router(redis, self.keys, self.consumer, engine.config.block_size,
@@ -210,7 +207,7 @@ class Worker:
         unfinished = len(self._inflight) + len(self._suspects)
         self._hand_back_all()
         self.outbox.write(self.heartbeat.remove)
-        if self.report is not None:
+        if self.inbox is not None:
             self._hand_back_inbox()
             self.outbox.write(self.report.leave)
         self.outbox.send()
@@ -261,12 +258,12 @@ class Worker:
             self.backlog.promote(pipe, plan.free)
         if self.router is not None:
             plan.watch = self.router.watch(pipe)
-        inbox = {self.keys.inbox(self.consumer): ">"} if self.report is not None else {}
+        handed = {self.inbox.key: ">"} if self.inbox is not None else {}
         if plan.slots:
-            pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">", **inbox},
+            pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">", **handed},
                             count=plan.slots, block=plan.block)
-        elif inbox:  # no slot free, but entries handed here were placed for their prefix
-            pipe.xreadgroup(self.group, self.consumer, inbox, count=INBOX_READ_COUNT)
+        elif handed:  # no slot free, but entries handed here were placed for their prefix
+            pipe.xreadgroup(self.group, self.consumer, handed, count=inbox.READ_COUNT)
 
     def _parse_reads(self, plan: "_Plan", replies: list) -> tuple:
         """(cancel read, refresh replies, request read, decoded requests, inbox entry IDs,
@@ -285,7 +282,7 @@ class Worker:
                     shared = [self._decoded(i.decode(), f) for i, f in entries]
                     continue
                 inbox_ids = [i for i, _ in entries]
-                decoded += [self._decoded(*from_inbox(f)) for _, f in entries]
+                decoded += [self._decoded(*inbox.entry(f)) for _, f in entries]
         places = self._hand_over(shared) if self.router is not None and shared else {}
         return cancel_read, reads[:len(plan.owned)], request_read, decoded + shared, inbox_ids, \
             places
@@ -293,20 +290,9 @@ class Worker:
     def _hand_over(self, shared: list) -> dict[str, str]:
         """Hand the entries a peer should serve (routing.py) to it, here on the reader
         thread, so that they do not wait for this worker's step; returns {entry ID: peer}
-        for those no longer this worker's. One that could not be sent stays here."""
+        for those no longer this worker's."""
         places = self.router.place([(e, r) for e, _, r in shared if not isinstance(r, Exception)])
-        if not places:
-            return {}
-        fields = {e: f for e, f, _ in shared}
-        pipe = self.redis.pipeline(transaction=False)
-        for entry_id, peer in places.items():
-            forward(pipe, self.keys, self.group, self.consumer, entry_id, fields[entry_id], peer,
-                    self.report.ttl_s)
-        try:
-            replies = pipe.execute(raise_on_error=False)
-        except RedisError:  # not sent, or sent and lost: the fence drops what is not ours
-            return {}
-        return {e: p for (e, p), r in zip(places.items(), replies) if r == 1}
+        return self.inbox.hand_over(places, {e: f for e, f, _ in shared}) if places else {}
 
     def _decoded(self, entry_id: str, fields: dict) -> tuple:
         try:
@@ -326,7 +312,7 @@ class Worker:
                 self._cancel(f[b"rid"].decode(errors="replace"))
         if request_read and self._readable(request_read[0]):
             if inbox_ids:
-                self.outbox.write(self._done_inbox, inbox_ids)
+                self.outbox.write(self.inbox.done, inbox_ids)
             for entry_id, fields, request in decoded:
                 if entry_id is None:
                     continue  # not an inbox entry of this version: nothing to serve
@@ -377,8 +363,8 @@ class Worker:
 
     def _ensure_group(self) -> None:
         streams = [self.keys.requests]
-        if self.report is not None:
-            streams.append(self.keys.inbox(self.consumer))
+        if self.inbox is not None:
+            streams.append(self.inbox.key)
         for stream in streams:
             try:
                 # From id 0: requests queued before the first worker started are served too.
@@ -498,26 +484,14 @@ class Worker:
         self.metrics.routed.inc()
         event("routed", entry=entry_id, to=peer)
 
-    def _done_inbox(self, pipe, ids: list) -> None:
-        inbox = self.keys.inbox(self.consumer)
-        pipe.xack(inbox, self.group, *ids)
-        pipe.xdel(inbox, *ids)
-
     def _hand_back_inbox(self) -> None:
         """Entries handed here that were not read yet: back to the group, claimable at once."""
-        inbox = self.keys.inbox(self.consumer)
-        try:
-            read = self.outage.call(lambda: self.redis.xreadgroup(
-                self.group, self.consumer, {inbox: ">"}, count=INBOX_LEAVE_COUNT))
-        except ResponseError:  # the inbox expired (NOGROUP): nothing was handed here since
-            return
-        entries = read[0][1] if read else []
-        for inbox_id, fields in entries:
-            entry_id, _ = from_inbox(fields)
+        left = self.inbox.leftovers(self.outage)
+        for _, entry_id in left:
             if entry_id is not None:
                 self.outbox.write(self.ownership.hand_back, entry_id, 1, False)
-        if entries:
-            self.outbox.write(self._done_inbox, [i for i, _ in entries])
+        if left:
+            self.outbox.write(self.inbox.done, [i for i, _ in left])
 
     def _hand_back_all(self) -> None:
         """Give every unfinished entry back to the group, not counted as a delivery."""
