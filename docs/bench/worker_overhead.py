@@ -42,6 +42,7 @@ class _Out:
     prompt_logprobs: object = None
     index: int = 0
     error: object = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -50,12 +51,16 @@ class _Stats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class NullEngine:
     """The engine contract at no cost: token t is followed by t+1, one letter of text each."""
     tokenizer = None
     vocab_size = 50_000
+    step_kind = "eager"
 
     def __init__(self, max_num_seqs: int, tokens_per_step: int, step_s: float = 0.0,
                  host_s: float = 0.0):
