@@ -66,6 +66,10 @@ def test_completions_and_chat_equal_llm_generate(chat_llm, start_worker, gateway
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.text
     assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
     assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == 12
+    # The same prompt again: every full block but the last token's came from the cache.
+    bs, usage = chat_llm.engine.config.block_size, parts[-1].usage
+    assert usage.prompt_tokens > bs
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // bs * bs
 
     streamed = api.completions.create(model="tiny", prompt="The capital of France is",
                                       max_tokens=12, temperature=0, stream=True)
