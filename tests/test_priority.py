@@ -3,6 +3,7 @@ victim under KV pressure, and the field through protocol v1 and the gateway."""
 import time
 
 import pytest
+import torch
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.core.errors import InvalidRequestError
@@ -80,10 +81,16 @@ def test_priority_through_the_protocol_and_the_gateway():
     assert e.value.param == "priority"
 
 
-def test_a_full_batch_gives_a_slot_up_to_a_higher_priority_request():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_full_batch_gives_a_slot_up_to_a_higher_priority_request(device):
     """One sequence slot, a low-priority request running: a high-priority one arriving
-    takes its slot at once, and the low one is recomputed to the same tokens after."""
-    with LLM(tiny_llama(), device="cpu", dtype="float32", max_num_seqs=1,
+    takes its slot at once, and the low one is recomputed to the same tokens after (on
+    CUDA with graphs and the next step launched before the last one's tokens are back)."""
+    with LLM(tiny_llama(), device=device, dtype="float32", max_num_seqs=1,
              num_kv_blocks=64, cpu_compiled_step="off") as llm:
         params = lambda p: SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                           priority=p)
