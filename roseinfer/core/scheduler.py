@@ -77,10 +77,12 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
+        preemptions = self.num_preemptions
         if self.prioritized:
             self.running.sort(key=self.rank)
+            # The head is admitted next step, as after any preemption: admitting it in this
+            # one measured worse at p99 (docs/benchmarks.md, "Priorities").
             self._give_slots_up()
-        preemptions = self.num_preemptions  # for want of blocks: then nothing is admitted
         prefill = self._prefill_budget()
         budget, prefill = self._schedule_running(batch, self.budget, prefill)
         if self.num_preemptions == preemptions:  # admit nothing while preempting
@@ -91,9 +93,7 @@ class Scheduler:
 
     def _give_slots_up(self) -> None:
         """Every slot taken: a running sequence that the head of the queue outranks goes
-        back to wait, and the head is admitted in its place this step (running is in rank
-        order). Its blocks and row are reused as a finished sequence's are, while its last
-        token may still be in flight."""
+        back to wait, so that the head is admitted (running is in rank order)."""
         running, waiting = self.running, self.waiting
         while (waiting and len(running) >= self.max_num_seqs
                and self.rank(running[-1]) > self.rank(waiting[0])
