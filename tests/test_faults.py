@@ -116,3 +116,34 @@ def test_a_broken_engine_fails_nobody(llama_model, monkeypatch):
     clean = fused_llm(llama_model).generate(PROMPTS[:4], [params(i) for i in range(4)])
     assert sorted((o.request_id, o.token_ids) for o in outs) == \
         [(f"r{i}", c.token_ids) for i, c in enumerate(clean)]
+
+
+def test_a_second_thread_stepping_the_same_engine_is_refused(llama_model, monkeypatch):
+    """Two callers of one engine would take each other's outputs: the second is told so,
+    and the first's step finishes untouched."""
+    import threading
+
+    llm = fused_llm(llama_model)
+    llm.engine.add_request("r0", PROMPTS[0], params(0))
+    inside, resume = threading.Event(), threading.Event()
+    launch = llm.engine.runner.launch
+
+    def held(*args, **kwargs):
+        inside.set()
+        resume.wait(30)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "launch", held)
+    first = threading.Thread(target=llm.engine.step)
+    first.start()
+    assert inside.wait(30)
+    with pytest.raises(RuntimeError, match="one caller at a time"):
+        llm.engine.step()
+    resume.set()
+    first.join(30)
+    monkeypatch.undo()
+    outs = []
+    while llm.engine.has_unfinished():
+        outs += [o for o in llm.engine.step() if o.finished]
+    (clean,) = fused_llm(llama_model).generate([PROMPTS[0]], params(0))
+    assert [o.token_ids for o in outs] == [clean.token_ids]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -102,6 +103,7 @@ class Engine:
                                             self.vocab_size, self.max_model_len)
         self._aborted: list[Sequence] = []
         self._in_flight = None
+        self._stepping = threading.Lock()
         settle_heap()
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d%s",
                  type(self.model).__name__, self.device, self.dtype, num_blocks,
@@ -298,6 +300,16 @@ class Engine:
         out finished has at most one extra token computed and dropped. A step
         that raises costs only the request that made it raise (core/faults.py).
         """
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("Engine.step() called from a second thread while another step "
+                               "runs: an engine has one caller at a time (stop the Worker "
+                               "serving it before calling LLM.generate on it)")
+        try:
+            return self._step()
+        finally:
+            self._stepping.release()
+
+    def _step(self) -> list[RequestOutput]:
         outputs = [self._output(seq, []) for seq in self._aborted]
         for seq in self._aborted:
             self._forget(seq)

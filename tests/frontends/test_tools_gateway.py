@@ -75,13 +75,14 @@ def calls_of(message):
 
 
 def test_a_call_then_its_result_then_an_answer(tool_llm, start_worker, gateway):
-    start_worker(tool_llm.engine)
+    want = reference_calls(tool_llm, MESSAGES)  # before the worker: one caller per engine
+    worker = start_worker(tool_llm.engine)
     api = client(gateway())
     reply = api.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
                                         tool_choice="required", max_tokens=80, temperature=0)
     choice = choice0 = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert calls_of(choice.message) == reference_calls(tool_llm, MESSAGES)
+    assert calls_of(choice.message) == want
     for call in choice.message.tool_calls:
         assert call.id.startswith("call_") and call.type == "function"
         schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -95,6 +96,7 @@ def test_a_call_then_its_result_then_an_answer(tool_llm, start_worker, gateway):
         {"role": "tool", "tool_call_id": turn.id, "content": "Sunny, 21 C."}]
     answer = api.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
                                          max_tokens=12, temperature=0)
+    worker.stop()  # the reference below uses the same engine
     # what transformers renders for the same turns (arguments as an object, as templates
     # take them), greedy through the engine
     rendered = history[:1] + [
@@ -245,6 +247,7 @@ def test_roseinfer_submit_with_a_tools_file(tool_llm, start_worker, redis_server
 
     from .conftest import roseinfer_cmd as roseinfer
 
+    want = reference_calls(tool_llm, MESSAGES)  # before the worker: one caller per engine
     start_worker(tool_llm.engine)
     (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
     submit = ["submit", "--redis-url", redis_server.url, "--prefix", prefix, "--no-stream",
@@ -255,8 +258,7 @@ def test_roseinfer_submit_with_a_tools_file(tool_llm, start_worker, redis_server
     assert called.returncode == 0, called.stderr
     lines = called.stdout.strip().split("\n")
     got = [json.loads(line)["tool_call"]["function"] for line in lines]
-    assert [(f["name"], json.loads(f["arguments"])) for f in got] == \
-        reference_calls(tool_llm, MESSAGES)
+    assert [(f["name"], json.loads(f["arguments"])) for f in got] == want
     assert called.stderr.startswith("[tool_calls: ")
     (tmp_path / "bad.json").write_text(json.dumps([{"type": "function"}]))
     bad = subprocess.run(roseinfer(*submit[:-1], str(tmp_path / "bad.json")), text=True,
