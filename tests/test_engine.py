@@ -1,4 +1,6 @@
 """Engine behaviour: preemption, abort, sampling, stop conditions, bad input."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -114,9 +116,12 @@ def test_small_batches_step_one_token_at_a_time(gpt2_model):
     assert chunks == [1] * 5
 
 
-def test_prefill_beside_decoding_sequences_is_capped(gpt2_model):
+@pytest.mark.parametrize("priority, chunks", [(0, [5, 5, 5, 5, 2]), (1, [5, 5, 5, 5, 2]),
+                                               (-1, [22])])
+def test_prefill_beside_decoding_sequences_is_capped(gpt2_model, priority, chunks):
     """A prompt prefills in one step alone, and in chunks of at most
-    max_mixed_prefill_tokens while another sequence decodes."""
+    max_mixed_prefill_tokens while another sequence decodes, unless it is more urgent
+    than the sequence decoding (a lower priority value): then in one step."""
     eng = llm_for(gpt2_model, max_num_batched_tokens=64, max_mixed_prefill_tokens=5).engine
     batches, schedule = [], eng.scheduler.schedule
 
@@ -130,14 +135,14 @@ def test_prefill_beside_decoding_sequences_is_capped(gpt2_model):
     ids = {"a": [], "b": []}
     for i in range(14):
         if i == 1:
-            eng.add_request("b", second, GREEDY)
+            eng.add_request("b", second, dataclasses.replace(GREEDY, priority=priority))
         for out in eng.step():
             ids[out.request_id] += out.new_token_ids
     while eng.has_unfinished():
         for out in eng.step():
             ids[out.request_id] += out.new_token_ids
     assert batches[0] == [20]
-    assert [b[1] for b in batches if len(b) == 2 and b[1] > 1] == [5, 5, 5, 5, 2]
+    assert [b[1] for b in batches if len(b) == 2 and b[1] > 1] == chunks
     assert ids == {"a": hf_greedy(gpt2_model, first, 16), "b": hf_greedy(gpt2_model, second, 16)}
 
 

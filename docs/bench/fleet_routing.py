@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,14 @@ class Fleet:
     def routed(self) -> int:
         return sum(open(log.name).read().count("event=routed") for log in self.logs)
 
+    def admissions(self) -> dict[str, tuple[float, bool]]:
+        """rid -> (seconds from its XADD to its engine, whether a peer handed it over),
+        from the workers' event=admitted and event=routed lines."""
+        text = "".join(open(log.name).read() for log in self.logs)
+        routed = set(re.findall(r"event=routed entry=(\S+)", text))
+        return {rid: (float(queue_s), entry in routed) for rid, entry, queue_s in
+                re.findall(r"event=admitted rid=(\S+) entry=(\S+) queue_s=(\S+)", text)}
+
 
 async def one(client: AsyncClient, prompt: list[int], max_tokens: int, **params) -> dict:
     sent = time.monotonic()
@@ -114,7 +123,7 @@ async def one(client: AsyncClient, prompt: list[int], max_tokens: int, **params)
             ttft = time.monotonic() - sent
         ids += chunk.token_ids
         usage = chunk.usage or usage
-    return {"ttft": ttft, "e2e": time.monotonic() - sent, "ids": ids, "sent": sent,
+    return {"rid": rid, "ttft": ttft, "e2e": time.monotonic() - sent, "ids": ids, "sent": sent,
             "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage.get("cached_tokens", 0)}
 
 
@@ -183,7 +192,7 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def summary(results: list[dict], wall: float) -> dict:
+def summary(results: list[dict], wall: float, admissions: dict) -> dict:
     prompt = sum(r["prompt_tokens"] for r in results)
     cached = sum(r["cached_tokens"] for r in results)
     ttft = [r["ttft"] for r in results]
@@ -191,7 +200,23 @@ def summary(results: list[dict], wall: float) -> dict:
             "prompt_tokens": prompt, "cached_tokens": cached,
             "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99),
             "req_per_s": len(results) / wall,
-            "completion_tok_per_s": sum(len(r["ids"]) for r in results) / wall, "wall_s": wall}
+            "completion_tok_per_s": sum(len(r["ids"]) for r in results) / wall, "wall_s": wall,
+            **ttft_parts(results, admissions)}
+
+
+def ttft_parts(results: list[dict], admissions: dict) -> dict:
+    """TTFT p50 split at admission: queue (XADD to the serving worker's engine, a routing
+    hand-over included) and engine (the rest: waiting for a step, prefill, the reply's way
+    back), for the requests served where they were read and for those handed over."""
+    parts = {}
+    for kind, routed in (("direct", False), ("routed", True)):
+        rows = [(r["ttft"], admissions[r["rid"]][0]) for r in results
+                if admissions.get(r["rid"], (0, None))[1] is routed]
+        parts[kind] = {"requests": len(rows),
+                       "ttft_p50_ms": 1000 * pct([t for t, _ in rows], 0.5),
+                       "queue_p50_ms": 1000 * pct([q for _, q in rows], 0.5),
+                       "engine_p50_ms": 1000 * pct([t - q for t, q in rows], 0.5)}
+    return parts
 
 
 async def run(args, url: str, workers: int, route: bool) -> dict:
@@ -212,11 +237,11 @@ async def run(args, url: str, workers: int, route: bool) -> dict:
                 parts = await priority(client, args, rng)
                 wall = time.monotonic() - started
                 return {"workers": workers, "route": route, "routed": fleet.routed(),
-                        **{k: summary(v, wall) if isinstance(v, list) else v
-                           for k, v in parts.items()}}
+                        **{k: summary(v, wall, fleet.admissions()) if isinstance(v, list)
+                           else v for k, v in parts.items()}}
             wall = time.monotonic() - started
         return {"workers": workers, "route": route, "routed": fleet.routed(),
-                **summary(results, wall)}
+                **summary(results, wall, fleet.admissions())}
     finally:
         fleet.stop()
 

@@ -12,12 +12,15 @@ aging periods later. The waiting queue is in rank order, running sequences are s
 it, and the one preempted under KV pressure is the highest-ranked not yet served this
 step. When every sequence slot is taken and the head of the queue outranks a running
 sequence, that one gives its slot up (vLLM's priority preemption). A preempted sequence
-goes back ahead of every waiting one of its rank or a later one. With every priority
+goes back ahead of every waiting one of its rank or a later one. The mixed-prefill cap,
+which keeps a prefill from slowing the sequences that decode beside it, does not hold a
+prefill more urgent (a lower priority value) than every one of them. With every priority
 equal, all of this is the order above (arrival). Starvation is bounded: a request waits
 behind later arrivals of a lower priority value q for at most (p - q) x priority_aging_s.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +38,26 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+
+@dataclass
+class StepBudget:
+    """What a step may still carry: tokens, and prefill tokens under the mixed cap, which
+    holds only prefills of a priority value at or above ``capped_from`` (the most urgent
+    decoding sequence's: the cap protects decoders from work no more urgent than theirs)."""
+    tokens: int
+    prefill: int
+    capped_from: float = -math.inf
+
+    def room(self, seq: Sequence, decoding: bool) -> int:
+        if decoding or seq.params.priority < self.capped_from:
+            return self.tokens
+        return min(self.tokens, self.prefill)
+
+    def spend(self, seq: Sequence, n: int, decoding: bool) -> None:
+        self.tokens -= n
+        if not decoding and seq.params.priority >= self.capped_from:
+            self.prefill -= n
 
 
 class Scheduler:
@@ -83,10 +106,10 @@ class Scheduler:
             # The head is admitted next step, as after any preemption: admitting it in this
             # one measured worse at p99 (docs/benchmarks.md, "Priorities").
             self._give_slots_up()
-        prefill = self._prefill_budget()
-        budget, prefill = self._schedule_running(batch, self.budget, prefill)
+        budget = self._step_budget()
+        self._schedule_running(batch, budget)
         if self.num_preemptions == preemptions:  # admit nothing while preempting
-            self._admit_waiting(batch, min(budget, prefill))
+            self._admit_waiting(batch, budget)
         if self.decode_steps > 1 and len(batch.seqs) >= self.window_min_seqs:
             self._widen(batch)
         return batch
@@ -114,40 +137,38 @@ class Scheduler:
         if steps > 1 and all(reserve(s, steps) for s in batch.seqs):
             batch.steps = steps
 
-    def _prefill_budget(self) -> int:
-        """Prefill tokens this step may carry: the whole budget, or the mixed
-        cap when a running sequence decodes (it waits for the whole step)."""
-        if self.mixed_prefill is not None and any(
-                len(s.token_ids) + s.pending - s.num_computed == 1 for s in self.running):
-            return self.mixed_prefill
-        return self.budget
+    def _step_budget(self) -> StepBudget:
+        """The whole token budget; prefills capped to the mixed cap when a running
+        sequence decodes (it waits for the whole step)."""
+        decoding = [s.params.priority for s in self.running
+                    if len(s.token_ids) + s.pending - s.num_computed == 1]
+        if self.mixed_prefill is None or not decoding:
+            return StepBudget(self.budget, self.budget)
+        return StepBudget(self.budget, self.mixed_prefill, min(decoding))
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int,
-                          prefill: int) -> tuple[int, int]:
-        """Serve running sequences; returns the (token, prefill) budgets left."""
+    def _schedule_running(self, batch: ScheduledBatch, budget: StepBudget) -> None:
+        """Serve running sequences, spending ``budget``."""
         running, reserve = self.running, self.blocks.reserve
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget.tokens > 0:
             seq = running[i]
             total = len(seq.token_ids) + seq.pending
-            left = total - seq.num_computed
-            if total >= seq.max_len or (left > 1 and prefill == 0):
+            decoding = total - seq.num_computed == 1
+            n = min(total - seq.num_computed, budget.room(seq, decoding))
+            if total >= seq.max_len or n == 0:
                 i += 1  # its last token is in flight, or no prefill budget is left
                 continue
-            n = min(left, budget) if left == 1 else min(left, budget, prefill)
-            if left == 1 and seq.draft is not None:
-                n = self._fit_draft(batch, seq, budget)
+            if decoding and seq.draft is not None:
+                n = self._fit_draft(batch, seq, budget.tokens)
             while not reserve(seq, n):
                 victim = running.pop()  # the latest-ranked (running is in rank order)
                 self._preempt(victim)
                 if victim is seq:
-                    return budget, prefill
+                    return
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
-            budget -= n
-            prefill -= n if left > 1 else 0
+            budget.spend(seq, n, decoding)
             i += 1
-        return budget, prefill
 
     def _fit_draft(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         """Tokens ``seq`` computes: its last, then as much of its draft as the token
@@ -159,16 +180,17 @@ class Scheduler:
         seq.draft = None
         return 1
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: StepBudget) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.pending:  # preempted while its last token was in flight
+            room = budget.room(seq, decoding=False)
+            if seq.pending or room <= 0:  # its last token in flight (preempted), or no budget
                 break
             if not seq.block_table:  # else it holds blocks shared with it (Engine._queue)
                 seq.num_computed = self.blocks.match_prefix(seq)
                 if seq.num_cached_tokens is None:  # what the cache saved it, first time in
                     seq.num_cached_tokens = seq.num_computed
-            n = min(seq.num_scheduled_tokens - seq.num_computed, budget)
+            n = min(seq.num_scheduled_tokens - seq.num_computed, room)
             if not self.blocks.reserve(seq, n):
                 self.blocks.free_seq(seq)
                 break
@@ -177,7 +199,7 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
-            budget -= n
+            budget.spend(seq, n, decoding=False)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_seq(seq)

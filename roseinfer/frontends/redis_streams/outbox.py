@@ -287,13 +287,14 @@ class Outbox:
         if not reads.empty:
             self._reader.put(reads)
 
-    def deliver(self, wait: bool = False) -> None:
+    def deliver(self, wait: bool = False, within: float = 0.0) -> None:
         """Run on_replies for every round whose reads came back (with wait: at least one,
-        if any is out)."""
+        if any is out; with within: waiting that many seconds at most for the first)."""
         self._check()
         while self.reads_out:
             try:
-                on_replies, replies, at = self._replies.get(block=wait, timeout=0.1)
+                on_replies, replies, at = self._replies.get(block=wait or within > 0,
+                                                            timeout=0.1 if wait else within)
             except queue.Empty:
                 if not wait:
                     return
@@ -301,7 +302,7 @@ class Outbox:
                 continue
             self.reads_out -= 1
             on_replies(replies, at)
-            wait = False
+            wait, within = False, 0.0
 
     def send(self, add_reads: Optional[Callable] = None) -> list:
         """Send every round so far and this one, in order, then add_reads(pipe)'s reads,

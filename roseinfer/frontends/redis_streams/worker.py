@@ -53,6 +53,10 @@ from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, re
 MAX_REMEMBERED_CANCELS = 10_000
 # GIL hand-over while the worker runs: see run(). (docs/benchmarks.md, "Through Redis")
 STEP_LOOP_SWITCH_INTERVAL_S = 0.0005
+# How long a busy worker with free slots waits for the read it just sent, so that the
+# entries it brings are launched in the next step rather than the one after: the device
+# runs the step just launched meanwhile (docs/benchmarks.md, "Reading every step").
+READ_WAIT_S = 0.002
 
 
 def default_consumer_name() -> str:
@@ -229,8 +233,14 @@ class Worker:
     # --- Redis round trips --------------------------------------------------------------
 
     def _exchange(self) -> None:
-        """Post this iteration's round trip (with reads unless earlier ones are still out)
-        and act on the reads that are back: on all of them, waiting, when the engine is idle."""
+        """Act on the reads that are back, then post this iteration's round trip (with reads
+        unless earlier ones are still out); waiting for its reads when the engine is idle.
+        Reads back before the post are acted on first, so that a busy worker reads every
+        step: acted on after the post, they came back a step later, and the next read
+        went out only then (every other step)."""
+        busy = self.engine.has_unfinished()
+        if busy:
+            self.outbox.deliver()
         if self.heartbeat.due():
             status = "draining" if self.stopping else "serving"
             self.outbox.write(self.heartbeat.write, status, **self._live_status())
@@ -246,6 +256,9 @@ class Worker:
             self.outbox.post(lambda pipe: self._add_reads(pipe, plan),
                              lambda reads, at: self._on_reads(plan, reads, at),
                              lambda replies: self._parse_reads(plan, replies))
+            if busy and plan.slots and plan.open:
+                self.outbox.deliver(within=READ_WAIT_S)
+                return
         self.outbox.deliver(wait=not self.engine.has_unfinished())
 
     def _add_reads(self, pipe, plan: "_Plan") -> None:
