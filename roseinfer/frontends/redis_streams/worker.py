@@ -5,7 +5,8 @@ the step's writes (chunks, acks, the heartbeat), reads new cancels, refreshes it
 on its in-flight entries when due, and reads as many new requests as there are free
 slots, blocking only while the engine is idle. The round trip, and turning the step's
 outputs into chunks, happen on the outbox's sender thread while the loop runs the next
-step; the loop admits what the reads brought once they are back (outbox.py). A few
+step; the loop admits what the reads brought once they are back (outbox.py; reads.py says
+what a round reads). A few
 times per claim period, a worker with free slots also claims abandoned entries.
 
 The guarantees (docs/operations.md): a request entry is acknowledged only together with
@@ -22,7 +23,6 @@ import socket
 import sys
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import Optional
 
 from redis import Redis
@@ -43,6 +43,7 @@ from roseinfer.frontends.redis_streams.outbox import Outbox
 from roseinfer.frontends.redis_streams.ownership import Ownership
 from roseinfer.frontends.redis_streams.pace import Pace
 from roseinfer.frontends.redis_streams.publisher import Publisher
+from roseinfer.frontends.redis_streams.reads import ReadPlan, Reads, RoundReads
 from roseinfer.frontends.redis_streams.protocol import (
     DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, chunk_body, entry_time, error_chunk, reply_rid)
 from roseinfer.frontends.redis_streams.routing import CacheReport, RouteConfig, Router
@@ -65,18 +66,6 @@ def default_consumer_name() -> str:
 
 class EngineFailed(RuntimeError):
     """engine.step() failed and the engine could not serve even a one-token probe after."""
-
-
-@dataclass
-class _Plan:
-    """What a step's round trip does besides sending writes and reading cancels."""
-    owned: list         # InFlight and Takeover entries to refresh (often none)
-    slots: int          # new requests to read
-    block: Optional[int]
-    open: bool          # taking entries: not stopping, no suspect running alone
-    free: int           # slots free now: backlog entries to move into the stream (lanes.py)
-    promote: bool       # move them this round
-    watch: int = 0      # replies of the routing mirror's reads (routing.py), set when sent
 
 
 class Worker:
@@ -131,7 +120,6 @@ class Worker:
         self._inflight: dict[str, InFlight] = {}
         self._suspects: deque[Takeover] = deque()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._cancel_cursor = "0-0"
         self._stop_at: Optional[float] = None
         self._engine_failure: Optional[BaseException] = None
         self.publisher = Publisher(self.keys, self.metrics)
@@ -149,6 +137,8 @@ class Worker:
             if holds is not None:
                 self.router = Router(redis, self.keys, self.consumer, engine.config.block_size,
                                      holds, engine.num_unfinished, route)
+        self.reads = Reads(self.keys, group, self.consumer, self.ownership, self.backlog,
+                           self.admission, self.router, self.inbox)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -156,7 +146,7 @@ class Worker:
         self.outage.call(self._ensure_group)
         # Cancels sent before this worker started concern requests it cannot own yet.
         last = self.outage.call(lambda: self.redis.xrevrange(self.keys.cancel, count=1))
-        self._cancel_cursor = last[0][0] if last else "0-0"
+        self.reads.cancel_cursor = last[0][0] if last else "0-0"
         if self.report is not None:
             self.outage.call(lambda: self.outbox.send(self.report.join))
         event("started", consumer=self.consumer, stream=self.keys.requests, group=self.group,
@@ -253,88 +243,33 @@ class Worker:
             self.outbox.post()
         else:
             plan = self._plan()
-            self.outbox.post(lambda pipe: self._add_reads(pipe, plan),
+            self.outbox.post(lambda pipe: self.reads.add(pipe, plan),
                              lambda reads, at: self._on_reads(plan, reads, at),
-                             lambda replies: self._parse_reads(plan, replies))
+                             lambda replies: self.reads.parse(plan, replies))
             if busy and plan.slots and plan.open:
                 self.outbox.deliver(within=READ_WAIT_S)
                 return
         self.outbox.deliver(wait=not self.engine.has_unfinished())
 
-    def _add_reads(self, pipe, plan: "_Plan") -> None:
-        pipe.xread({self.keys.cancel: self._cancel_cursor}, count=1000)
-        now = time.monotonic()  # when the round is sent: ages as Redis will see them
-        self.ownership.refresh(pipe, [(o.entry_id, now - o.refreshed_at) for o in plan.owned])
-        if not plan.open:
-            return
-        if plan.promote:
-            self.backlog.promote(pipe, plan.free)
-        if self.router is not None:
-            plan.watch = self.router.watch(pipe)
-        handed = {self.inbox.key: ">"} if self.inbox is not None else {}
-        if plan.slots:
-            pipe.xreadgroup(self.group, self.consumer, {self.keys.requests: ">", **handed},
-                            count=plan.slots, block=plan.block)
-        elif handed:  # no slot free, but entries handed here were placed for their prefix
-            pipe.xreadgroup(self.group, self.consumer, handed, count=inbox.READ_COUNT)
-
-    def _parse_reads(self, plan: "_Plan", replies: list) -> tuple:
-        """(cancel read, refresh replies, request read, decoded requests, inbox entry IDs,
-        {entry ID: worker} for entries to hand to another worker), off the loop."""
-        cancel_read, *reads = replies
-        at = len(plan.owned)
-        if plan.promote:
-            self.backlog.moved(reads[at])
-        if plan.watch:
-            self.router.watched(reads[at + plan.promote:at + plan.promote + plan.watch])
-        request_read = reads[at + plan.promote + plan.watch:]
-        decoded, inbox_ids, shared = [], [], []
-        if request_read and request_read[0] and not isinstance(request_read[0], Exception):
-            for stream, entries in request_read[0]:
-                if stream.decode() == self.keys.requests:
-                    shared = [self._decoded(i.decode(), f) for i, f in entries]
-                    continue
-                inbox_ids = [i for i, _ in entries]
-                decoded += [self._decoded(*inbox.entry(f)) for _, f in entries]
-        places = self._hand_over(shared) if self.router is not None and shared else {}
-        return cancel_read, reads[:len(plan.owned)], request_read, decoded + shared, inbox_ids, \
-            places
-
-    def _hand_over(self, shared: list) -> dict[str, str]:
-        """Hand the entries a peer should serve (routing.py) to it, here on the reader
-        thread, so that they do not wait for this worker's step; returns {entry ID: peer}
-        for those no longer this worker's."""
-        places = self.router.place([(e, r) for e, _, r in shared if not isinstance(r, Exception)])
-        return self.inbox.hand_over(places, {e: f for e, f, _ in shared}) if places else {}
-
-    def _decoded(self, entry_id: str, fields: dict) -> tuple:
-        try:
-            return entry_id, fields, self.admission(entry_id, fields)
-        except Exception as e:  # _admit reports it, as if it had decoded the entry itself
-            return entry_id, fields, e
-
-    def _on_reads(self, plan: "_Plan", reads: tuple, confirmed_at: float) -> None:
+    def _on_reads(self, plan: ReadPlan, reads: RoundReads, confirmed_at: float) -> None:
         """Cancels first, then new entries; ownership lost or kept."""
-        cancel_read, refreshed, request_read, decoded, inbox_ids, places = reads
-        self._keep_or_drop(plan.owned, refreshed, confirmed_at)
-        cancels = cancel_read[0][1] if cancel_read else []
-        if cancels:
-            self._cancel_cursor = cancels[-1][0]
-        for _, f in cancels:
+        self._keep_or_drop(plan.owned, reads.refreshed, confirmed_at)
+        self.reads.advance(reads.cancels)
+        for _, f in reads.cancels:
             if b"rid" in f:
                 self._cancel(f[b"rid"].decode(errors="replace"))
-        if request_read and self._readable(request_read[0]):
-            if inbox_ids:
-                self.outbox.write(self.inbox.done, inbox_ids)
-            for entry_id, fields, request in decoded:
+        if reads.request_read and self._readable(reads.request_read[0]):
+            if reads.inbox_ids:
+                self.outbox.write(self.inbox.done, reads.inbox_ids)
+            for entry_id, fields, request in reads.decoded:
                 if entry_id is None:
                     continue  # not an inbox entry of this version: nothing to serve
-                if entry_id in places:
-                    self._routed(entry_id, places[entry_id])
+                if entry_id in reads.places:
+                    self._routed(entry_id, reads.places[entry_id])
                 else:
                     self._admit(entry_id, fields, request=request)
 
-    def _plan(self) -> _Plan:
+    def _plan(self) -> ReadPlan:
         now = time.monotonic()
         owned = []
         if now >= self._next_refresh and (self._inflight or self._suspects):
@@ -342,7 +277,7 @@ class Worker:
             owned = [*self._inflight.values(), *self._suspects]
         idle = not (self.engine.has_unfinished() or self._suspects)
         is_open = not self._closed()
-        return _Plan(owned, self._read_slots(), self.block_ms if idle else None,
+        return ReadPlan(owned, self._read_slots(), self.block_ms if idle else None,
                      is_open, self._free_slots(), is_open and self.backlog.due())
 
     def _claim_due(self) -> bool:
