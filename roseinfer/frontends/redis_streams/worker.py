@@ -6,8 +6,8 @@ on its in-flight entries when due, and reads as many new requests as there are f
 slots, blocking only while the engine is idle. The round trip, and turning the step's
 outputs into chunks, happen on the outbox's sender thread while the loop runs the next
 step; the loop admits what the reads brought once they are back (outbox.py; reads.py says
-what a round reads). A few
-times per claim period, a worker with free slots also claims abandoned entries.
+what a round reads). A few times per claim period, a worker with free slots also claims
+abandoned entries.
 
 The guarantees (docs/operations.md): a request entry is acknowledged only together with
 its final chunk; a live worker keeps its entries, a dead one's are claimed and resumed
