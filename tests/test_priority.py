@@ -69,7 +69,8 @@ def test_priority_is_a_32_bit_integer():
 
 def test_priority_through_the_protocol_and_the_gateway():
     from roseinfer.frontends.openai.mapping import APIError, chat_call
-    from roseinfer.frontends.redis_streams.protocol import decode_request, encode_request
+    from roseinfer.frontends.redis_streams.protocol import encode_request
+    from roseinfer.frontends.redis_streams.request_entry import decode_request
     from tests.frontends.test_protocol import as_redis
 
     assert decode_request("1-0", as_redis(encode_request("x", priority=-3))).params.priority == -3

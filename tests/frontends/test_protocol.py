@@ -4,7 +4,8 @@ import pytest
 
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams.protocol import (
-    Chunk, Keys, Limits, decode_chunk, decode_request, encode_chunk, encode_request, reply_rid)
+    Chunk, Keys, Limits, decode_chunk, encode_chunk, encode_request)
+from roseinfer.frontends.redis_streams.request_entry import decode_request, reply_rid
 
 
 def as_redis(fields: dict) -> dict:

@@ -301,6 +301,17 @@ def test_transient_replies_are_told_apart_as_redis_py_raises_them():
         assert not is_transient(parse(reply)), reply
 
 
+def test_the_cluster_clients_node_table_race_is_transient():
+    """The error Python raises when redis-py's node table changes under a reader thread
+    (as in a failover's window) is tried again; other RuntimeErrors are not."""
+    table = {"a": 1, "b": 2}
+    with pytest.raises(RuntimeError) as race:
+        for key in table:
+            table[key + "'"] = table.pop(key)
+    assert is_transient(race.value)
+    assert not is_transient(RuntimeError("the engine failed"))
+
+
 def test_worker_settings_come_from_flags_then_the_config_file_then_defaults(tmp_path):
     config = tmp_path / "roseinfer.toml"
     config.write_text('[engine]\nmax_num_seqs = 4\n[worker]\nclaim_idle_ms = 5000\ngrace_s = 9.5\n')

@@ -15,7 +15,8 @@ from typing import Optional
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.plugins import default_registry
 from roseinfer.core.tools import ToolStream, parser_name
-from roseinfer.frontends.redis_streams.protocol import Chat, Limits, Request, decode_request
+from roseinfer.frontends.redis_streams.protocol import Chat, Limits, Request
+from roseinfer.frontends.redis_streams.request_entry import decode_request
 from roseinfer.models.tokenizers import as_chat
 
 

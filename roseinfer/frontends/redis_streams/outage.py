@@ -40,9 +40,18 @@ TRANSIENT_REPLIES = ("OOM", "MISCONF", "LOADING", "READONLY", "MASTERDOWN", "TRY
 
 
 def is_transient(error: BaseException) -> bool:
-    if isinstance(error, TRANSIENT_ERRORS):
+    if isinstance(error, TRANSIENT_ERRORS) or _node_table_race(error):
         return True
     return isinstance(error, ResponseError) and str(error).startswith(TRANSIENT_REPLIES)
+
+
+def _node_table_race(error: BaseException) -> bool:
+    """redis-py's cluster client, shared by threads, can read its node table while another
+    thread rebuilds it after a failover, and raise this instead of sending (seen in a
+    client's submit during a primary's kill; valkey-py#181 fixes the same code). The next
+    try reads the new table."""
+    return isinstance(error, RuntimeError) and str(error).startswith("dictionary") \
+        and str(error).endswith("during iteration")
 
 
 # The longest sleep between tries. A failover's new primary is found only by the next try,

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from roseinfer.frontends.redis_streams.protocol import (
-    Chunk, Keys, accepted_chunks, reply_rid, requested_n)
+    Chunk, Keys, accepted_chunks)
+from roseinfer.frontends.redis_streams.request_entry import reply_rid, requested_n
 
 DEAD_MAXLEN = 100_000  # P:dead is for people to read: it should never come near this
 

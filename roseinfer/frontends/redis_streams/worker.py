@@ -44,8 +44,9 @@ from roseinfer.frontends.redis_streams.ownership import Ownership
 from roseinfer.frontends.redis_streams.pace import Pace
 from roseinfer.frontends.redis_streams.publisher import Publisher
 from roseinfer.frontends.redis_streams.reads import ReadPlan, Reads, RoundReads
+from roseinfer.frontends.redis_streams.request_entry import reply_rid
 from roseinfer.frontends.redis_streams.protocol import (
-    DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, chunk_body, entry_time, error_chunk, reply_rid)
+    DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, chunk_body, entry_time, error_chunk)
 from roseinfer.frontends.redis_streams.routing import CacheReport, RouteConfig, Router
 from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, read_takeovers
 
