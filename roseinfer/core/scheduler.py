@@ -49,14 +49,14 @@ class StepBudget:
     prefill: int
     capped_from: float = -math.inf
 
-    def room(self, seq: Sequence, decoding: bool) -> int:
-        if decoding or seq.params.priority < self.capped_from:
+    def prefill_room(self, seq: Sequence) -> int:
+        if seq.params.priority < self.capped_from:
             return self.tokens
         return min(self.tokens, self.prefill)
 
-    def spend(self, seq: Sequence, n: int, decoding: bool) -> None:
+    def spend_prefill(self, seq: Sequence, n: int) -> None:
         self.tokens -= n
-        if not decoding and seq.params.priority >= self.capped_from:
+        if seq.params.priority >= self.capped_from:
             self.prefill -= n
 
 
@@ -140,9 +140,11 @@ class Scheduler:
     def _step_budget(self) -> StepBudget:
         """The whole token budget; prefills capped to the mixed cap when a running
         sequence decodes (it waits for the whole step)."""
+        if self.mixed_prefill is None:  # no cap (CUDA): no pass over the running ones
+            return StepBudget(self.budget, self.budget)
         decoding = [s.params.priority for s in self.running
                     if len(s.token_ids) + s.pending - s.num_computed == 1]
-        if self.mixed_prefill is None or not decoding:
+        if not decoding:
             return StepBudget(self.budget, self.budget)
         return StepBudget(self.budget, self.mixed_prefill, min(decoding))
 
@@ -153,13 +155,17 @@ class Scheduler:
         while i < len(running) and budget.tokens > 0:
             seq = running[i]
             total = len(seq.token_ids) + seq.pending
-            decoding = total - seq.num_computed == 1
-            n = min(total - seq.num_computed, budget.room(seq, decoding))
-            if total >= seq.max_len or n == 0:
-                i += 1  # its last token is in flight, or no prefill budget is left
+            left = total - seq.num_computed
+            if total >= seq.max_len:
+                i += 1  # its last token is in flight
                 continue
-            if decoding and seq.draft is not None:
-                n = self._fit_draft(batch, seq, budget.tokens)
+            if left == 1:  # decoding: the common case, kept to plain arithmetic
+                n = 1 if seq.draft is None else self._fit_draft(batch, seq, budget.tokens)
+            else:
+                n = min(left, budget.prefill_room(seq))
+                if n == 0:
+                    i += 1  # no prefill budget is left for it
+                    continue
             while not reserve(seq, n):
                 victim = running.pop()  # the latest-ranked (running is in rank order)
                 self._preempt(victim)
@@ -167,7 +173,10 @@ class Scheduler:
                     return
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
-            budget.spend(seq, n, decoding)
+            if left == 1:
+                budget.tokens -= n
+            else:
+                budget.spend_prefill(seq, n)
             i += 1
 
     def _fit_draft(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
@@ -183,7 +192,7 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: StepBudget) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            room = budget.room(seq, decoding=False)
+            room = budget.prefill_room(seq)
             if seq.pending or room <= 0:  # its last token in flight (preempted), or no budget
                 break
             if not seq.block_table:  # else it holds blocks shared with it (Engine._queue)
@@ -199,7 +208,7 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
-            budget.spend(seq, n, decoding=False)
+            budget.spend_prefill(seq, n)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_seq(seq)
