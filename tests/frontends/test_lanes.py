@@ -30,6 +30,7 @@ def test_the_backlog_moves_as_much_as_there_is_room_for(real_redis, prefix):
     assert promote(real_redis, keys, 3) == [0, 3]  # 3 unread now: no room
     moved = [f for _, f in real_redis.xrange(keys.requests)][1:]
     assert [f[b"rid"].decode() for f in moved] == rids[:2]  # the IDs their client got
+    assert [f[b"backlog_id"].decode() for f in moved] == rids[:2]  # their time queued
     time.sleep(0.06)
     # Waited 60 ms: not 3 (its priority) x 50 ms, but 3 x 10 ms; the head moves regardless.
     assert promote(real_redis, keys, 0, max_wait_s=0.05) == [0, 3]

@@ -5,7 +5,7 @@ import pytest
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams.protocol import (
     Chunk, Keys, Limits, decode_chunk, encode_chunk, encode_request)
-from roseinfer.frontends.redis_streams.request_entry import decode_request, reply_rid
+from roseinfer.frontends.redis_streams.request_entry import decode_request, queued_at, reply_rid
 
 
 def as_redis(fields: dict) -> dict:
@@ -141,6 +141,12 @@ def test_speculative_in_both_forms_and_through_the_gateway():
     with pytest.raises(APIError) as e:
         chat_call({"messages": messages, "speculative": 1})
     assert e.value.param == "speculative"
+
+
+def test_a_request_moved_from_the_backlog_was_queued_when_its_backlog_entry_was():
+    assert queued_at("9000-0", {b"backlog_id": b"4500-3"}) == 4.5
+    assert queued_at("9000-0", {}) == 9.0
+    assert queued_at("9000-0", {b"backlog_id": b"soon"}) == 9.0  # unreadable: its own
 
 
 def test_reply_rid_falls_back_to_the_entry_id():

@@ -25,7 +25,9 @@ from roseinfer.frontends.redis_streams.protocol import Keys
 # priority (read from the entry: its body's, or a shell-form field; 1 if neither).
 # Acknowledged entries are deleted (ownership.py), so the stream's length less its
 # pending entries is what waits unread. An entry without a rid keeps its backlog ID as
-# its rid: that is the ID its client was given. Returns the entries moved and left.
+# its rid: that is the ID its client was given. Every moved entry carries its backlog ID
+# as backlog_id, so that its queue time, TTFT and latency count from when its client
+# queued it. Returns the entries moved and left.
 PROMOTE_SCRIPT = """
 local function priority(fields)
   local p = 1
@@ -63,6 +65,8 @@ for _, entry in ipairs(redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', math.max
     table.insert(fields, 'rid')
     table.insert(fields, id)
   end
+  table.insert(fields, 'backlog_id')
+  table.insert(fields, id)
   redis.call('XADD', KEYS[1], '*', unpack(fields))
   redis.call('XDEL', KEYS[2], id)
   moved = moved + 1

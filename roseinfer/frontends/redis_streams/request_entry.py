@@ -5,6 +5,7 @@ naming it. Pure functions, no I/O: the worker's reader thread runs them.
 from __future__ import annotations
 
 import json
+import re
 from typing import Optional
 
 import msgpack
@@ -13,7 +14,10 @@ from roseinfer.core.errors import InvalidRequestError, short as _short
 from roseinfer.core.sampling import MAX_N, SamplingParams, is_int
 from roseinfer.core.tools import Tools, check_tools
 from roseinfer.frontends.redis_streams.protocol import (
-    RID_PATTERN, ROLES, SAMPLING_KEYS, TOOL_KEYS, VERSION, Chat, Limits, Prompt, Request)
+    RID_PATTERN, ROLES, SAMPLING_KEYS, TOOL_KEYS, VERSION, Chat, Limits, Prompt, Request,
+    entry_time)
+
+BACKLOG_ID = re.compile(rb"\d{1,20}-\d{1,20}")
 
 
 def reply_rid(entry_id: str, fields: dict) -> str:
@@ -23,6 +27,15 @@ def reply_rid(entry_id: str, fields: dict) -> str:
     except InvalidRequestError:
         return entry_id
     return rid if rid is not None and RID_PATTERN.fullmatch(rid) else entry_id
+
+
+def queued_at(entry_id: str, fields: dict) -> float:
+    """When a request was queued, in seconds since the epoch: its backlog entry's time if a
+    worker moved it from the backlog (lanes.py), else its own entry's."""
+    moved = fields.get(b"backlog_id", b"")
+    if isinstance(moved, bytes) and BACKLOG_ID.fullmatch(moved):
+        return entry_time(moved.decode())
+    return entry_time(entry_id)
 
 
 def decode_request(entry_id: str, fields: dict, limits: Limits = Limits()) -> Request:

@@ -44,9 +44,9 @@ from roseinfer.frontends.redis_streams.ownership import Ownership
 from roseinfer.frontends.redis_streams.pace import Pace
 from roseinfer.frontends.redis_streams.publisher import Publisher
 from roseinfer.frontends.redis_streams.reads import ReadPlan, Reads, RoundReads
-from roseinfer.frontends.redis_streams.request_entry import reply_rid
+from roseinfer.frontends.redis_streams.request_entry import queued_at, reply_rid
 from roseinfer.frontends.redis_streams.protocol import (
-    DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, chunk_body, entry_time, error_chunk)
+    DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, chunk_body, error_chunk)
 from roseinfer.frontends.redis_streams.routing import CacheReport, RouteConfig, Router
 from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, read_takeovers
 
@@ -531,8 +531,9 @@ class Worker:
             self._fail(rid, entry_id, "internal", f"{type(e).__name__}: {e}", seq, emitted_tokens)
             return
         deliveries = resume.deliveries if resume else 1
+        arrival = queued_at(entry_id, fields)
         self._inflight[req.rid] = InFlight(req.rid, entry_id, req.stream_interval, deliveries,
-                                            entry_time(entry_id), resume is not None, seq,
+                                            arrival, resume is not None, seq,
                                             req.params.n, running, req.params.priority,
                                             tools=self.admission.tool_streams(req))
         if resume:
@@ -540,7 +541,7 @@ class Worker:
             event("resumed", rid=req.rid, entry=entry_id, seq=seq, emitted_tokens=emitted_tokens,
                   deliveries=deliveries)
         else:
-            queue_s = max(0.0, time.time() - entry_time(entry_id))
+            queue_s = max(0.0, time.time() - arrival)
             self.metrics.queue_time.observe(queue_s)
             event("admitted", rid=req.rid, entry=entry_id, queue_s=queue_s)
         if req.rid in self._cancelled:
