@@ -127,19 +127,23 @@ class Worker:
         self._totals = self.publisher.totals
         self.pace = Pace(progress_every_s, claim_idle_ms, self._totals)
         self.backlog = Backlog(self.keys, group, getattr(engine.config, "priority_aging_s", 10.0))
-        # route None: every entry read here is served here (routing.py)
         self.report = self.router = self.inbox = None
-        if route is not None:
-            # Its keys outlive a heartbeat missed while the worker blocks on an idle read.
-            ttl_s = self.heartbeat.ttl_s + math.ceil(block_ms / 1000)
-            self.report = CacheReport(self.keys, self.consumer, engine, ttl_s)
-            self.inbox = inbox.Inbox(redis, self.keys, group, self.consumer, ttl_s)
-            holds = self.report.blocks.cached.__contains__ if self.report.blocks else None
-            if holds is not None:
-                self.router = Router(redis, self.keys, self.consumer, engine.config.block_size,
-                                     holds, engine.num_unfinished, route)
+        if route is not None:  # None: every entry read here is served here (routing.py)
+            self._route(route)
         self.reads = Reads(self.keys, group, self.consumer, self.ownership, self.backlog,
                            self.admission, self.router, self.inbox)
+
+    def _route(self, route: RouteConfig) -> None:
+        """The cache report, the inbox and (with a prefix cache) the router."""
+        engine, redis = self.engine, self.redis
+        # Its keys outlive a heartbeat missed while the worker blocks on an idle read.
+        ttl_s = self.heartbeat.ttl_s + math.ceil(self.block_ms / 1000)
+        self.report = CacheReport(self.keys, self.consumer, engine, ttl_s)
+        self.inbox = inbox.Inbox(redis, self.keys, self.group, self.consumer, ttl_s)
+        if self.report.blocks:
+            self.router = Router(redis, self.keys, self.consumer, engine.config.block_size,
+                                 self.report.blocks.cached.__contains__, engine.num_unfinished,
+                                 route)
 
     # --- lifecycle ----------------------------------------------------------------------
 
