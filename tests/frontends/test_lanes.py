@@ -24,13 +24,14 @@ def test_the_backlog_moves_as_much_as_there_is_room_for(real_redis, prefix):
     client = Client(redis_client=real_redis, prefix=prefix)
     rids = [client.submit("x", priority=3) for _ in range(5)]
     assert real_redis.xlen(keys.backlog) == 5 and real_redis.xlen(keys.requests) == 0
+    queued = [i.decode() for i, _ in real_redis.xrange(keys.backlog)]
     client.submit("now")  # priority 0: straight to the request stream
     assert status.collect(real_redis, keys, "workers")["backlog"] == 5
     assert promote(real_redis, keys, 3) == [2, 3]  # room: 3 slots less 1 unread
     assert promote(real_redis, keys, 3) == [0, 3]  # 3 unread now: no room
     moved = [f for _, f in real_redis.xrange(keys.requests)][1:]
-    assert [f[b"rid"].decode() for f in moved] == rids[:2]  # the IDs their client got
-    assert [f[b"backlog_id"].decode() for f in moved] == rids[:2]  # their time queued
+    assert [f[b"rid"].decode() for f in moved] == rids[:2]
+    assert [f[b"backlog_id"].decode() for f in moved] == queued[:2]  # their time queued
     time.sleep(0.06)
     # Waited 60 ms: not 3 (its priority) x 50 ms, but 3 x 10 ms; the head moves regardless.
     assert promote(real_redis, keys, 0, max_wait_s=0.05) == [0, 3]
@@ -72,3 +73,21 @@ def test_redis_cli_background_work_without_a_rid_answers_on_its_backlog_id(
     wait_until(lambda: (c := raw_chunks(real_redis, prefix, entry)) and c[-1].finished, 30)
     assert_well_formed(raw_chunks(real_redis, prefix, entry))
     assert real_redis.xlen(keys.backlog) == 0
+
+
+def test_background_and_interactive_requests_added_at_once_keep_their_own_replies(
+        start_worker, real_redis, prefix):
+    """The backlog and the request stream give IDs from one clock, so a background request
+    and an interactive one added in the same millisecond got the same ID: without a rid of
+    its own the background one answered on the other's reply stream."""
+    from .conftest import FakeEngine
+
+    start_worker(FakeEngine(max_num_seqs=8))
+    client = Client(prefix=prefix, redis_client=real_redis)
+    prompts = [chr(ord("a") + i) * 3 for i in range(16)]
+    rids = [client.submit(p, max_tokens=2, priority=i % 2) for i, p in enumerate(prompts)]
+    assert len(set(rids)) == len(rids)
+    for p, rid in zip(prompts, rids):
+        chunks = list(client.stream(rid, timeout=30))
+        assert chunks[-1].usage["prompt_tokens"] == len(p)
+        assert [c.token_ids for c in chunks][0] == [(ord(p[-1]) + 1) % FakeEngine.vocab_size]

@@ -23,7 +23,8 @@ from roseinfer.frontends.redis_streams.connection import (by_slot, connect, conn
                                                          is_cluster)
 from roseinfer.frontends.redis_streams.outage import is_transient
 from roseinfer.frontends.redis_streams.protocol import (  # noqa: F401 - DEFAULT_URL: the API's
-    DEFAULT_PREFIX, DEFAULT_URL, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request)
+    DEFAULT_PREFIX, DEFAULT_URL, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request,
+    rid_for)
 
 CANCEL_MAXLEN = 10_000  # cancels matter for seconds; the cap keeps the stream small
 RETRY_S = 0.2  # between reads while Redis is away (a restart, a failover)
@@ -279,7 +280,9 @@ class Client:
         self._lock = threading.Lock()
 
     def submit(self, prompt: Prompt, *, rid: Optional[str] = None, **params) -> str:
-        """Queue a request; returns its rid (the entry ID unless ``rid`` is given)."""
+        """Queue a request; returns its rid (the entry ID unless ``rid`` is given, or the
+        request waits in the backlog)."""
+        rid = rid_for(rid, params)
         fields = encode_request(prompt, rid, **params)
         entry_id = _retried(lambda: self.redis.xadd(self.keys.lane(params), fields))
         return rid or entry_id.decode()
@@ -380,6 +383,7 @@ class AsyncClient:
         self._reading: Optional[asyncio.Task] = None
 
     async def submit(self, prompt: Prompt, *, rid: Optional[str] = None, **params) -> str:
+        rid = rid_for(rid, params)
         fields = encode_request(prompt, rid, **params)
         entry_id = await _retried_async(lambda: self.redis.xadd(self.keys.lane(params), fields))
         return rid or entry_id.decode()

@@ -214,7 +214,9 @@ def _connect_cluster(found: ClusterURL, url: str, max_connections: Optional[int]
     except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
         asked = ", ".join(f"{h}:{p}" for h, p in found.nodes)
         raise redis.ConnectionError(f"no Redis Cluster node of {asked} answered (from {url}): "
-                                    f"check that they run with cluster-enabled yes ({e})") from None
+                                    "check that they run with cluster-enabled yes and that "
+                                    "the user may run CLUSTER SLOTS (an ACL on Redis 6 needs "
+                                    f"+cluster|slots) ({e})") from None
 
 
 def _limit(max_connections: Optional[int]) -> dict:

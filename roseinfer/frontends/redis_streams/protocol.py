@@ -7,6 +7,7 @@ languages implement the same rules (docs/protocol.md).
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -45,6 +46,12 @@ class Keys:
     """Every Redis key of one deployment, all under one prefix."""
     prefix: str = DEFAULT_PREFIX
 
+    def __post_init__(self):
+        if hash_tag(self._in_stream_slot("x")) != hash_tag(self.requests):
+            raise ValueError(f"prefix {self.prefix!r}: its braces would put the backlog and "
+                             "routing keys in another Redis Cluster slot than the request "
+                             "stream; use a prefix without braces, or with one {tag} pair")
+
     @property
     def requests(self) -> str:
         return f"{self.prefix}:requests"
@@ -73,40 +80,65 @@ class Keys:
         # Literal braces: the rid is the Redis Cluster hash tag of its reply stream.
         return f"{self.prefix}:out:{{{rid}}}"
 
-    # Routing's keys (routing.py) share the request stream's Redis Cluster slot: the
-    # script that hands an entry to another worker touches the stream and an inbox.
+    # Routing's keys (routing.py) and the backlog share the request stream's Redis Cluster
+    # slot, since one script touches the stream and one of them: the stream's name is
+    # their hash tag. They start with the prefix like every other key, so that an ACL
+    # user limited to ``P:*`` can run a tenant's workers (docs/operations.md, "Tenants").
+    def _in_stream_slot(self, name: str) -> str:
+        return f"{self.prefix}:{{{self.requests}}}:{name}"
+
     def inbox(self, consumer: str) -> str:
         """Entries handed to a worker by another: read in the same XREADGROUP as requests."""
-        return f"{{{self.requests}}}:inbox:{consumer}"
+        return self._in_stream_slot(f"inbox:{consumer}")
 
     def cached(self, consumer: str) -> str:
         """A worker's cached prompt blocks: a set of block hashes."""
-        return f"{{{self.requests}}}:cached:{consumer}"
+        return self._in_stream_slot(f"cached:{consumer}")
 
     def roots(self, consumer: str) -> str:
         """The first-block hashes of a worker's newest cached prompts: a list, newest first."""
-        return f"{{{self.requests}}}:roots:{consumer}"
+        return self._in_stream_slot(f"roots:{consumer}")
 
     def load(self, consumer: str) -> str:
         """A worker's load (msgpack), rewritten as it changes, expiring with its heartbeat."""
-        return f"{{{self.requests}}}:load:{consumer}"
+        return self._in_stream_slot(f"load:{consumer}")
 
     @property
     def backlog(self) -> str:
         """Requests with a priority above 0: moved into the request stream as workers have
         room (lanes.py). In the request stream's slot: the move is one script."""
-        return f"{{{self.requests}}}:backlog"
+        return self._in_stream_slot("backlog")
 
     def lane(self, params: dict) -> str:
         """Where a request with these keys is added: background work (priority > 0) to the
         backlog, the rest to the request stream."""
-        priority = params.get("priority") or 0
-        return self.backlog if isinstance(priority, int) and priority > 0 else self.requests
+        return self.backlog if is_background(params) else self.requests
 
     @property
     def fleet(self) -> str:
         """The set of workers that route: whose cached and load keys to look at."""
-        return f"{{{self.requests}}}:fleet"
+        return self._in_stream_slot("fleet")
+
+
+def is_background(params: dict) -> bool:
+    priority = params.get("priority") or 0
+    return isinstance(priority, int) and priority > 0
+
+
+def rid_for(rid: Optional[str], params: dict) -> Optional[str]:
+    """The rid a client sends: a background request gets one of its own when none is given.
+    Without one its rid would be its backlog entry ID, and the request stream can give
+    another request the same ID in the same millisecond: the two would share one reply
+    stream (docs/protocol.md, "Priorities")."""
+    return rid or (uuid.uuid4().hex if is_background(params) else None)
+
+
+def hash_tag(key: str) -> str:
+    """What Redis Cluster hashes to place a key: the text inside its first {...} when that
+    is not empty, else the whole key."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1:end] if end > start + 1 else key
 
 
 @dataclass(frozen=True)

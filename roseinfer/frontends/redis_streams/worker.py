@@ -152,6 +152,9 @@ class Worker:
         # Cancels sent before this worker started concern requests it cannot own yet.
         last = self.outage.call(lambda: self.redis.xrevrange(self.keys.cancel, count=1))
         self.reads.cancel_cursor = last[0][0] if last else "0-0"
+        if carried := self.outage.call(lambda: self.backlog.carry_over(self.redis)):
+            event("carried_over", consumer=self.consumer, entries=carried,
+                  note="from the backlog's old key: clients should add to " + self.keys.backlog)
         if self.report is not None:
             self.outage.call(lambda: self.outbox.send(self.report.join))
         event("started", consumer=self.consumer, stream=self.keys.requests, group=self.group,
