@@ -6,7 +6,7 @@ class InvalidRequestError(ValueError):
 
     def __init__(self, field: str, message: str, code: str = "bad_request"):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
         self.code = code
 
 

@@ -81,6 +81,7 @@ class LLM:
             **({"tools": list(spec.tools)} if spec is not None else {}))
         if spec is not None and spec.forced:
             params = dataclasses.replace(params, response_format=spec.constraint())
+            spec.prepare(self.engine.processors, params)
         (out,) = self.generate([prompt], params)
         if spec is None:
             return ChatOutput(out.text, [], out.finish_reason, out)

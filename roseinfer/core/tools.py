@@ -8,6 +8,7 @@ tools' own schemas, so it is always a valid call. "none" leaves the output text.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
@@ -90,6 +91,26 @@ class Tools:
         many = self.parallel and not isinstance(self.choice, dict)
         schema = {"type": "array", "minItems": 1, "items": one} if many else one
         return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": schema}}
+
+    def prepare(self, processors, params) -> None:
+        """Compile ``params``' constraint (the calls', ``constraint``) now, with
+        ``processors``' prepare; a tool whose parameters do not compile is refused by its
+        own field, not as the response_format the request did not send."""
+        try:
+            processors.prepare(params)
+        except InvalidRequestError as e:
+            if e.field != "response_format":
+                raise
+            for i, tool in enumerate(self.tools):
+                alone = Tools((tool,), {"type": "function", "function": {
+                    "name": tool["function"]["name"]}})
+                try:
+                    processors.prepare(dataclasses.replace(params,
+                                                           response_format=alone.constraint()))
+                except InvalidRequestError as bad:
+                    raise InvalidRequestError(f"tools[{i}].function.parameters",
+                                              bad.message) from None
+            raise
 
     def forced_calls(self, text: str) -> list[ToolCall]:
         """The calls of a constrained output. A list that max_tokens cut short keeps the

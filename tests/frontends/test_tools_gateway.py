@@ -37,6 +37,9 @@ TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "W
          {"type": "function", "function": {"name": "clock", "parameters": {
              "type": "object", "additionalProperties": False, "properties": {}}}}]
 MESSAGES = [{"role": "user", "content": "Weather in Oslo for three days?"}]
+# A schema that checks as an object but does not compile: a type JSON Schema lacks.
+NONSENSE = {"type": "function", "function": {"name": "bad", "parameters": {
+    "type": "object", "properties": {"x": {"type": "nonsense"}}}}}
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +162,7 @@ def test_streamed_calls_reassemble_to_the_whole_reply(tool_llm, start_worker, ga
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),
+    ({"tools": TOOLS + [NONSENSE], "tool_choice": "required"}, "tools[2].function.parameters"),
 ])
 def test_bad_tools_are_400s_naming_the_field(tool_llm, start_worker, gateway, extra, param):
     start_worker(tool_llm.engine)
@@ -166,6 +170,20 @@ def test_bad_tools_are_400s_naming_the_field(tool_llm, start_worker, gateway, ex
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **extra)
     assert e.value.body["param"] == param
+
+
+def test_a_schema_that_does_not_compile_is_refused_by_its_tool_over_redis(
+        tool_llm, start_worker, real_redis, prefix):
+    """The Redis protocol's bad_request names the tool, as the gateway's 400 does."""
+    from roseinfer.frontends.redis_streams.client import Client, RequestFailed
+    from roseinfer.frontends.redis_streams.protocol import Chat
+
+    start_worker(tool_llm.engine)
+    chat = Chat(MESSAGES, check_tools(TOOLS + [NONSENSE], "required"))
+    with pytest.raises(RequestFailed) as e:
+        Client(prefix=prefix, redis_client=real_redis).generate(chat, max_tokens=4, timeout=30)
+    assert e.value.code == "bad_request"
+    assert e.value.message.startswith("tools[2].function.parameters: cannot compile")
 
 
 def test_the_default_model_calls_under_required(start_worker, gateway):

@@ -5,6 +5,7 @@ ask for something other than their default, never silently misread.
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -201,12 +202,16 @@ def usage(*samples: Optional[dict]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+# The field an error names: a name, or a path into the request (tools[2].function.parameters).
+FIELD_PATH = re.compile(r"[A-Za-z_]\w*(\[\d+\])?(\.\w+(\[\d+\])?)*")
+
+
 def worker_error(error: dict) -> APIError:
     """A worker's error chunk as an OpenAI error: the field it names is the param."""
     code, message = error.get("code"), error.get("message", "")
     if code in ("bad_request", "too_long"):
         field, _, _ = message.partition(":")
-        return APIError(400, message, field if field.isidentifier() else None,
+        return APIError(400, message, field if FIELD_PATH.fullmatch(field) else None,
                         code="context_length_exceeded" if code == "too_long" else None)
     return APIError(500, f"the worker failed the request ({code}): {message}", kind="server_error")
 

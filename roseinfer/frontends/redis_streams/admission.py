@@ -46,7 +46,11 @@ class Admission:
             text = req.prompt if req.raw else self.templated(req.prompt)
             req.prompt = self.tokenizer.encode(text)
         if req.params.constrained and self.processors is not None:
-            self.processors.prepare(req.params)  # a grammar compiles here, not in the loop
+            # a grammar compiles here, not in the loop
+            if req.tools is not None and req.tools.forced:
+                req.tools.prepare(self.processors, req.params)
+            else:
+                self.processors.prepare(req.params)
         return req
 
     def tool_streams(self, req: Request):
