@@ -166,3 +166,62 @@ def test_a_request_that_breaks_its_step_fails_alone(tiny_gpt2_dir, start_worker,
             assert sum((c.token_ids for c in chunks), []) == expected[i], i
     wait_until(lambda: pending(real_redis, prefix) == 0)
     assert real_redis.xlen(Keys(prefix).dead) == 0
+
+
+def burst_entries():
+    """The hostile kinds of a burst that once lost the valid request added between the last
+    two: (name, fields, expected error code)."""
+    def body(**b):
+        return {"v": "1", "body": msgpack.packb(b)}
+    return [
+        ("a million prompt ids", body(prompt_token_ids=[7] * 1_000_000), "too_long"),
+        ("a 50 MB prompt", body(prompt="x" * (50 * MIB)), "too_long"),
+        ("100,000 stop strings", body(prompt="hi", stop=["a"] * 100_000), "bad_request"),
+        ("a NaN", body(prompt="hi", temperature=float("nan")), "bad_request"),
+        ("an inf", body(prompt="hi", top_p=float("inf")), "bad_request"),
+        ("a 10,000-character rid", {"v": "1", "rid": "r" * 10_000,
+                                    "body": msgpack.packb({"prompt": "hi"})}, "bad_request"),
+        ("the shell form with max_tokens 4.0", {"prompt": "hi", "max_tokens": "4.0"},
+         "bad_request"),
+        # 100,000 one-element arrays around a nil: deeper than any msgpack decoder goes
+        ("100,000 nested arrays", {"v": "1", "body": b"\x91" * 100_000 + b"\xc0"},
+         "bad_request"),
+    ]
+
+
+@pytest.mark.parametrize("worker_first", [True, False], ids=["read-as-sent", "read-at-once"])
+def test_every_entry_of_a_hostile_burst_is_accounted_for(tiny_llm, start_worker, real_redis,
+                                                         redis_server, prefix, caplog,
+                                                         worker_first):
+    """Hostile entries with a valid request after each, then four more, sent to a running
+    worker or queued before it starts: each hostile one gets its refusal, each valid one
+    its tokens, and the worker's log names each entry once, as admitted or rejected;
+    nothing is left in the stream or pending."""
+    caplog.set_level("INFO", logger="roseinfer.worker")
+    if worker_first:
+        worker = start_worker(tiny_llm.engine, chat_template=False)
+    keys = Keys(prefix)
+    client = Client(redis_server.url, prefix)
+    hostile, valid = {}, {}
+    for i in range(12):
+        if i < len(burst_entries()):
+            name, fields, code = burst_entries()[i]
+            hostile[real_redis.xadd(keys.requests, fields).decode()] = (name, code)
+        prompt = f"valid request {i}"
+        valid[client.submit(prompt, max_tokens=8, temperature=0, ignore_eos=True)] = prompt
+    if not worker_first:
+        worker = start_worker(tiny_llm.engine, chat_template=False)
+    for entry_id, (name, code) in hostile.items():
+        (chunk,) = list(client.stream(entry_id, timeout=30))
+        assert chunk.error["code"] == code, name
+    got = {rid: sum((c.token_ids for c in client.stream(rid, timeout=60)), []) for rid in valid}
+    worker.stop()
+    want = tiny_llm.generate(list(valid.values()), SamplingParams(max_tokens=8, temperature=0,
+                                                                  ignore_eos=True))
+    assert list(got.values()) == [w.token_ids for w in want]
+    lines = [r.getMessage() for r in caplog.records]
+    for entry_id in [*hostile, *valid]:
+        told = [m for m in lines if f"entry={entry_id} " in m + " "
+                and m.startswith(("event=admitted", "event=rejected"))]
+        assert len(told) == 1, (entry_id, told)
+    assert real_redis.xlen(keys.requests) == 0 and pending(real_redis, prefix) == 0
