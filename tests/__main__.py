@@ -1,5 +1,10 @@
 """`python3 -m tests`: the whole suite, ending on pytest's summary line.
 
+The suite runs in as many pytest processes as there are cores (at most 4; pytest-xdist),
+each on one thread: many tests mostly wait on worker processes, Redis failovers and
+timeouts, and one torch thread per process keeps the cores from being oversubscribed
+(docs/testing.md has the measurements). `python3 -m tests -n 0` runs it in this process.
+
 Triton's native bindings report their module objects as leaked when the
 interpreter tears down (a nanobind message printed after pytest's summary);
 exiting right after pytest skips that teardown, not any test.
@@ -9,7 +14,11 @@ import sys
 
 import pytest
 
-code = pytest.main(["-q", "-p", "no:cacheprovider", "tests", *sys.argv[1:]])
+args = sys.argv[1:]
+if not any(a.startswith(("-n", "--numprocesses")) for a in args):
+    args = ["-n", "auto", "--maxprocesses", "4", *args]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # read by each process's torch at import
+code = pytest.main(["-q", "-p", "no:cacheprovider", "tests", *args])
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(int(code))

@@ -346,10 +346,17 @@ def test_offline_submits_on_the_poisson_schedule(tmp_path, tiny_dir):
         assert run["completed"] == 5
 
 
-def test_decode_bytes_floor_counts_weights_per_step_and_kv_per_token(gpt2_model):
+@pytest.mark.parametrize("kernels", [("plain", "plain"), ("packed", "packed"),
+                                     ("plain", "packed")])
+def test_decode_bytes_floor_counts_weights_per_step_and_kv_per_token(gpt2_model, monkeypatch,
+                                                                     kernels):
+    """Whichever kernels the CPU linears' timings pick (the user's cached timings once
+    changed the count), a step reads each weight once."""
     from roseinfer import LLM
     from roseinfer.bench.floor import decode_floor, kv_bytes_per_token, weight_bytes
+    from roseinfer.models import cpu_linear
 
+    monkeypatch.setattr(cpu_linear, "_choose", lambda times: kernels)
     eng = LLM(gpt2_model, device="cpu", dtype="float32", num_kv_blocks=64,
               max_num_seqs=2).engine
     cfg = gpt2_model.config

@@ -121,3 +121,26 @@ def test_cpu_model_tells_apart_cpus_of_one_name(tmp_path, monkeypatch, cpuinfo, 
         fake if path == "/proc/cpuinfo" else path, *a, **k))
     got = cpu_linear.cpu_model()
     assert got == (expected or platform.processor() or platform.machine())
+
+
+@pytest.mark.parametrize("kernels, copies", [(("plain", "plain"), None),
+                                             (("packed", "packed"), "lm_head"),
+                                             (("plain", "packed"), "fc, lm_head")])
+def test_copies_beyond_the_weights_are_logged(monkeypatch, caplog, kernels, copies):
+    """A packed head tied to the embedding, and a linear holding both layouts, take
+    memory the checkpoint does not: the load says how much."""
+    from roseinfer.models import cpu_linear
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(64, 32)
+            self.fc = nn.Linear(32, 32)
+            self.lm_head = nn.Linear(32, 64, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+    monkeypatch.setattr(cpu_linear, "_choose", lambda times: kernels)
+    caplog.set_level("INFO", logger=cpu_linear.__name__)
+    choose_cpu_linears(Tied())
+    said = [r.getMessage() for r in caplog.records if "beyond" in r.getMessage()]
+    assert [m.rsplit("of ", 1)[1] for m in said] == ([copies] if copies else [])

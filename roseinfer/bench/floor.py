@@ -16,13 +16,16 @@ PEAK_BYTES_PER_S = 3.0e12
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads: every weight, but of an embedding table only the
     rows it looks up (nothing, to first order). A tied LM head still reads the whole
-    table: the head holds it (or its padded or packed copy) as its own weight."""
+    table: the head holds it (or its padded or packed copy) as its own weight. A module
+    holding a weight in two layouts, of which a step reads one (CpuLinear), says which
+    with step_weights()."""
     seen, total = set(), 0
     for m in model.modules():
         if isinstance(m, torch.nn.Embedding):
             continue
-        tensors = [*m._parameters.values(), *vars(m).values()]
-        for t in tensors:  # also weights held outside parameters (CpuLinear)
+        tensors = m.step_weights() if hasattr(m, "step_weights") else [
+            *m._parameters.values(), *vars(m).values()]  # also weights outside parameters
+        for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
             key = id(t) if t.is_mkldnn else t.data_ptr()

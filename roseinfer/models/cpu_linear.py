@@ -51,6 +51,12 @@ class CpuLinear(nn.Module):
         self.packed = _frozen(_pack(weight) if "packed" in kernels else None)
         self.bias = _frozen(None if linear.bias is None else linear.bias.detach())
 
+    def step_weights(self) -> list[torch.Tensor]:
+        """What a step reads: one of the two layouts (the larger, where both are held;
+        which one depends on its rows), and the bias."""
+        held = [t for t in (self.plain, self.packed) if t is not None]
+        return [max(held, key=lambda t: t.nbytes)] + ([] if self.bias is None else [self.bias])
+
     def forward(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
         """``gelu`` ("tanh" or "none"): the activation, fused into the packed
         kernel's epilogue."""
@@ -92,6 +98,20 @@ def choose_cpu_linears(model: nn.Module, cache: str | None = None) -> None:
                  kernels[0], SMALL_BELOW, kernels[1])
         for parent, name, child in entries:
             setattr(parent, name, CpuLinear(child, kernels))
+    _log_copies(model, linears)
+
+
+def _log_copies(model: nn.Module, linears: list) -> None:
+    """Say what memory the chosen layouts take beyond the checkpoint's weights: a linear
+    that runs both kernels holds both layouts, and a packed LM head tied to the embedding
+    is a second copy of the table (the embedding keeps its own for the lookups)."""
+    tables = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    copies = [(name, getattr(parent, name).packed.nbytes) for parent, name, child in linears
+              if getattr(parent, name).packed is not None
+              and (getattr(parent, name).plain is not None or child.weight.data_ptr() in tables)]
+    if copies:
+        log.info("CPU linears hold %.0f MB beyond the model's weights: packed copies of %s",
+                 sum(b for _, b in copies) / 2**20, ", ".join(sorted({n for n, _ in copies})))
 
 
 @torch.inference_mode()

@@ -9,6 +9,7 @@ import glob
 import json
 import logging
 import os
+import shutil
 import types
 
 import torch
@@ -318,7 +319,7 @@ def _converted_gguf(gguf_path: str) -> str:
     folder, file = os.path.split(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    tmp = out + ".tmp"
+    tmp = f"{out}.{os.getpid()}.tmp"  # processes converting at once each write their own
     os.makedirs(tmp, exist_ok=True)
     # save_pretrained refuses GGUF-loaded models: write weights and config ourselves.
     tied = model.config.tie_word_embeddings
@@ -328,7 +329,10 @@ def _converted_gguf(gguf_path: str) -> str:
     model.config.save_pretrained(tmp)
     _write_full_config(model.config, tmp)
     tok.save_pretrained(tmp)
-    os.replace(tmp, out)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process's conversion landed first: keep that one
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
