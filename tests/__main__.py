@@ -18,7 +18,9 @@ args = sys.argv[1:]
 if not any(a.startswith(("-n", "--numprocesses")) for a in args):
     args = ["-n", "auto", "--maxprocesses", "4", *args]
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # read by each process's torch at import
-code = pytest.main(["-q", "-p", "no:cacheprovider", "tests", *args])
+# Paths given (`python3 -m tests tests/test_engine.py`) run alone; else the whole suite.
+given = [a for a in args if not a.startswith("-") and os.path.exists(a.split("::")[0])]
+code = pytest.main(["-q", "-p", "no:cacheprovider", *([] if given else ["tests"]), *args])
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(int(code))

@@ -354,7 +354,7 @@ def test_decode_bytes_floor_counts_weights_per_step_and_kv_per_token(gpt2_model,
     changed the count), a step reads each weight once."""
     from roseinfer import LLM
     from roseinfer.bench.floor import decode_floor, kv_bytes_per_token, weight_bytes
-    from roseinfer.models import cpu_linear
+    from roseinfer.layers import cpu_linear
 
     monkeypatch.setattr(cpu_linear, "_choose", lambda times: kernels)
     eng = LLM(gpt2_model, device="cpu", dtype="float32", num_kv_blocks=64,

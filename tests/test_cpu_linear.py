@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.models.cpu_linear import CpuLinear, _choose, choose_cpu_linears
+from roseinfer.layers.cpu_linear import CpuLinear, _choose, choose_cpu_linears
 from roseinfer.models.gpt2 import linear_gelu_tanh
 
 KERNEL_PAIRS = [("plain", "plain"), ("packed", "packed"), ("plain", "packed"), ("packed", "plain")]
@@ -78,7 +78,7 @@ def test_choose_cpu_linears_swaps_every_linear_and_keeps_outputs():
 def test_timings_are_cached_per_machine_and_shape(tmp_path, monkeypatch):
     """A second load reads the timings instead of measuring; a damaged file is
     measured again and rewritten."""
-    from roseinfer.models import cpu_linear
+    from roseinfer.layers import cpu_linear
 
     cache = tmp_path / "timings.json"
     make = lambda: nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))  # noqa: E731
@@ -112,7 +112,7 @@ def test_cpu_model_tells_apart_cpus_of_one_name(tmp_path, monkeypatch, cpuinfo, 
     import builtins
     import platform
 
-    from roseinfer.models import cpu_linear
+    from roseinfer.layers import cpu_linear
 
     fake = tmp_path / "cpuinfo"
     fake.write_text(cpuinfo)
@@ -129,7 +129,7 @@ def test_cpu_model_tells_apart_cpus_of_one_name(tmp_path, monkeypatch, cpuinfo, 
 def test_copies_beyond_the_weights_are_logged(monkeypatch, caplog, kernels, copies):
     """A packed head tied to the embedding, and a linear holding both layouts, take
     memory the checkpoint does not: the load says how much."""
-    from roseinfer.models import cpu_linear
+    from roseinfer.layers import cpu_linear
 
     class Tied(nn.Module):
         def __init__(self):

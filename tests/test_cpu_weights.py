@@ -9,8 +9,8 @@ from torch import nn
 
 from roseinfer import LLM
 from roseinfer.core.errors import ConfigError
-from roseinfer.models.cpu_linear import CpuLinear
-from roseinfer.models.cpu_weights import RoundedLinear
+from roseinfer.layers.cpu_linear import CpuLinear
+from roseinfer.layers.cpu_weights import RoundedLinear
 from tests.models import hf_greedy, tiny_llama
 from tests.test_greedy_equality import GREEDY, mixed_prompts
 

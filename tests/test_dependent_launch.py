@@ -8,8 +8,8 @@ import torch
 
 from roseinfer.core import triton_support
 from roseinfer.core.triton_support import PDL_MAX_ROWS, _pdl_device, dependent_launch
-from roseinfer.models.fused import add_rms_norm, silu_and_mul
-from roseinfer.models.skinny_linear import skinny_linear
+from roseinfer.layers.fused import add_rms_norm, silu_and_mul
+from roseinfer.layers.skinny_linear import skinny_linear
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 

@@ -1,11 +1,11 @@
-"""FP8 linears (models/fp8_linear.py) against the W8A8 product computed in float64:
+"""FP8 linears (layers/fp8_linear.py) against the W8A8 product computed in float64:
 the skinny kernel interpreted on the CPU and compiled on a GPU, the _scaled_mm path and
 a whole model on a GPU with FP8."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from roseinfer.models.fp8_linear import MAX_ROWS, fp8_gemm, fp8_skinny_linear, runs_here
+from roseinfer.layers.fp8_linear import MAX_ROWS, fp8_gemm, fp8_skinny_linear, runs_here
 from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale, fp8_rows
 
 CUDA = torch.cuda.is_available() and runs_here(torch.device("cuda"))
@@ -73,7 +73,7 @@ def test_a_model_quantized_at_load_keeps_fp8_weights_and_its_tokens():
     (tests/test_quantization.py checks those against transformers), from weights that
     stay e4m3 in GPU memory."""
     from roseinfer import LLM, SamplingParams
-    from roseinfer.models.fp8_linear import Fp8Linear
+    from roseinfer.layers.fp8_linear import Fp8Linear
     from roseinfer.models.quantization import quantizable
     from tests.models import tiny_llama
 

@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 # Phi-3's rotates the first cos.shape[-1] dims (partial rotary) and equals Llama's at full width.
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
-from roseinfer.models.fused import add_layer_norm, add_rms_norm, apply_rope, silu_and_mul
+from roseinfer.layers.fused import add_layer_norm, add_rms_norm, apply_rope, silu_and_mul
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

@@ -1,10 +1,10 @@
-"""4-bit linears (models/int4_linear.py): the rounding on every device, and on a GPU
+"""4-bit linears (layers/int4_linear.py): the rounding on every device, and on a GPU
 torch's int4 kernel over the packed weight against the product with the de-quantized
 weight, and a whole model quantized at load."""
 import pytest
 import torch
 
-from roseinfer.models.int4_linear import GROUP, dequantize, pack, quantize, runs_here
+from roseinfer.layers.int4_linear import GROUP, dequantize, pack, quantize, runs_here
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -43,7 +43,7 @@ def test_a_model_quantized_at_load_runs_packed_weights_as_the_dequantized_ones(m
     the same most likely token at >= 95 % of the positions (bfloat16 sums in another
     order move near-ties), log probabilities 0.05 apart on average."""
     from roseinfer import LLM, SamplingParams
-    from roseinfer.models.int4_linear import Int4Linear
+    from roseinfer.layers.int4_linear import Int4Linear
     from roseinfer.plugins.quantization import int4
     from tests.models import tiny_llama
 

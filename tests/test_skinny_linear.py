@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.models.skinny_linear import MAX_ROWS, SkinnyLinear, skinny_linear, \
+from roseinfer.layers.skinny_linear import MAX_ROWS, SkinnyLinear, skinny_linear, \
     skinny_rows, use_skinny_linears
 
 CUDA = torch.cuda.is_available()

@@ -68,7 +68,7 @@ def step_ms(llm, prompts, params) -> list[float]:
 
 def anatomy(model: str) -> None:
     from roseinfer import LLM, SamplingParams
-    from roseinfer.models import cpu_linear
+    from roseinfer.layers import cpu_linear
 
     rows = 16 if model.startswith("gpt2") else 1
     prompts = ([[15496] * (1 if i % 2 == 0 else 4) for i in range(rows)] if rows > 1

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from linear_shapes import COPIES, per_call, run
-from roseinfer.models.fp8_linear import fp8_gemm, fp8_skinny_linear, quantize_rows
+from roseinfer.layers.fp8_linear import fp8_gemm, fp8_skinny_linear, quantize_rows
 from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
-from roseinfer.models.skinny_linear import skinny_linear
+from roseinfer.layers.skinny_linear import skinny_linear
 
 CONFIGS = [(32, 1024, 4, 4), (32, 512, 4, 4), (64, 512, 4, 4), (16, 1024, 4, 4),
            (32, 1024, 4, 3), (64, 1024, 8, 4), (32, 2048, 4, 3)]

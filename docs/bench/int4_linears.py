@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from linear_shapes import COPIES, per_call, run
-from roseinfer.models.int4_linear import GROUP, pack, quantize
-from roseinfer.models.skinny_linear import skinny_linear
+from roseinfer.layers.int4_linear import GROUP, pack, quantize
+from roseinfer.layers.skinny_linear import skinny_linear
 
 
 def measure(n, k):

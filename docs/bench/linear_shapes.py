@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from roseinfer.models.skinny_linear import graph_time
+from roseinfer.layers.skinny_linear import graph_time
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from roseinfer.models.skinny_linear import graph_time, skinny_linear
+from roseinfer.layers.skinny_linear import graph_time, skinny_linear
 
 torch.set_grad_enabled(False)
 SHAPES = {"1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 2048),

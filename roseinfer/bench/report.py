@@ -18,7 +18,7 @@ def machine_info(device) -> dict:
     import torch
     import transformers
 
-    from roseinfer.models.cpu_linear import cpu_model
+    from roseinfer.layers.cpu_linear import cpu_model
 
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "platform": platform.platform(), "python": platform.python_version(),

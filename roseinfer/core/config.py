@@ -68,7 +68,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A float32 model on the CPU may keep its linear weights (not the LM head's)
     # as bfloat16 or int8: a batch-1 step reads every weight once, so fewer bytes
-    # make it faster, and greedy output drifts from float32's (models/cpu_weights.py;
+    # make it faster, and greedy output drifts from float32's (layers/cpu_weights.py;
     # docs/benchmarks.md measures both).
     cpu_weight_dtype: str = "float32"
     # A quantization method (a plugin name: fp8, int4) to quantize a float model with at

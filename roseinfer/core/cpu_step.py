@@ -269,7 +269,7 @@ def step_key(model: nn.Module, hf_config, kv_cache) -> str:
     tensor's name, shape and layout (the linear kernels chosen), the cache's block
     shape, the CPU and the thread count (Inductor plans its loops' parallelism for the
     count it compiles with), torch and roseinfer's source."""
-    from roseinfer.models.cpu_linear import cpu_model
+    from roseinfer.layers.cpu_linear import cpu_model
 
     config = {k: v for k, v in hf_config.to_dict().items()
               if k not in ("_name_or_path", "transformers_version")}

@@ -17,7 +17,7 @@ from roseinfer.core.kv_cache import KVCache
 from roseinfer.core.plugins import PluginRegistry
 from roseinfer.core.runner import ModelRunner
 from roseinfer.models import loader
-from roseinfer.models.layers import PagedAttention
+from roseinfer.layers.attention import PagedAttention
 
 
 @dataclass
@@ -184,7 +184,7 @@ def _kv_shape(model) -> tuple[int, int, int]:
     attn = [m for m in model.modules() if isinstance(m, PagedAttention)]
     if not attn:
         raise ConfigError(f"{type(model).__name__} has no PagedAttention layer: a model "
-                          "module must attend through roseinfer.models.layers.PagedAttention")
+                          "module must attend through roseinfer.layers.attention.PagedAttention")
     return len(attn), attn[0].num_kv_heads, attn[0].head_dim
 
 

@@ -47,7 +47,7 @@ def roseinfer_register_model_architectures(register):
     materializes it). It has ``forward(input_ids, positions) -> hidden``,
     ``compute_logits(hidden)``, ``bind_head()``, a ``head`` (``LogitsHead``)
     and a static ``convert_hf_state_dict(state_dict, hf_config)``; it attends
-    through ``roseinfer.models.layers.PagedAttention``, whose layers size the
+    through ``roseinfer.layers.attention.PagedAttention``, whose layers size the
     KV cache (see ``roseinfer.models.llama``).
     """
 

@@ -7,9 +7,10 @@ from torch import nn
 
 from roseinfer.core import tp
 from roseinfer.models import sharding
-from roseinfer.models.fused import add_layer_norm
-from roseinfer.models.cpu_linear import CpuLinear
-from roseinfer.models.layers import LogitsHead, PagedAttention, VocabEmbedding, embedding
+from roseinfer.layers.fused import add_layer_norm
+from roseinfer.layers.cpu_linear import CpuLinear
+from roseinfer.layers.attention import PagedAttention
+from roseinfer.layers.embedding import LogitsHead, VocabEmbedding, embedding
 
 
 def layer_norm(ln: nn.LayerNorm, x, residual):

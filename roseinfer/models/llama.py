@@ -11,35 +11,12 @@ import torch
 from torch import nn
 
 from roseinfer.core import tp
+from roseinfer.layers.attention import PagedAttention
+from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
+from roseinfer.layers.fused import silu_and_mul
+from roseinfer.layers.norm import RMSNorm
+from roseinfer.layers.rotary import RotaryEmbedding, rope_params
 from roseinfer.models import sharding
-from roseinfer.models.fused import add_rms_norm, silu_and_mul
-from roseinfer.models.layers import LogitsHead, PagedAttention, RotaryEmbedding, VocabEmbedding
-
-
-def rope_params(cfg) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling; non-default RoPE types go through transformers."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
-        return inv_freq, scaling
-    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))  # the rotated dims
-    exps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    return 1.0 / (theta ** exps), 1.0
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """(norm(x + residual), x + residual) in one kernel on CUDA."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _shape(cfg) -> tuple[int, int, int]:

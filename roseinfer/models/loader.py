@@ -19,10 +19,10 @@ from roseinfer.core.errors import ConfigError
 from roseinfer.core.triton_support import triton_usable
 from roseinfer.models import json_tokenizer, model_class, sharding
 from roseinfer.models.quantization import checkpoint_config, method_for
-from roseinfer.models.cpu_linear import choose_cpu_linears
-from roseinfer.models.cpu_weights import round_linears
-from roseinfer.models.layers import RotaryEmbedding
-from roseinfer.models.skinny_linear import measured_on, use_skinny_linears
+from roseinfer.layers.cpu_linear import choose_cpu_linears
+from roseinfer.layers.cpu_weights import round_linears
+from roseinfer.layers.rotary import RotaryEmbedding
+from roseinfer.layers.skinny_linear import measured_on, use_skinny_linears
 from roseinfer.models.tokenizers import gpt2_tokenizer, package_dir
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
          cpu_weight_dtype: str = "float32", quantization: str | None = None):
     """Returns (module, hf_config, tokenizer); ``plugins`` (a PluginRegistry) has the
     model architectures and quantization methods (default: the default registry's);
-    ``cpu_weight_dtype``: see models/cpu_weights.py; ``quantization``: a method to
+    ``cpu_weight_dtype``: see layers/cpu_weights.py; ``quantization``: a method to
     quantize a float model with at load (a quantized checkpoint names its own)."""
     if plugins is None:
         from roseinfer.core.plugins import default_registry

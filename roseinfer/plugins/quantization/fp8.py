@@ -3,13 +3,13 @@ per token where the checkpoint says so, and at load (W8A8 dynamic, as vLLM's
 ``--quantization fp8``). Reads compressed-tensors ``float-quantized`` checkpoints, as
 llm-compressor's FP8 and FP8_DYNAMIC schemes write them. On GPUs with FP8 (compute
 capability 8.9 and up) W8A8 linears keep their weights in FP8 and run FP8 kernels
-(models/fp8_linear.py); elsewhere the de-quantized values."""
+(layers/fp8_linear.py); elsewhere the de-quantized values."""
 from __future__ import annotations
 
 import torch
 
 from roseinfer.core.errors import ConfigError
-from roseinfer.models.fp8_linear import runs_here, to_fp8
+from roseinfer.layers.fp8_linear import runs_here, to_fp8
 from roseinfer.models.quantization import Fp8ActivationLinear, absmax_scale, fp8_rows, \
     quantizable
 

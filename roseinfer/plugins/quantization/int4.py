@@ -4,14 +4,14 @@ compressed-tensors ``pack-quantized`` checkpoints; at load it rounds a float mod
 weights to the nearest level of each group (symmetric, no calibration): groups of 128,
 or of 64 or 32 where 128 does not divide a linear's input size (SmolLM2's 576). On
 GPUs a bfloat16 model quantized at load keeps the weights of groups of 128 packed, half
-a byte each, and runs torch's int4 kernel (models/int4_linear.py); smaller groups, and a
+a byte each, and runs torch's int4 kernel (layers/int4_linear.py); smaller groups, and a
 checkpoint's weights, are de-quantized to the model's dtype at load, on every device."""
 from __future__ import annotations
 
 import torch
 
 from roseinfer.core.errors import ConfigError
-from roseinfer.models.int4_linear import GROUP, dequantize, quantize, runs_here, to_int4
+from roseinfer.layers.int4_linear import GROUP, dequantize, quantize, runs_here, to_int4
 from roseinfer.models.quantization import quantizable
 
 GROUPS = (128, 64, 32)  # at load: the largest that divides the input size

@@ -3,9 +3,9 @@ over enough weight copies that they stream from HBM."""
 import importlib.util, itertools, os, sys, time
 sys.path.insert(0, os.getcwd())
 import torch
-from roseinfer.models import skinny_linear as sk
-from roseinfer.models.fused import add_rms_norm, silu_and_mul
-from roseinfer.models.skinny_linear import graph_time
+from roseinfer.layers import skinny_linear as sk
+from roseinfer.layers.fused import add_rms_norm, silu_and_mul
+from roseinfer.layers.skinny_linear import graph_time
 spec = importlib.util.spec_from_file_location("old_sk", "scratch/old/skinny_linear.py")
 old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
 

@@ -4,9 +4,9 @@ sys.path.insert(0, os.getcwd())
 import torch
 import triton, triton.language as tl
 from roseinfer.core.triton_support import wait_for_inputs
-from roseinfer.models import skinny_linear as sk
-from roseinfer.models.fused import add_rms_norm, silu_and_mul
-from roseinfer.models.skinny_linear import graph_time
+from roseinfer.layers import skinny_linear as sk
+from roseinfer.layers.fused import add_rms_norm, silu_and_mul
+from roseinfer.layers.skinny_linear import graph_time
 
 
 @triton.jit

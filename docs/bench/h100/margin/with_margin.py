@@ -10,8 +10,8 @@ import sys
 
 sys.path.insert(0, os.getcwd())
 logging.basicConfig(level=logging.WARNING)
-logging.getLogger("roseinfer.models.skinny_linear").setLevel(logging.INFO)
-from roseinfer.models import skinny_linear  # noqa: E402
+logging.getLogger("roseinfer.layers.skinny_linear").setLevel(logging.INFO)
+from roseinfer.layers import skinny_linear  # noqa: E402
 
 skinny_linear.CUBLAS_MARGIN = float(sys.argv[1])
 sys.argv = ["decode_profile.py", *sys.argv[2:]]

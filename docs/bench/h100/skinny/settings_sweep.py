@@ -3,8 +3,8 @@ each as a CUDA graph over 400 MB of copies of the shape's weight, with cuBLAS al
 import os, sys, time
 sys.path.insert(0, os.getcwd())
 import torch, torch.nn.functional as F
-from roseinfer.models import skinny_linear as sk
-from roseinfer.models.skinny_linear import graph_time, launch_config
+from roseinfer.layers import skinny_linear as sk
+from roseinfer.layers.skinny_linear import graph_time, launch_config
 
 torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.errors import ConfigError
-from roseinfer.models.layers import LogitsHead
+from roseinfer.layers.embedding import LogitsHead
 
 
 class RoundedLinear(nn.Module):

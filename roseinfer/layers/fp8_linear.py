@@ -3,7 +3,7 @@ stay FP8 in GPU memory, and each input row is rounded to e4m3 with a scale of it
 (its largest magnitude maps to 448), as vLLM's ``--quantization fp8`` computes.
 
 The input's rows are rounded first, by one small kernel (one program a row). Decode rows
-(at most MAX_ROWS) then go through the skinny kernel (models/skinny_linear.py), which
+(at most MAX_ROWS) then go through the skinny kernel (layers/skinny_linear.py), which
 streams each weight once, here at one byte a value, multiplying e4m3 tiles on the
 tensor cores (as float16, which holds every e4m3 value exactly). More rows go to ``torch._scaled_mm`` (FP8 tensor-core GEMM
 with row-wise scales). On the CPU the model keeps the de-quantized values
@@ -18,7 +18,7 @@ from torch import nn
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     wait_for_inputs
 from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
-from roseinfer.models.skinny_linear import _skinny_kernel
+from roseinfer.layers.skinny_linear import _skinny_kernel
 
 MAX_ROWS = 16  # one tile of rows
 

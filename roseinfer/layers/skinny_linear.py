@@ -40,7 +40,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
                    PDL: tl.constexpr):
     """y = x @ w.T (+ b). SCALED: x and w hold e4m3 values, multiplied as float16 (which
     holds each exactly), and y is scaled by x's row scales ``xs`` and w's column scales
-    ``ws`` (models/fp8_linear.py)."""
+    ``ws`` (layers/fp8_linear.py)."""
     wait_for_inputs(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, 16)

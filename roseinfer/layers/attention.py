@@ -1,0 +1,29 @@
+"""Attention over the paged KV cache: the layer every family's attention goes through."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from roseinfer.core.attention import get_context
+
+
+class PagedAttention(nn.Module):
+    """Appends this step's K/V to the paged cache, then attends through it."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        ctx.kv_cache.append(self.layer_idx, k, v)
+        cache = ctx.kv_cache
+        out = ctx.attention.forward(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
+                                    ctx.attn, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)

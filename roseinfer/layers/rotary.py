@@ -1,0 +1,51 @@
+"""Rotary position embeddings: the tables from a config, and the rotation of q and k."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from roseinfer.core.attention import get_context
+from roseinfer.layers.fused import apply_rope, rope_rows, rotate_qk_
+
+
+def rope_params(cfg) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling; non-default RoPE types go through transformers."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+        return inv_freq, scaling
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))  # the rotated dims
+    exps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (theta ** exps), 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE from precomputed cos/sin tables."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0):
+        super().__init__()
+        self._spec = (inv_freq.float().cpu(), max_positions, scaling)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.build_tables()
+
+    def build_tables(self, device=None) -> None:
+        """(Re)build the tables, e.g. after the module was created on the meta device."""
+        inv_freq, max_positions, scaling = self._spec
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
+        device = device or self.cos.device
+        self.cos = (freqs.cos() * scaling).to(device)
+        self.sin = (freqs.sin() * scaling).to(device)
+
+    def forward(self, positions, q, k, num_heads, num_kv_heads):
+        """Rotates q and k in place (they may be column slices of a fused qkv)."""
+        if q.is_cuda:  # one kernel gathers and rotates
+            return apply_rope(q, k, positions, self.cos, self.sin, num_heads, num_kv_heads)
+        memo = get_context().attn.memo
+        if self not in memo:  # the first layer gathers the step's rows for all
+            memo[self] = rope_rows(positions, self.cos, self.sin)
+        return rotate_qk_(q, k, *memo[self], num_heads, num_kv_heads)
