@@ -3,6 +3,7 @@
 `roseinfer status` all run as that user, on a plain Redis and on a Redis Cluster, and no
 other tenant's key is touched. Also: entries left under the backlog's old name are
 carried over by a worker allowed to read it."""
+import argparse
 import subprocess
 
 import openai
@@ -12,7 +13,7 @@ import redis
 from roseinfer import SamplingParams
 from roseinfer.frontends.openai.app import BackgroundGateway, GatewayConfig
 from roseinfer.frontends.redis_streams.client import Client
-from roseinfer.frontends.redis_streams.protocol import Keys, hash_tag
+from roseinfer.frontends.redis_streams.protocol import Keys, hash_tag, prefix_arg
 from roseinfer.frontends.redis_streams.server import free_port
 
 from .conftest import FakeEngine, roseinfer_cmd, wait_until
@@ -121,6 +122,8 @@ def test_every_key_starts_with_the_prefix_in_the_request_streams_slot():
             assert hash_tag(key) == hash_tag(keys.requests), key
     with pytest.raises(ValueError, match="braces"):
         Keys("a{b")
+    with pytest.raises(argparse.ArgumentTypeError, match="braces"):  # --prefix, at once
+        prefix_arg("a}b")
 
 
 def test_entries_under_the_backlogs_old_name_are_carried_over(start_worker, real_redis, prefix):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from roseinfer.frontends.redis_streams.protocol import DEFAULT_PREFIX, DEFAULT_URL
+from roseinfer.frontends.redis_streams.protocol import DEFAULT_PREFIX, DEFAULT_URL, prefix_arg
 
 log = logging.getLogger("roseinfer.gateway")
 
@@ -12,7 +12,7 @@ def add_commands(subparsers, engine_parent) -> None:
     g = subparsers.add_parser("gateway", help="serve the OpenAI API (completions, chat) "
                               "in front of the Redis queue")
     g.add_argument("--redis-url", default=DEFAULT_URL, help="(default: %(default)s)")
-    g.add_argument("--prefix", default=DEFAULT_PREFIX, help="(default: %(default)s)")
+    g.add_argument("--prefix", default=DEFAULT_PREFIX, type=prefix_arg, help="(default: %(default)s)")
     g.add_argument("--host", default=None,
                    help="address to bind (default: 0.0.0.0 with --api-key, else 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")

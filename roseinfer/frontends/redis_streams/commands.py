@@ -14,7 +14,7 @@ import tomllib
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.tools import check_tools
 from roseinfer.frontends.redis_streams.protocol import DEFAULT_GROUP, DEFAULT_PREFIX, \
-    DEFAULT_URL, Chat, Keys
+    DEFAULT_URL, Chat, Keys, prefix_arg
 # The Redis client, the worker and the metrics are imported by the commands that use
 # them: every CLI command builds this parser, and `generate` starts 0.3 s sooner.
 
@@ -29,7 +29,7 @@ SOCKET_TIMEOUT_S = 10.0
 WORKER_SETTINGS = {
     "redis_url": (None, str, (f"Redis to serve from (worker default: {DEFAULT_URL}; "
                               "serve default: start an embedded one)")),
-    "prefix": (DEFAULT_PREFIX, str, "key prefix"),
+    "prefix": (DEFAULT_PREFIX, prefix_arg, "key prefix"),
     "group": (DEFAULT_GROUP, str, "consumer group"),
     "consumer": (None, str, "consumer name, unique per worker (default: HOST-PID)"),
     "claim_idle_ms": (30_000, int, "claim a dead worker's request once idle this long"),
@@ -77,7 +77,7 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
 
     st = subparsers.add_parser("status", help="list live workers, queue lag and in-flight counts")
     st.add_argument("--redis-url", default=DEFAULT_URL, help="(default: %(default)s)")
-    st.add_argument("--prefix", default=DEFAULT_PREFIX, help="(default: %(default)s)")
+    st.add_argument("--prefix", default=DEFAULT_PREFIX, type=prefix_arg, help="(default: %(default)s)")
     st.add_argument("--group", default=DEFAULT_GROUP, help="(default: %(default)s)")
     st.add_argument("--json", action="store_true", help="print it as JSON")
     st.set_defaults(func=status_command)
@@ -93,7 +93,7 @@ def _add_submit_flags(submit: argparse.ArgumentParser) -> None:
                         help='a conversation instead of a prompt: a JSON list of {"role", '
                              '"content"} maps ("-" reads it from stdin)')
     submit.add_argument("--redis-url", default=DEFAULT_URL, help="(default: %(default)s)")
-    submit.add_argument("--prefix", default=DEFAULT_PREFIX, help="(default: %(default)s)")
+    submit.add_argument("--prefix", default=DEFAULT_PREFIX, type=prefix_arg, help="(default: %(default)s)")
     submit.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
     submit.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (default: %(default)s)")

@@ -6,6 +6,7 @@ languages implement the same rules (docs/protocol.md).
 """
 from __future__ import annotations
 
+import argparse
 import re
 import uuid
 from dataclasses import dataclass
@@ -118,6 +119,16 @@ class Keys:
     def fleet(self) -> str:
         """The set of workers that route: whose cached and load keys to look at."""
         return self._in_stream_slot("fleet")
+
+
+def prefix_arg(text: str) -> str:
+    """``--prefix``, as an argparse type: one whose keys cannot share the request stream's
+    cluster slot is refused with the flag named."""
+    try:
+        Keys(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def is_background(params: dict) -> bool:
