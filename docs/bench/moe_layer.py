@@ -1,0 +1,77 @@
+"""One MoE layer's experts (layers/moe.py fused_experts), CUDA-graph captured, against the
+bytes its chosen experts hold: Qwen3-30B-A3B's expert shape (128 experts, top 8, hidden
+2048, 768 per expert), bf16, random router logits.
+
+Usage: python3 docs/bench/moe_layer.py [--peak-tbps 4.8]
+"""
+import argparse
+
+import torch
+
+from roseinfer.layers import moe
+from roseinfer.layers.moe import fused_experts, select_experts
+
+p = argparse.ArgumentParser()
+p.add_argument("--peak-tbps", type=float, default=3.35)
+p.add_argument("--sweep", action="store_true", help="also time other decode tilings")
+p.add_argument("--profile", action="store_true", help="list each kernel's time at one token")
+args = p.parse_args()
+CHOSEN = moe._config
+E, K, H, I = 128, 8, 2048, 768
+gen = torch.Generator(device="cuda").manual_seed(0)
+w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * 0.02).bfloat16()
+w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * 0.02).bfloat16()
+expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+print(f"{torch.cuda.get_device_name()}, peak {args.peak_tbps} TB/s")
+
+
+def run(tokens: int) -> None:
+    x = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(tokens, E, device="cuda", generator=gen)
+    weights, ids = select_experts(logits, K, True)
+    fused_experts(x, w13, w2, weights, ids)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_experts(x, w13, w2, weights, ids)
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 200
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(end) / reps * 1000
+    chosen = ids.unique().numel()
+    floor_us = chosen * expert_bytes / (args.peak_tbps * 1e12) * 1e6
+    print(f"tokens {tokens:4d}: {us:7.1f} us, {chosen:3d} experts read, floor {floor_us:6.1f} us "
+          f"({floor_us / us:.0%} of it)")
+
+
+for tokens in (1, 4, 16, 64, 256):
+    run(tokens)
+if args.sweep:
+    for cfg in ({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+                {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+                {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+                {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 2, "num_stages": 5}):
+        moe._config = lambda pairs, cfg=cfg: cfg if pairs <= 256 else CHOSEN(pairs)
+        print(cfg)
+        for tokens in (1, 16):
+            run(tokens)
+
+if args.profile:  # each kernel's time at one token: where the time above goes
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(1, H, device="cuda", generator=gen).bfloat16()
+    weights, ids = select_experts(torch.randn(1, E, device="cuda", generator=gen), K, True)
+    for _ in range(3):
+        fused_experts(x, w13, w2, weights, ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fused_experts(x, w13, w2, weights, ids)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))

@@ -1,0 +1,143 @@
+"""A mixture-of-experts MLP: the router's top-k, then every chosen expert's SwiGLU MLP,
+summed with the router's weights, in two grouped GEMM launches (vLLM's ``fused_moe``
+design, in Triton).
+
+- ``select_experts``: softmax over the gate's logits, top-k, and the renormalisation a
+  family asks for (Mixtral and Qwen3-MoE renormalise, Qwen2-MoE and OLMoE do not; a
+  softmax over the top-k logits, gpt-oss's, is the renormalised form).
+- ``align_blocks``: the (token, choice) pairs sorted by expert, each expert's run padded to
+  the GEMM's row tile, so that a tile of rows reads one expert's weights. Static shapes
+  and no host sync: it runs inside CUDA graphs.
+- ``fused_experts``: one launch for gate_up over every tile, ``silu_and_mul``, one launch
+  for down with the routing weights applied in the kernel, then the top-k rows of each
+  token summed. Each tile streams only its own expert's weights, so at decode sizes a
+  step reads the chosen experts and no other.
+
+Weights are laid out as transformers keeps them: ``w13 = [E, 2I, H]`` (gate rows, then
+up), ``w2 = [E, H, I]``. Off CUDA a plain-torch twin loops over the experts that hold
+tokens (``use_triton`` as in fused.py).
+"""
+from __future__ import annotations  # kernel annotations stay strings without triton
+
+import torch
+
+from roseinfer.core.triton_support import kernel as _kernel, tl, triton
+from roseinfer.layers.fused import _use_triton, silu_and_mul
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int32) of each token's top-k experts by
+    softmax probability; ``renormalize``: the k weights sum to one."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def align_blocks(ids: torch.Tensor, num_experts: int,
+                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs of ``ids`` ([T, k]) in expert order, each expert's run padded to a
+    multiple of ``block_m``. Returns (sorted pair indexes, padded with T*k; the expert
+    of each tile of block_m rows, -1 past the last; the padded row count, a 1-element
+    tensor). Sized for the worst case: each expert holding pairs adds at most one tile
+    that is not full, so ceil(T*k / block_m) + min(E, T*k) tiles (9 for one token's
+    top 8, where E*(block_m - 1) rows of padding would launch 121)."""
+    flat = ids.flatten().long()
+    pairs = flat.numel()
+    # not bincount: it reads the largest id back to the host, which a graph cannot
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    rank = torch.arange(pairs, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    rows = block_m * (-(-pairs // block_m) + min(num_experts, pairs))
+    sorted_ids = torch.full((rows,), pairs, dtype=torch.int32, device=ids.device)
+    sorted_ids[starts[expert] + rank] = order.to(torch.int32)
+    tile_starts = torch.arange(0, rows, block_m, device=ids.device)
+    tile_expert = torch.searchsorted(torch.cumsum(padded, 0), tile_starts, right=True)
+    total = padded.sum().reshape(1)
+    tile_expert = torch.where(tile_starts < total, tile_expert, -1).to(torch.int32)
+    return sorted_ids, tile_expert, total.to(torch.int32)
+
+
+@_kernel
+def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, tile_expert_ptr,
+                         total_ptr, N, K, pairs, pairs_per_row, s_a, s_we, s_wn, s_c,
+                         MUL_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[pair] = A[pair // pairs_per_row] @ W[expert].T (x the pair's routing weight), for the
+    BLOCK_M pairs of one tile and BLOCK_N of the N output columns."""
+    tile = tl.program_id(0)
+    if tile * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < pairs
+    token = tl.where(valid, pair // pairs_per_row, 0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + token[:, None] * s_a + ks[None, :],
+                    mask=valid[:, None] & (ks[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + expert * s_we + cols[None, :] * s_wn + ks[:, None],
+                    mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)
+        acc += tl.dot(a, w, input_precision="ieee")
+    if MUL_WEIGHTS:
+        acc *= tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
+    tl.store(c_ptr + pair.to(tl.int64)[:, None] * s_c + cols[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+
+def _config(pairs: int) -> dict:
+    """The GEMM's tiles and launch: small row tiles at decode sizes, where most tiles are
+    one expert's few tokens and the time is its weights' bytes."""
+    if pairs <= 256:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _grouped_gemm(a, w, weights, aligned, config: dict, pairs_per_row: int,
+                  mul_weights: bool) -> torch.Tensor:
+    """[pairs, N]: row p is A's row p // pairs_per_row times its expert's W ([E, N, K])."""
+    assert w.stride(-1) == 1, "expert weights must be contiguous in K"
+    sorted_ids, tile_expert, total = aligned
+    pairs, n, k = weights.numel(), w.shape[1], w.shape[2]
+    c = torch.empty((pairs, n), dtype=a.dtype, device=a.device)
+    grid = (tile_expert.numel(), triton.cdiv(n, config["BLOCK_N"]))
+    _grouped_gemm_kernel[grid](a, w, c, weights, sorted_ids, tile_expert, total, n, k, pairs,
+                               pairs_per_row, a.stride(0), w.stride(0), w.stride(1),
+                               c.stride(0), MUL_WEIGHTS=mul_weights, **config)
+    return c
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor,
+                  use_triton: bool | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t of ``x`` ([T, H]),
+    each expert ``down(silu(gate(x)) * up(x))``; returns [T, H] in x's dtype."""
+    if not _use_triton(use_triton, x):
+        return _experts_torch(x, w13, w2, weights, ids)
+    x = x.contiguous()
+    tokens, top_k = ids.shape
+    config = _config(ids.numel())
+    aligned = align_blocks(ids, w13.shape[0], config["BLOCK_M"])
+    flat_weights = weights.flatten().float().contiguous()
+    up = _grouped_gemm(x, w13, flat_weights, aligned, config, top_k, mul_weights=False)
+    down = _grouped_gemm(silu_and_mul(up, use_triton=True), w2, flat_weights, aligned,
+                         config, 1, mul_weights=True)
+    return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def _experts_torch(x, w13, w2, weights, ids) -> torch.Tensor:
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in ids.unique().tolist():
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        h = silu_and_mul(x[token] @ w13[expert].T, use_triton=False) @ w2[expert].T
+        out.index_add_(0, token, h.float() * weights[token, slot, None].float())
+    return out.to(x.dtype)

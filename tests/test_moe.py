@@ -1,0 +1,95 @@
+"""The mixture-of-experts layer (layers/moe.py) against transformers' own Qwen3-MoE block
+(its router and its experts, float32), the router on near-ties, the block alignment's
+invariants, and, on CUDA, the fused kernel in bf16 against a float64 loop over experts at
+a real shape."""
+import pytest
+import torch
+from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeSparseMoeBlock,
+                                                              Qwen3MoeTopKRouter)
+
+from roseinfer.layers.moe import align_blocks, fused_experts, select_experts
+
+from tests.conftest import DEVICE
+
+
+def block(renormalize: bool, experts: int = 8, top_k: int = 2) -> Qwen3MoeSparseMoeBlock:
+    cfg = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=experts,
+                         num_experts_per_tok=top_k, norm_topk_prob=renormalize)
+    torch.manual_seed(0)
+    moe = Qwen3MoeSparseMoeBlock(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return moe
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+def test_the_layer_equals_transformers_qwen3_moe_block(tokens, renormalize, use_triton):
+    moe = block(renormalize).to(DEVICE)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    with torch.no_grad():
+        want = moe(x[None])[0]
+        weights, ids = select_experts(x @ moe.gate.weight.T, 2, renormalize)
+        got = fused_experts(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids,
+                            use_triton=use_triton)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_router_picks_transformers_experts_on_near_ties():
+    """Logits a float32 ulp apart, and exact ties: the same experts, in the same order."""
+    experts, top_k = 8, 3
+    cfg = Qwen3MoeConfig(hidden_size=experts, num_experts=experts, num_experts_per_tok=top_k,
+                         norm_topk_prob=True)
+    router = Qwen3MoeTopKRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(experts))  # the hidden rows are the logits
+        base = torch.tensor([1.0, 2.0, 2.0, 0.5, 2.0, -1.0, 0.0, 1.0])
+        logits = torch.stack([base, base + torch.arange(8) * 1e-7,
+                              torch.nextafter(base, base + 1), torch.zeros(8)])
+        _, want_weights, want_ids = router(logits)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    assert ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(weights, want_weights)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 8, 2, 16), (37, 8, 2, 16),
+                                                             (300, 16, 4, 64)])
+def test_each_tile_holds_one_experts_pairs_and_every_pair_once(tokens, experts, top_k,
+                                                               block_m):
+    ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(1))
+    sorted_ids, tile_expert, total = align_blocks(ids, experts, block_m)
+    pairs = ids.numel()
+    real = sorted_ids[sorted_ids < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))
+    assert int(total) % block_m == 0 and int(total) >= pairs
+    flat = ids.flatten()
+    for t, expert in enumerate(tile_expert.tolist()):
+        tile = sorted_ids[t * block_m:(t + 1) * block_m]
+        tile = tile[tile < pairs]
+        if t * block_m >= int(total):
+            assert expert == -1 and tile.numel() == 0
+        else:
+            assert (flat[tile.long()] == expert).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the compiled kernel needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 7, 64, 512])
+@pytest.mark.parametrize("experts, top_k, renormalize", [(128, 8, True), (8, 2, True),
+                                                         (60, 4, False)],
+                         ids=["qwen3-moe", "mixtral", "qwen2-moe"])
+def test_the_kernel_equals_a_float64_loop_at_real_shapes(tokens, experts, top_k, renormalize):
+    """Qwen3-30B-A3B's expert shape (hidden 2048, 768 per expert) in bf16."""
+    hidden, inter = 2048, 768
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.02).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) * 0.02).bfloat16()
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    weights, ids = select_experts(logits, top_k, renormalize)
+    got = fused_experts(x, w13, w2, weights, ids)
+    want = fused_experts(x.double(), w13.double(), w2.double(), weights.double(), ids,
+                         use_triton=False)
+    # bf16 rounds the gate_up output and the activation, which the float64 loop does not
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=5e-3)
