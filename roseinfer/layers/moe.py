@@ -20,7 +20,10 @@ tokens (``use_triton`` as in fused.py).
 from __future__ import annotations  # kernel annotations stay strings without triton
 
 import torch
+from torch import nn
 
+from roseinfer.core import tp
+from roseinfer.core.errors import ConfigError
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton
 from roseinfer.layers.fused import _use_triton, silu_and_mul
 
@@ -141,3 +144,23 @@ def _experts_torch(x, w13, w2, weights, ids) -> torch.Tensor:
         h = silu_and_mul(x[token] @ w13[expert].T, use_triton=False) @ w2[expert].T
         out.index_add_(0, token, h.float() * weights[token, slot, None].float())
     return out.to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    """A router (``gate``, no bias) and ``experts`` SwiGLU experts (``w13``, ``w2``),
+    each token through its ``top_k``."""
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int,
+                 renormalize: bool):
+        super().__init__()
+        if tp.group().size > 1:
+            raise ConfigError("mixture-of-experts layers do not run under tensor parallelism "
+                              "yet; use tensor_parallel_size=1")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, intermediate))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(h), self.top_k, self.renormalize)
+        return fused_experts(h, self.w13, self.w2, weights, ids)

@@ -34,20 +34,30 @@ class LlamaLayer(nn.Module):
         super().__init__()
         e, (h, hkv, d) = cfg.hidden_size, _shape(cfg)
         h, hkv = tp.split(h, "attention heads"), tp.kv_heads(hkv)[0]
-        inter = tp.split(cfg.intermediate_size, "intermediate size")
         bias = getattr(cfg, "attention_bias", False)
         self.h, self.hkv, self.d, self.q_size, self.kv_size = h, hkv, d, h * d, hkv * d
         self.input_layernorm = RMSNorm(e, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(e, (h + 2 * hkv) * d, bias=bias or cfg.model_type == "qwen2")
         self.o_proj = nn.Linear(h * d, e, bias=bias)
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(e, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(e, 2 * inter, bias=getattr(cfg, "mlp_bias", False))
-        self.down_proj = nn.Linear(inter, e, bias=getattr(cfg, "mlp_bias", False))
         self.rotary = rotary
         self.attn = PagedAttention(layer_idx, h, hkv, d, d ** -0.5)
+        self.init_mlp(cfg, layer_idx)
+
+    def init_mlp(self, cfg, layer_idx: int) -> None:
+        """The MLP's weights: a SwiGLU with gate and up fused (a family with another MLP
+        overrides this and ``mlp``)."""
+        inter = tp.split(cfg.intermediate_size, "intermediate size")
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the MLP's output (the caller sums the ranks')."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
         """Returns (this layer's output, the residual stream before it is added):
@@ -60,16 +70,19 @@ class LlamaLayer(nn.Module):
         q, k = self.rotary(positions, q, k, self.h, self.hkv)  # in place, inside qkv
         attn = tp.all_reduce(self.o_proj(self.attn(q, k, v)))
         h, residual = self.post_attention_layernorm(attn, residual)
-        return tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(h)))), residual
+        return tp.all_reduce(self.mlp(h)), residual
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class = LlamaLayer
+
     def __init__(self, cfg):
         super().__init__()
         inv_freq, scaling = rope_params(cfg)
         rotary = RotaryEmbedding(inv_freq, cfg.max_position_embeddings, scaling)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, rotary)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tied:

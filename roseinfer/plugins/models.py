@@ -1,5 +1,6 @@
 """Built-in model families by transformers ``model_type``. Mistral, Qwen2, Qwen3 and
-Phi-3 are Llama plus flags the config sets (roseinfer/models/llama.py)."""
+Phi-3 are Llama plus flags the config sets (roseinfer/models/llama.py); Qwen3-MoE is
+Llama's layers with a mixture-of-experts MLP (roseinfer/models/qwen3_moe.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
 
@@ -7,7 +8,9 @@ from roseinfer.core.hookspecs import hookimpl
 def roseinfer_register_model_architectures(register):
     from roseinfer.models.gpt2 import GPT2ForCausalLM
     from roseinfer.models.llama import LlamaForCausalLM
+    from roseinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
     register("gpt2", GPT2ForCausalLM)
     for model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         register(model_type, LlamaForCausalLM)
+    register("qwen3_moe", Qwen3MoeForCausalLM)
