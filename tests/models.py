@@ -29,13 +29,14 @@ def tiny_llama(vocab=512, **overrides):
 
 
 def tiny_family(family, vocab=512, **overrides):
-    """A Llama-like family at tiny_llama's shape: "mistral", "qwen2", "qwen3", "phi3" or
-    "qwen3_moe" (8 experts, top 2, of 48 each; its second layer dense)."""
+    """A Llama-like family at tiny_llama's shape: "mistral", "qwen2", "qwen3", "phi3",
+    "qwen3_moe" (8 experts, top 2, of 48 each; its second layer dense) or "mixtral" (8
+    experts, top 2, of 48 each, in every layer)."""
     import transformers
 
     torch.manual_seed(0)
     names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-             "qwen3_moe": "Qwen3Moe"}[family]
+             "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}[family]
     config = getattr(transformers, f"{names}Config")
     base = dict(vocab_size=vocab, hidden_size=72, intermediate_size=144, num_hidden_layers=2,
                 num_attention_heads=6, num_key_value_heads=2, head_dim=12,
@@ -46,13 +47,15 @@ def tiny_family(family, vocab=512, **overrides):
     if family == "qwen3_moe":
         base.update(moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
                     norm_topk_prob=True, mlp_only_layers=[1])
+    if family == "mixtral":
+        base.update(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
     model = getattr(transformers, f"{names}ForCausalLM")(config(**{**base, **overrides})).eval()
     if family == "qwen2":  # q/k/v biases start at 0: make them matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
-    if family == "qwen3_moe":  # the router starts at 0: every expert would tie
-        for layer in model.model.layers[:1]:
+    if family in ("qwen3_moe", "mixtral"):  # a router starts at 0: every expert would tie
+        for layer in model.model.layers[:1 if family == "qwen3_moe" else None]:
             torch.nn.init.normal_(layer.mlp.gate.weight, std=0.5)
     if family in ("qwen3", "qwen3_moe"):  # the q/k norms start at 1: make them matter
         for layer in model.model.layers:

@@ -1,4 +1,4 @@
-"""The Llama-like families (Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE): greedy ids equal
+"""The Llama-like families (Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE, Mixtral): greedy ids equal
 transformers' generate on random tiny configs, across block sizes, batches of mixed
 lengths and the prefix cache; a sliding window bounds the context, and so does LongRoPE."""
 import pytest
@@ -8,7 +8,7 @@ from roseinfer import LLM
 from tests.models import tiny_family
 from tests.test_greedy_equality import check, mixed_prompts
 
-FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "qwen3_moe"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -54,21 +54,28 @@ def test_longrope_bounds_the_context_to_its_original_length():
     assert llm.engine.max_model_len == 128
 
 
-def test_qwen3_moe_experts_load_stacked_or_one_per_expert():
+@pytest.mark.parametrize("family, module, names", [
+    ("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    ("mixtral", "block_sparse_moe", ("w1", "w3", "w2"))])
+def test_moe_experts_load_stacked_or_one_per_expert(family, module, names):
     """transformers holds the experts stacked; checkpoints on disk hold one tensor per
-    expert and projection: both become the same w13 and w2."""
-    from roseinfer.models.qwen3_moe import Qwen3MoeForCausalLM
+    expert and projection, under each family's own names: both become the same w13
+    and w2."""
+    from roseinfer.models.moe import MoeForCausalLM
 
-    model = tiny_family("qwen3_moe", sliding_window=None)
+    model = tiny_family(family, sliding_window=None)
     stacked = model.state_dict()
-    on_disk = {k: v for k, v in stacked.items() if ".mlp.experts." not in k}
-    for i, layer in enumerate(model.model.layers[:1]):
+    on_disk = {k.replace(".mlp.gate.", f".{module}.gate."): v for k, v in stacked.items()
+               if ".mlp.experts." not in k}
+    for i, layer in enumerate(model.model.layers):
+        if not hasattr(layer.mlp, "experts"):
+            continue
         gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
         for e in range(gate_up.shape[0]):
             gate, up = gate_up[e].chunk(2)
-            for name, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down[e])):
-                on_disk[f"model.layers.{i}.mlp.experts.{e}.{name}.weight"] = t
-    want = Qwen3MoeForCausalLM.convert_hf_state_dict(stacked, model.config)
-    got = Qwen3MoeForCausalLM.convert_hf_state_dict(on_disk, model.config)
+            for name, t in zip(names, (gate, up, down[e])):
+                on_disk[f"model.layers.{i}.{module}.experts.{e}.{name}.weight"] = t
+    want = MoeForCausalLM.convert_hf_state_dict(stacked, model.config)
+    got = MoeForCausalLM.convert_hf_state_dict(on_disk, model.config)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert want["layers.0.moe.w13"].shape == (8, 96, 72)

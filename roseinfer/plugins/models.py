@@ -1,6 +1,6 @@
 """Built-in model families by transformers ``model_type``. Mistral, Qwen2, Qwen3 and
-Phi-3 are Llama plus flags the config sets (roseinfer/models/llama.py); Qwen3-MoE is
-Llama's layers with a mixture-of-experts MLP (roseinfer/models/qwen3_moe.py)."""
+Phi-3 are Llama plus flags the config sets (roseinfer/models/llama.py); Qwen3-MoE and
+Mixtral are Llama's layers with mixture-of-experts MLPs (roseinfer/models/moe.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
 
@@ -8,9 +8,10 @@ from roseinfer.core.hookspecs import hookimpl
 def roseinfer_register_model_architectures(register):
     from roseinfer.models.gpt2 import GPT2ForCausalLM
     from roseinfer.models.llama import LlamaForCausalLM
-    from roseinfer.models.qwen3_moe import Qwen3MoeForCausalLM
+    from roseinfer.models.moe import MoeForCausalLM
 
     register("gpt2", GPT2ForCausalLM)
     for model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         register(model_type, LlamaForCausalLM)
-    register("qwen3_moe", Qwen3MoeForCausalLM)
+    for model_type in ("qwen3_moe", "mixtral"):
+        register(model_type, MoeForCausalLM)
