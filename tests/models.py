@@ -29,14 +29,16 @@ def tiny_llama(vocab=512, **overrides):
 
 
 def tiny_family(family, vocab=512, **overrides):
-    """A Llama-like family at tiny_llama's shape: "mistral", "qwen2", "qwen3", "phi3",
-    "qwen3_moe" (8 experts, top 2, of 48 each; its second layer dense) or "mixtral" (8
-    experts, top 2, of 48 each, in every layer)."""
+    """A Llama-like family at tiny_llama's shape: "mistral", "qwen2", "qwen3", "phi3", or a
+    mixture of experts, each with 8 experts and top 2: "qwen3_moe" (of 48; its second layer
+    dense), "qwen2_moe" (the same, and a shared expert of 96), "mixtral" and "olmoe" (of
+    48, in every layer)."""
     import transformers
 
     torch.manual_seed(0)
     names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-             "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}[family]
+             "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
+             "olmoe": "Olmoe"}[family]
     config = getattr(transformers, f"{names}Config")
     base = dict(vocab_size=vocab, hidden_size=72, intermediate_size=144, num_hidden_layers=2,
                 num_attention_heads=6, num_key_value_heads=2, head_dim=12,
@@ -44,24 +46,52 @@ def tiny_family(family, vocab=512, **overrides):
                 tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
     if family == "phi3":  # its default pad id (32000) is past a tiny vocabulary
         base["pad_token_id"] = 0
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen2_moe"):
         base.update(moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-                    norm_topk_prob=True, mlp_only_layers=[1])
+                    norm_topk_prob=family == "qwen3_moe", mlp_only_layers=[1])
+    if family == "qwen2_moe":
+        base.update(shared_expert_intermediate_size=96)
     if family == "mixtral":
         base.update(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+    if family == "olmoe":
+        base.update(intermediate_size=48, num_experts=8, num_experts_per_tok=2, pad_token_id=0)
     model = getattr(transformers, f"{names}ForCausalLM")(config(**{**base, **overrides})).eval()
-    if family == "qwen2":  # q/k/v biases start at 0: make them matter
+    if family in ("qwen2", "qwen2_moe"):  # q/k/v biases start at 0: make them matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
-    if family in ("qwen3_moe", "mixtral"):  # a router starts at 0: every expert would tie
-        for layer in model.model.layers[:1 if family == "qwen3_moe" else None]:
-            torch.nn.init.normal_(layer.mlp.gate.weight, std=0.5)
-    if family in ("qwen3", "qwen3_moe"):  # the q/k norms start at 1: make them matter
+    if family in MOE_FAMILIES:  # a router starts at 0: every expert would tie
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                torch.nn.init.normal_(getattr(layer.mlp.gate, "weight"), std=0.5)
+    if family in ("qwen3", "qwen3_moe", "olmoe"):  # the q/k norms start at 1: make them matter
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
     return model
+
+
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+def per_expert_checkpoint(model) -> dict:
+    """``model``'s state dict as checkpoints on disk hold its experts: one tensor per expert
+    and projection (Mixtral's ``block_sparse_moe.experts.E.w1``, w3, w2; the others'
+    ``mlp.experts.E.gate_proj``, up_proj, down_proj), where transformers stacks them."""
+    mixtral = model.config.model_type == "mixtral"
+    module = "block_sparse_moe" if mixtral else "mlp"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {k.replace(".mlp.gate.", f".{module}.gate."): v for k, v in model.state_dict().items()
+           if ".mlp.experts." not in k}
+    for i, layer in enumerate(model.model.layers):
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
+        for e in range(gate_up.shape[0]):
+            gate, up = gate_up[e].chunk(2)
+            for name, t in zip(names, (gate, up, down[e])):
+                out[f"model.layers.{i}.{module}.experts.{e}.{name}.weight"] = t
+    return out
 
 
 def hf_greedy(model, prompt, max_new_tokens):

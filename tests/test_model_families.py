@@ -1,14 +1,15 @@
-"""The Llama-like families (Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE, Mixtral): greedy ids equal
-transformers' generate on random tiny configs, across block sizes, batches of mixed
-lengths and the prefix cache; a sliding window bounds the context, and so does LongRoPE."""
+"""The Llama-like families (Mistral, Qwen2, Qwen3, Phi-3; Qwen3-MoE, Qwen2-MoE, Mixtral
+and OLMoE): greedy ids equal transformers' generate on random tiny configs, across block
+sizes, batches of mixed lengths and the prefix cache; a sliding window bounds the
+context, and so does LongRoPE."""
 import pytest
 import torch
 
 from roseinfer import LLM
-from tests.models import tiny_family
+from tests.models import per_expert_checkpoint, tiny_family
 from tests.test_greedy_equality import check, mixed_prompts
 
-FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -35,6 +36,11 @@ def test_a_sliding_window_bounds_the_context():
     assert llm.engine.max_model_len == 64
 
 
+def test_olmoe_clipping_q_k_and_v():
+    """OLMoE's ``clip_qkv`` bounds q, k and v after its norms (1.0 clips most of them)."""
+    check(tiny_family("olmoe", clip_qkv=1.0), mixed_prompts(4, seed=6), max_tokens=16)
+
+
 def test_phi3_with_partial_rotary():
     """Phi-4-mini's kind of config: a quarter of each head's dims do not rotate."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
@@ -54,28 +60,14 @@ def test_longrope_bounds_the_context_to_its_original_length():
     assert llm.engine.max_model_len == 128
 
 
-@pytest.mark.parametrize("family, module, names", [
-    ("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
-    ("mixtral", "block_sparse_moe", ("w1", "w3", "w2"))])
-def test_moe_experts_load_stacked_or_one_per_expert(family, module, names):
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_experts_load_stacked_or_one_per_expert(family):
     """transformers holds the experts stacked; checkpoints on disk hold one tensor per
     expert and projection, under each family's own names: both become the same w13
     and w2."""
     from roseinfer.models.moe import MoeForCausalLM
 
     model = tiny_family(family, sliding_window=None)
-    stacked = model.state_dict()
-    on_disk = {k.replace(".mlp.gate.", f".{module}.gate."): v for k, v in stacked.items()
-               if ".mlp.experts." not in k}
-    for i, layer in enumerate(model.model.layers):
-        if not hasattr(layer.mlp, "experts"):
-            continue
-        gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
-        for e in range(gate_up.shape[0]):
-            gate, up = gate_up[e].chunk(2)
-            for name, t in zip(names, (gate, up, down[e])):
-                on_disk[f"model.layers.{i}.{module}.experts.{e}.{name}.weight"] = t
-    want = MoeForCausalLM.convert_hf_state_dict(stacked, model.config)
-    got = MoeForCausalLM.convert_hf_state_dict(on_disk, model.config)
+    want = MoeForCausalLM.convert_hf_state_dict(model.state_dict(), model.config)
+    got = MoeForCausalLM.convert_hf_state_dict(per_expert_checkpoint(model), model.config)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    assert want["layers.0.moe.w13"].shape == (8, 96, 72)

@@ -17,7 +17,7 @@ from roseinfer.core.cuda_graphs import Layout
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.step_order import STOP, StepOrder, decode
 from roseinfer.models import loader
-from tests.models import hf_greedy, tiny_family, tiny_gpt2, tiny_llama
+from tests.models import MOE_FAMILIES, hf_greedy, per_expert_checkpoint, tiny_family, tiny_gpt2, tiny_llama
 from tests.test_greedy_equality import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -34,7 +34,8 @@ def saved(tmp_path_factory):
               # one K/V head for two ranks: replicated
               "llama-1kv": tiny_llama(num_attention_heads=4, num_key_value_heads=1,
                                       hidden_size=48, tie_word_embeddings=True),
-              "qwen2": tiny_family("qwen2"), "phi3": tiny_family("phi3")}
+              "qwen2": tiny_family("qwen2"), "phi3": tiny_family("phi3"),
+              **{family: tiny_family(family) for family in MOE_FAMILIES}}
     out = {}
     for name, hf in models.items():
         path = tmp_path_factory.mktemp(name)
@@ -52,7 +53,7 @@ def run(path, prompts, params=GREEDY, **config):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-1kv", "qwen2", "phi3"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-1kv", "qwen2", "phi3", *MOE_FAMILIES])
 def test_two_ranks_equal_transformers_greedy(saved, name, device):
     """Prompts of 1-23 tokens in chunks of at most 16 tokens a step (chunked prefill)."""
     path, hf = saved[name]
@@ -100,6 +101,26 @@ def test_drafts_are_checked_over_two_ranks(tmp_path, device):
                       speculative="ngram", num_speculative_tokens=4)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 30) for p in prompts]
     assert stats.num_accepted_tokens > 0, stats
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_rank_cuts_stacked_experts_as_it_cuts_one_per_expert(family):
+    """Checkpoints on disk hold one tensor per expert (what the tests above load), and
+    transformers' in-memory ones hold them stacked: each rank's share of every expert
+    is the same either way, and OLMoE's q/k norms are cut by head."""
+    from roseinfer.models.moe import MoeForCausalLM
+
+    hf = tiny_family(family)
+    for rank in range(2):
+        with tp.assume(rank, 2):
+            want, got = (MoeForCausalLM.convert_hf_state_dict(
+                loader._shards(MoeForCausalLM, sd, hf.config), hf.config)
+                for sd in (per_expert_checkpoint(hf), hf.state_dict()))
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        assert want["layers.0.moe.w13"].shape == (8, 48, 72)  # 2 x 48 / 2 ranks
+        if family == "olmoe":
+            assert want["layers.0.q_norm.weight"].equal(hf.model.layers[0].self_attn.q_norm
+                                                         .weight[rank * 36:(rank + 1) * 36])
 
 
 def test_a_vocabulary_smaller_than_a_ranks_rows_pads_the_last_rank():

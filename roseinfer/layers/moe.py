@@ -16,6 +16,10 @@ design, in Triton).
 Weights are laid out as transformers keeps them: ``w13 = [E, 2I, H]`` (gate rows, then
 up), ``w2 = [E, H, I]``. Off CUDA a plain-torch twin loops over the experts that hold
 tokens (``use_triton`` as in fused.py).
+
+Under tensor parallelism each rank holds every expert's share of the intermediate
+dimension (vLLM's default), so routing is the same on every rank and the layer's output
+is a partial sum, as a dense MLP's is: the caller sums the ranks'.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
@@ -23,7 +27,6 @@ import torch
 from torch import nn
 
 from roseinfer.core import tp
-from roseinfer.core.errors import ConfigError
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton
 from roseinfer.layers.fused import _use_triton, silu_and_mul
 
@@ -148,19 +151,47 @@ def _experts_torch(x, w13, w2, weights, ids) -> torch.Tensor:
 
 class SparseMoE(nn.Module):
     """A router (``gate``, no bias) and ``experts`` SwiGLU experts (``w13``, ``w2``),
-    each token through its ``top_k``."""
+    each token through its ``top_k``; this rank's share of each expert's
+    ``intermediate`` rows."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int,
                  renormalize: bool):
         super().__init__()
-        if tp.group().size > 1:
-            raise ConfigError("mixture-of-experts layers do not run under tensor parallelism "
-                              "yet; use tensor_parallel_size=1")
+        inter = tp.split(intermediate, "expert intermediate size")
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = nn.Linear(hidden, experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, intermediate))
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(h), self.top_k, self.renormalize)
         return fused_experts(h, self.w13, self.w2, weights, ids)
+
+    def step_weights(self) -> list[torch.Tensor]:
+        """What every step reads whatever its routing: the router (the bytes floor adds
+        the experts a step's tokens choose, ``expert_bytes``)."""
+        return [self.gate.weight]
+
+    def expert_bytes(self, tokens: int) -> float:
+        """Expert weight bytes a step of ``tokens`` tokens reads, expected under uniform
+        routing: each expert is chosen by none of them with (1 - k/E)^tokens."""
+        experts = self.w13.shape[0]
+        chosen = experts * (1 - (1 - self.top_k / experts) ** tokens)
+        per_expert = (self.w13.numel() + self.w2.numel()) // experts * self.w13.element_size()
+        return chosen * per_expert
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's expert that every token goes through beside its routed ones: a SwiGLU
+    MLP (this rank's share of its intermediate rows) scaled by sigmoid(gate(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        inter = tp.split(intermediate, "shared expert intermediate size")
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+        return torch.sigmoid(self.gate(h)) * out

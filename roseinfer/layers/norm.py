@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from roseinfer.core import tp
 from roseinfer.layers.fused import add_rms_norm
 
 
@@ -16,3 +17,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """(norm(x + residual), x + residual) in one kernel on CUDA."""
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over a width split across the tensor-parallel ranks (OLMoE's q and k norms
+    span all heads, which the ranks share out): the mean square is summed over the ranks
+    before it scales this rank's part."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if tp.group().size == 1:
+            return super().forward(x, residual)
+        assert residual is None, "a sharded norm has no residual stream"
+        square = tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True))
+        scale = torch.rsqrt(square / (x.shape[-1] * tp.group().size) + self.eps)
+        return (x.float() * scale).to(x.dtype) * self.weight, x

@@ -4,7 +4,8 @@ The families that are Llama plus a flag run here too: Mistral (Llama's layers; i
 sliding window bounds the context instead, see device_side._context_len), Qwen2 (bias on
 q/k/v), Qwen3 (an RMSNorm on each head of q and k before RoPE) and Phi-3 (its
 checkpoints hold q/k/v and gate/up already fused; partial rotary where the config
-sets it)."""
+sets it). The mixture-of-experts families' attention is here too: OLMoE's q and k norms
+span every head, and it may clip q, k and v (``clip_qkv``)."""
 from __future__ import annotations
 
 import torch
@@ -14,12 +15,12 @@ from roseinfer.core import tp
 from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
 from roseinfer.layers.fused import silu_and_mul
-from roseinfer.layers.norm import RMSNorm
+from roseinfer.layers.norm import RMSNorm, ShardedRMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_params
 from roseinfer.models import sharding
 
 
-def _shape(cfg) -> tuple[int, int, int]:
+def heads_of(cfg) -> tuple[int, int, int]:
     """(query heads, K/V heads, head dim) of the whole model."""
     h = cfg.num_attention_heads
     return h, cfg.num_key_value_heads or h, getattr(cfg, "head_dim", None) or cfg.hidden_size // h
@@ -32,16 +33,21 @@ class LlamaLayer(nn.Module):
 
     def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
-        e, (h, hkv, d) = cfg.hidden_size, _shape(cfg)
+        e, (h, hkv, d) = cfg.hidden_size, heads_of(cfg)
         h, hkv = tp.split(h, "attention heads"), tp.kv_heads(hkv)[0]
         bias = getattr(cfg, "attention_bias", False)
         self.h, self.hkv, self.d, self.q_size, self.kv_size = h, hkv, d, h * d, hkv * d
         self.input_layernorm = RMSNorm(e, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(e, (h + 2 * hkv) * d, bias=bias or cfg.model_type == "qwen2")
+        qkv_bias = bias or getattr(cfg, "qkv_bias", cfg.model_type == "qwen2")
+        self.qkv_proj = nn.Linear(e, (h + 2 * hkv) * d, bias=qkv_bias)
         self.o_proj = nn.Linear(h * d, e, bias=bias)
-        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
-        if self.qk_norm:
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe", "olmoe")
+        if cfg.model_type == "olmoe":  # over all of q's heads and all of k's, not per head
+            self.q_norm = ShardedRMSNorm(h * d, cfg.rms_norm_eps)
+            self.k_norm = ShardedRMSNorm(hkv * d, cfg.rms_norm_eps)
+        elif self.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        self.clip_qkv = getattr(cfg, "clip_qkv", None)
         self.post_attention_layernorm = RMSNorm(e, cfg.rms_norm_eps)
         self.rotary = rotary
         self.attn = PagedAttention(layer_idx, h, hkv, d, d ** -0.5)
@@ -65,8 +71,10 @@ class LlamaLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.d))[0].view(-1, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.d))[0].view(-1, self.kv_size)
+            q = self.q_norm(q.reshape(-1, self.q_norm.weight.numel()))[0].view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.k_norm.weight.numel()))[0].view(-1, self.kv_size)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q, k = self.rotary(positions, q, k, self.h, self.hkv)  # in place, inside qkv
         attn = tp.all_reduce(self.o_proj(self.attn(q, k, v)))
         h, residual = self.post_attention_layernorm(attn, residual)
@@ -122,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def shard_rule(key: str, cfg) -> sharding.Shard | None:
         """How checkpoint tensor ``key`` splits over the ranks (models/sharding.py)."""
-        (h, hkv, d), inter = _shape(cfg), cfg.intermediate_size
+        (h, hkv, d), inter = heads_of(cfg), cfg.intermediate_size
         name, kind = key.split(".")[-2:]
         q, kv = sharding.heads(h, d), sharding.kv_heads(hkv, d)
         mlp = sharding.split(inter, "intermediate size")

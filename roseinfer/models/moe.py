@@ -1,11 +1,18 @@
 """Llama-like families whose MLPs are mixtures of experts, on the paged KV cache: Llama's
-attention (Qwen3-MoE's with an RMSNorm on each head of q and k) and in each sparse layer
-a router over SwiGLU experts, each token through its top k (layers/moe.py).
+attention (with each family's q/k norms, llama.py) and in each sparse layer a router over
+SwiGLU experts, each token through its top k (layers/moe.py).
 
 - ``qwen3_moe``: ``num_experts`` of ``moe_intermediate_size``, ``norm_topk_prob``; layers
   in ``mlp_only_layers``, or off the ``decoder_sparse_step`` grid, keep a dense MLP.
+- ``qwen2_moe``: Qwen3-MoE's layout, with q/k/v biases and no q/k norms, and beside the
+  routed experts a shared one every token goes through, scaled by a sigmoid gate.
 - ``mixtral``: ``num_local_experts`` of ``intermediate_size`` in every layer, the top-k
   weights renormalised; its sliding window is Mistral's (device_side._context_len).
+- ``olmoe``: ``num_experts`` of ``intermediate_size`` in every layer; q and k normed
+  across all heads.
+
+Under tensor parallelism each expert's intermediate rows split over the ranks, as a dense
+MLP's do (``shard_rule``).
 """
 from __future__ import annotations
 
@@ -13,8 +20,9 @@ import re
 
 import torch
 
-from roseinfer.layers.moe import SparseMoE
-from roseinfer.models.llama import LlamaForCausalLM, LlamaLayer
+from roseinfer.layers.moe import SharedExpert, SparseMoE
+from roseinfer.models import sharding
+from roseinfer.models.llama import LlamaForCausalLM, LlamaLayer, heads_of
 
 # The experts' tensors in a checkpoint: stacked, as transformers holds them in memory
 # (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), or one per expert, as
@@ -26,17 +34,21 @@ _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
          "w2": "down"}
 
 
+def expert_width(cfg) -> int:
+    """Each routed expert's intermediate size."""
+    every_layer = cfg.model_type in ("mixtral", "olmoe")
+    return cfg.intermediate_size if every_layer else cfg.moe_intermediate_size
+
+
 def experts_of(cfg, layer_idx: int) -> SparseMoE | None:
     """The layer's mixture of experts; None where it keeps a dense MLP."""
-    if cfg.model_type == "mixtral":
-        return SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts,
-                         cfg.num_experts_per_tok, renormalize=True)
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    if (layer_idx in (getattr(cfg, "mlp_only_layers", None) or []) or cfg.num_experts == 0
+    if (layer_idx in (getattr(cfg, "mlp_only_layers", None) or []) or experts == 0
             or (layer_idx + 1) % step):
         return None
-    return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                     cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    return SparseMoE(cfg.hidden_size, expert_width(cfg), experts, cfg.num_experts_per_tok,
+                     renormalize=getattr(cfg, "norm_topk_prob", True))
 
 
 class MoeLayer(LlamaLayer):
@@ -44,9 +56,15 @@ class MoeLayer(LlamaLayer):
         self.moe = experts_of(cfg, layer_idx)
         if self.moe is None:
             super().init_mlp(cfg, layer_idx)
+        shared = getattr(cfg, "shared_expert_intermediate_size", 0)
+        self.shared_expert = SharedExpert(cfg.hidden_size, shared) if (
+            self.moe is not None and shared) else None
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return super().mlp(h) if self.moe is None else self.moe(h)
+        if self.moe is None:
+            return super().mlp(h)
+        out = self.moe(h)
+        return out if self.shared_expert is None else out + self.shared_expert(h)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -59,8 +77,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         dense, out, per_expert = {}, {}, {}
         for key, t in sd.items():
             m = _EXPERT.fullmatch(key)
-            if m is None:
-                dense[key] = t
+            if m is None:  # Qwen2-MoE's shared expert gate joins its expert's module
+                dense[key.replace(".shared_expert_gate.", ".shared_expert.gate.")] = t
                 continue
             layer, name = m.groups()
             prefix = f"layers.{layer}.moe."
@@ -77,3 +95,24 @@ class MoeForCausalLM(LlamaForCausalLM):
             out[prefix + "w13"] = torch.stack([torch.cat([projs["gate"][e], projs["up"][e]])
                                                for e in experts])
         return {**LlamaForCausalLM.convert_hf_state_dict(dense, cfg), **out}
+
+    @staticmethod
+    def shard_rule(key: str, cfg) -> sharding.Shard | None:
+        """Llama's, with each expert's intermediate rows split as a dense MLP's are (the
+        router and the shared expert's gate whole), and OLMoE's q/k norms by head."""
+        routed, shared = ".experts." in key, ".shared_expert." in key
+        if routed or shared:
+            width = cfg.shared_expert_intermediate_size if shared else expert_width(cfg)
+            mlp = sharding.split(width, "expert intermediate size")
+            per_expert = key.endswith(".weight")  # stacked tensors have no .weight
+            name = key.split(".")[-2 if per_expert else -1]
+            if name in ("gate_proj", "up_proj", "w1", "w3"):
+                return mlp
+            if name in ("down_proj", "w2"):
+                return sharding.Shard(1 if per_expert else 2, mlp.ranges)
+            if name == "gate_up_proj":
+                return sharding.joined(1, mlp, mlp, offsets=(0, width))
+        if cfg.model_type == "olmoe" and key.endswith(("q_norm.weight", "k_norm.weight")):
+            h, hkv, d = heads_of(cfg)
+            return sharding.heads(h, d) if "q_norm" in key else sharding.kv_heads(hkv, d)
+        return LlamaForCausalLM.shard_rule(key, cfg)
