@@ -372,6 +372,29 @@ def test_decode_bytes_floor_counts_weights_per_step_and_kv_per_token(gpt2_model,
     assert f["seconds"] == pytest.approx(want) and f["output_throughput"] == pytest.approx(10 / want)
 
 
+def test_the_floor_of_a_mixture_of_experts_counts_the_experts_a_step_chooses():
+    """Qwen3-MoE's tiny config: 8 experts, top 2, in its first layer (its second dense).
+    One token reads its 2 experts; 64 tokens read, expected, 8 (1 - (6/8)^64) of them."""
+    from roseinfer import LLM
+    from roseinfer.bench.floor import decode_floor, weight_bytes
+    from tests.models import tiny_family
+
+    hf = tiny_family("qwen3_moe")
+    eng = LLM(hf, device="cpu", dtype="float32", num_kv_blocks=512, max_num_seqs=64).engine
+    moe = eng.model.layers[0].moe
+    expert = 4 * (moe.w13[0].numel() + moe.w2[0].numel())
+    dense = sum(p.numel() for n, p in hf.named_parameters()
+                if "experts" not in n and "embed_tokens" not in n)
+    assert weight_bytes(eng.model) == 4 * dense  # the router, not the experts
+    one = decode_floor(eng, [4], [3], peak=1e9)
+    assert one["expert_bytes_per_step"] == pytest.approx(2 * expert)
+    batch = decode_floor(eng, [4] * 64, [3] * 64, peak=1e9)
+    assert batch["expert_bytes_per_step"] == pytest.approx(8 * (1 - 0.75 ** 64) * expert)
+    assert batch["seconds"] == pytest.approx(
+        (3 * (4 * dense + batch["expert_bytes_per_step"]) + 64 * (3 * 4 + 3) *
+         batch["kv_bytes_per_token"]) / 1e9)
+
+
 def test_max_concurrency_caps_requests_in_flight(monkeypatch):
     """A due request waits for a slot; each client process gets its share of the cap."""
     import asyncio

@@ -49,17 +49,40 @@ def test_the_router_picks_transformers_experts_on_near_ties():
         logits = torch.stack([base, base + torch.arange(8) * 1e-7,
                               torch.nextafter(base, base + 1), torch.zeros(8)])
         _, want_weights, want_ids = router(logits)
-    weights, ids = select_experts(logits, top_k, renormalize=True)
+    weights, ids = select_experts(logits, top_k, renormalize=True, use_triton=False)
     assert ids.tolist() == want_ids.tolist()
     torch.testing.assert_close(weights, want_weights)
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 8, 2, 16), (37, 8, 2, 16),
-                                                             (300, 16, 4, 64)])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (33, 128, 8), (5, 60, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_routing_kernel_equals_torch(tokens, experts, top_k, renormalize):
+    """float32 logits, with no ties: the same experts in the same order, the same weights."""
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens))
+    want = select_experts(logits.to(DEVICE), top_k, renormalize, use_triton=False)
+    got = select_experts(logits.to(DEVICE), top_k, renormalize, use_triton=True)
+    assert got[1].tolist() == want[1].tolist()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+
+
+def test_the_routing_kernel_breaks_ties_toward_the_lower_expert():
+    """torch.topk's order among equal values is its own (on the CPU it took experts 6, 5
+    and 4 of eight equal logits); the kernel's is the lower expert first."""
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.5, 2.0, -1.0, 0.0, 1.0], [0.0] * 8])
+    weights, ids = select_experts(logits.to(DEVICE), 3, renormalize=True, use_triton=True)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+    torch.testing.assert_close(weights.cpu(), torch.full((2, 3), 1 / 3))
+
+
+ALIGNMENTS = [(1, 8, 2, 16), (37, 8, 2, 16), (300, 16, 4, 64), (64, 128, 8, 16),
+              (3, 60, 4, 16)]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", ALIGNMENTS)
 def test_each_tile_holds_one_experts_pairs_and_every_pair_once(tokens, experts, top_k,
                                                                block_m):
     ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(1))
-    sorted_ids, tile_expert, total = align_blocks(ids, experts, block_m)
+    sorted_ids, tile_expert, total = align_blocks(ids, experts, block_m, use_triton=False)
     pairs = ids.numel()
     real = sorted_ids[sorted_ids < pairs]
     assert sorted(real.tolist()) == list(range(pairs))
@@ -72,6 +95,17 @@ def test_each_tile_holds_one_experts_pairs_and_every_pair_once(tokens, experts, 
             assert expert == -1 and tile.numel() == 0
         else:
             assert (flat[tile.long()] == expert).all()
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", ALIGNMENTS)
+def test_the_one_program_alignment_equals_torchs(tokens, experts, top_k, block_m):
+    """Same rows, same tiles, same total: pairs of one expert keep their order."""
+    ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(2),
+                        dtype=torch.int32).to(DEVICE)
+    want = align_blocks(ids, experts, block_m, use_triton=False)
+    got = align_blocks(ids, experts, block_m, use_triton=True)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.tolist() == w.tolist()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the compiled kernel needs CUDA")

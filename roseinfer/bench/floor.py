@@ -1,6 +1,8 @@
 """The decode bytes floor: the least time a run's decode steps can take on the
 GPU's memory bandwidth, reading every weight once per step and every cached
-K/V entry once per generated token. Prefill (compute-bound) is not counted,
+K/V entry once per generated token. Of a mixture of experts a step reads only
+the experts its tokens chose: expected under uniform routing for the step's
+batch (layers/moe.py, ``expert_bytes``). Prefill (compute-bound) is not counted,
 so on prefill-heavy runs the fraction overstates how far decode is from it."""
 from __future__ import annotations
 
@@ -40,6 +42,11 @@ def kv_bytes_per_token(kv_cache) -> int:
     return sum(2 * k.shape[1] * k.shape[3] * k.element_size() for k in kv_cache.k)
 
 
+def routed_bytes(model: torch.nn.Module, tokens: int) -> float:
+    """Expert bytes a step of ``tokens`` reads, over the model's mixtures of experts."""
+    return sum(m.expert_bytes(tokens) for m in model.modules() if hasattr(m, "expert_bytes"))
+
+
 def decode_floor(engine, prompt_lens: list[int], output_lens: list[int],
                  peak: float = PEAK_BYTES_PER_S) -> dict:
     """Floor seconds and tokens/s for decoding ``output_lens`` after ``prompt_lens``,
@@ -48,9 +55,12 @@ def decode_floor(engine, prompt_lens: list[int], output_lens: list[int],
     kv_tok = kv_bytes_per_token(engine.kv_cache)
     batch = min(engine.config.max_num_seqs, len(output_lens))
     steps = max(max(output_lens), math.ceil(sum(output_lens) / batch))
+    # Each step counted at the full batch's experts: exact where the requests decode
+    # equally long (the benchmarks' workloads), an upper bound otherwise.
+    experts = steps * routed_bytes(engine.model, batch)
     # Token t of a request reads the K/V of its prompt and of the t tokens before it.
     kv = sum(n * p + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens)) * kv_tok
-    seconds = (steps * weights + kv) / peak
+    seconds = (steps * weights + experts + kv) / peak
     return {"peak_bytes_per_s": peak, "weight_bytes": weights, "kv_bytes_per_token": kv_tok,
-            "decode_steps": steps, "seconds": seconds,
+            "expert_bytes_per_step": experts / steps, "decode_steps": steps, "seconds": seconds,
             "output_throughput": sum(output_lens) / seconds}

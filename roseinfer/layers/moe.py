@@ -8,9 +8,9 @@ design, in Triton).
 - ``align_blocks``: the (token, choice) pairs sorted by expert, each expert's run padded to
   the GEMM's row tile, so that a tile of rows reads one expert's weights. Static shapes
   and no host sync: it runs inside CUDA graphs.
-- ``fused_experts``: one launch for gate_up over every tile, ``silu_and_mul``, one launch
-  for down with the routing weights applied in the kernel, then the top-k rows of each
-  token summed. Each tile streams only its own expert's weights, so at decode sizes a
+- ``fused_experts``: one launch for gate_up over every tile, with silu(gate) * up in its
+  epilogue, one launch for down with the routing weights applied in the kernel, then the
+  top-k rows of each token summed. Each tile streams only its own expert's weights, so at decode sizes a
   step reads the chosen experts and no other.
 
 Weights are laid out as transformers keeps them: ``w13 = [E, 2I, H]`` (gate rows, then
@@ -31,10 +31,48 @@ from roseinfer.core.triton_support import kernel as _kernel, tl, triton
 from roseinfer.layers.fused import _use_triton, silu_and_mul
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int,
-                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@_kernel
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, experts, s_l, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's softmax over its router logits, its top k (the larger first, the lower
+    expert first on ties, as torch.topk), renormalised where asked."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + token * s_l + cols, mask=cols < experts,
+                other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(cols < experts, p / tl.sum(p, 0), -1.0)
+    slots = tl.arange(0, BLOCK_K)
+    chosen_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    chosen_id = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(p, 0, tie_break_left=True)
+        chosen_w = tl.where(slots == j, tl.max(p, 0), chosen_w)
+        chosen_id = tl.where(slots == j, best, chosen_id)
+        p = tl.where(cols == best, -2.0, p)
+    if RENORMALIZE:
+        chosen_w = chosen_w / tl.sum(chosen_w, 0)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_id, mask=slots < TOP_K)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int32) of each token's top-k experts by
-    softmax probability; ``renormalize``: the k weights sum to one."""
+    softmax probability; ``renormalize``: the k weights sum to one. One launch on CUDA
+    where torch takes five. Among equal probabilities the kernel takes the lower expert
+    first; torch.topk's order among them is its own (tests/test_moe.py)."""
+    if _use_triton(use_triton, router_logits):
+        tokens, experts = router_logits.shape
+        weights = torch.empty((tokens, top_k), dtype=torch.float32, device=router_logits.device)
+        ids = torch.empty((tokens, top_k), dtype=torch.int32, device=router_logits.device)
+        if tokens:
+            _route_kernel[(tokens,)](router_logits, weights, ids, experts,
+                                     router_logits.stride(0), TOP_K=top_k,
+                                     RENORMALIZE=renormalize,
+                                     BLOCK_E=triton.next_power_of_2(experts),
+                                     BLOCK_K=triton.next_power_of_2(top_k))
+        return weights, ids
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     if renormalize:
@@ -42,16 +80,66 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
     return weights, ids.to(torch.int32)
 
 
-def align_blocks(ids: torch.Tensor, num_experts: int,
-                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@_kernel
+def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, total_ptr, pairs, rows, experts,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """align_blocks in one program: count each expert's pairs, lay the padded runs out,
+    name each tile's expert, then place each pair after its expert's earlier ones."""
+    everyone = tl.arange(0, BLOCK_E)
+    chunk = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, pairs, CHUNK):
+        e = tl.load(ids_ptr + c0 + chunk, mask=c0 + chunk < pairs, other=BLOCK_E)
+        counts += tl.sum((e[:, None] == everyone[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    total = tl.sum(padded, 0)
+    tl.store(total_ptr, total)
+    for r0 in range(0, rows, CHUNK):
+        tl.store(sorted_ptr + r0 + chunk, tl.full([CHUNK], 0, tl.int32) + pairs,
+                 mask=r0 + chunk < rows)
+    for t0 in range(0, rows // BLOCK_M, CHUNK):
+        first = (t0 + chunk) * BLOCK_M
+        inside = (first[:, None] >= starts[None, :]) & (first[:, None] < ends[None, :])
+        expert = tl.sum(tl.where(inside, everyone[None, :], 0), 1)
+        tl.store(tile_expert_ptr + t0 + chunk, tl.where(first < total, expert, -1),
+                 mask=first < rows)
+    tl.debug_barrier()  # every row's padding written before the pairs overwrite theirs
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, pairs, CHUNK):
+        e = tl.load(ids_ptr + c0 + chunk, mask=c0 + chunk < pairs, other=BLOCK_E)
+        onehot = (e[:, None] == everyone[None, :]).to(tl.int32)
+        earlier = tl.cumsum(onehot, 0) - onehot + seen[None, :]
+        row = tl.sum(onehot * (starts[None, :] + earlier), 1)
+        tl.store(sorted_ptr + row, c0 + chunk, mask=c0 + chunk < pairs)
+        seen += tl.sum(onehot, 0)
+
+
+ALIGN_IN_ONE_PROGRAM = 1024  # pairs up to which one program aligns faster than torch's sort
+
+
+def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
+                 use_triton: bool | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pairs of ``ids`` ([T, k]) in expert order, each expert's run padded to a
     multiple of ``block_m``. Returns (sorted pair indexes, padded with T*k; the expert
     of each tile of block_m rows, -1 past the last; the padded row count, a 1-element
     tensor). Sized for the worst case: each expert holding pairs adds at most one tile
     that is not full, so ceil(T*k / block_m) + min(E, T*k) tiles (9 for one token's
-    top 8, where E*(block_m - 1) rows of padding would launch 121)."""
+    top 8, where E*(block_m - 1) rows of padding would launch 121). At decode sizes one
+    Triton program does it; torch's way takes some 25 launches."""
+    pairs = ids.numel()
+    rows = block_m * (-(-pairs // block_m) + min(num_experts, pairs))
+    if _use_triton(use_triton, ids) and pairs <= ALIGN_IN_ONE_PROGRAM:
+        sorted_ids = torch.empty(rows, dtype=torch.int32, device=ids.device)
+        tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
+        total = torch.empty(1, dtype=torch.int32, device=ids.device)
+        _align_kernel[(1,)](ids.contiguous(), sorted_ids, tile_expert, total, pairs, rows,
+                            num_experts, BLOCK_M=block_m,
+                            BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=64)
+        return sorted_ids, tile_expert, total
     flat = ids.flatten().long()
-    pairs = flat.numel()
     # not bincount: it reads the largest id back to the host, which a graph cannot
     counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
         0, flat, torch.ones_like(flat))
@@ -60,7 +148,6 @@ def align_blocks(ids: torch.Tensor, num_experts: int,
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     rank = torch.arange(pairs, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    rows = block_m * (-(-pairs // block_m) + min(num_experts, pairs))
     sorted_ids = torch.full((rows,), pairs, dtype=torch.int32, device=ids.device)
     sorted_ids[starts[expert] + rank] = order.to(torch.int32)
     tile_starts = torch.arange(0, rows, block_m, device=ids.device)
@@ -73,10 +160,12 @@ def align_blocks(ids: torch.Tensor, num_experts: int,
 @_kernel
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, tile_expert_ptr,
                          total_ptr, N, K, pairs, pairs_per_row, s_a, s_we, s_wn, s_c,
-                         MUL_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         SWIGLU: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[pair] = A[pair // pairs_per_row] @ W[expert].T (x the pair's routing weight), for the
-    BLOCK_M pairs of one tile and BLOCK_N of the N output columns."""
+    BLOCK_M pairs of one tile and BLOCK_N of the N output columns. ``SWIGLU``: W holds 2N
+    rows, gate then up, and C is silu(gate) * up, each rounded to C's dtype first as the
+    unfused gate_up output would be."""
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(total_ptr):
         return
@@ -86,14 +175,23 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, tile_expe
     valid = pair < pairs
     token = tl.where(valid, pair // pairs_per_row, 0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + expert * s_we + cols[None, :] * s_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
+        in_k = ks[:, None] < K
         a = tl.load(a_ptr + token[:, None] * s_a + ks[None, :],
                     mask=valid[:, None] & (ks[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + expert * s_we + cols[None, :] * s_wn + ks[:, None],
-                    mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)
+        w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < N) & in_k, other=0.0)
         acc += tl.dot(a, w, input_precision="ieee")
+        if SWIGLU:
+            w = tl.load(w_rows + N * s_wn + ks[:, None], mask=(cols[None, :] < N) & in_k,
+                        other=0.0)
+            up += tl.dot(a, w, input_precision="ieee")
+    if SWIGLU:
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up.to(c_ptr.dtype.element_ty).to(tl.float32)
     if MUL_WEIGHTS:
         acc *= tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + pair.to(tl.int64)[:, None] * s_c + cols[None, :],
@@ -109,16 +207,18 @@ def _config(pairs: int) -> dict:
 
 
 def _grouped_gemm(a, w, weights, aligned, config: dict, pairs_per_row: int,
-                  mul_weights: bool) -> torch.Tensor:
-    """[pairs, N]: row p is A's row p // pairs_per_row times its expert's W ([E, N, K])."""
+                  swiglu: bool) -> torch.Tensor:
+    """[pairs, N]: row p is A's row p // pairs_per_row times its expert's W ([E, N, K]);
+    ``swiglu``: W is [E, 2N, K], the gate and the up rows, and the rows come out
+    silu(gate) * up; otherwise each row is scaled by its routing weight."""
     assert w.stride(-1) == 1, "expert weights must be contiguous in K"
     sorted_ids, tile_expert, total = aligned
-    pairs, n, k = weights.numel(), w.shape[1], w.shape[2]
+    pairs, n, k = weights.numel(), w.shape[1] // (2 if swiglu else 1), w.shape[2]
     c = torch.empty((pairs, n), dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n, config["BLOCK_N"]))
     _grouped_gemm_kernel[grid](a, w, c, weights, sorted_ids, tile_expert, total, n, k, pairs,
                                pairs_per_row, a.stride(0), w.stride(0), w.stride(1),
-                               c.stride(0), MUL_WEIGHTS=mul_weights, **config)
+                               c.stride(0), SWIGLU=swiglu, MUL_WEIGHTS=not swiglu, **config)
     return c
 
 
@@ -132,11 +232,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x = x.contiguous()
     tokens, top_k = ids.shape
     config = _config(ids.numel())
-    aligned = align_blocks(ids, w13.shape[0], config["BLOCK_M"])
+    aligned = align_blocks(ids, w13.shape[0], config["BLOCK_M"], use_triton=True)
     flat_weights = weights.flatten().float().contiguous()
-    up = _grouped_gemm(x, w13, flat_weights, aligned, config, top_k, mul_weights=False)
-    down = _grouped_gemm(silu_and_mul(up, use_triton=True), w2, flat_weights, aligned,
-                         config, 1, mul_weights=True)
+    act = _grouped_gemm(x, w13, flat_weights, aligned, config, top_k, swiglu=True)
+    down = _grouped_gemm(act, w2, flat_weights, aligned, config, 1, swiglu=False)
     return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
@@ -160,6 +259,7 @@ class SparseMoE(nn.Module):
         inter = tp.split(intermediate, "expert intermediate size")
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = nn.Linear(hidden, experts, bias=False)
+        self.gate.replicated = True  # every rank routes alike (random weights too)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
 
@@ -168,9 +268,10 @@ class SparseMoE(nn.Module):
         return fused_experts(h, self.w13, self.w2, weights, ids)
 
     def step_weights(self) -> list[torch.Tensor]:
-        """What every step reads whatever its routing: the router (the bytes floor adds
-        the experts a step's tokens choose, ``expert_bytes``)."""
-        return [self.gate.weight]
+        """Of its own tensors, those every step reads whatever its routing: none (the
+        router is a module of its own; the bytes floor adds the experts a step's tokens
+        choose, ``expert_bytes``)."""
+        return []
 
     def expert_bytes(self, tokens: int) -> float:
         """Expert weight bytes a step of ``tokens`` tokens reads, expected under uniform
@@ -191,6 +292,7 @@ class SharedExpert(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.gate = nn.Linear(hidden, 1, bias=False)
+        self.gate.replicated = True
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(silu_and_mul(self.gate_up_proj(h)))

@@ -77,7 +77,8 @@ def _random_llama3(layers: int, hidden: int, intermediate: int, heads: int, tied
 
 
 def _random_family(name: str, **shape):
-    """transformers' ``{name}Config`` (Qwen2, Qwen3, Mistral, Phi3) at a real shape."""
+    """transformers' ``{name}Config`` (Qwen2, Qwen3, Mistral, Phi3, Qwen3Moe, Mixtral) at a
+    real shape."""
     def config():
         import transformers
         return getattr(transformers, f"{name}Config")(max_position_embeddings=32768,
@@ -103,6 +104,15 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
               "Mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
               sliding_window=None, rope_theta=1e6),
+          "qwen3-30b-a3b-random": _random_family(
+              "Qwen3Moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+              moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+              num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+              norm_topk_prob=True, tie_word_embeddings=False, rope_theta=1e6),
+          "mixtral-8x7b-random": _random_family(
+              "Mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+              num_local_experts=8, num_experts_per_tok=2, sliding_window=None, rope_theta=1e6),
           "phi3-mini-random": _random_family(
               "Phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -123,7 +133,7 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
         hf_config, tok = RANDOM[spec]()
         name, method = method_for(hf_config, quantization, plugins)
         model = _empty_module(hf_config, dtype, device, plugins)
-        _random_init(model, seed + tp.group().rank)  # each rank its own random shards
+        _random_init(model, seed)
     else:
         hf_config, tensors, tok = _resolve(spec)
         name, method = method_for(hf_config, quantization, plugins)
@@ -183,14 +193,20 @@ def _empty_module(hf_config, dtype, device, plugins=None):
 
 
 def _random_init(model, seed: int) -> None:
-    """GPT-2's init on the module's own device: weights N(0, 0.02), norms 1, biases 0."""
-    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    """GPT-2's init on the module's own device: weights N(0, 0.02), norms 1, biases 0. Each
+    rank draws its own shards from ``seed + rank``; a module every rank holds whole
+    (``replicated``, a router) draws from ``seed``, the same on every rank."""
+    device = next(model.parameters()).device
+    own = torch.Generator(device).manual_seed(seed + tp.group().rank)
+    shared = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02, generator=gen)
-            else:  # 1-D: a norm's scale, or a bias
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
+        for module in model.modules():
+            gen = shared if getattr(module, "replicated", False) else own
+            for name, p in module.named_parameters(recurse=False):
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.02, generator=gen)
+                else:  # 1-D: a norm's scale, or a bias
+                    p.fill_(1.0 if name.endswith("weight") else 0.0)
 
 
 def _resolve(spec):
