@@ -1,5 +1,5 @@
-"""One MoE layer's experts (layers/moe.py fused_experts), CUDA-graph captured, against the
-bytes its chosen experts hold: Qwen3-30B-A3B's expert shape (128 experts, top 8, hidden
+"""One MoE layer's routing and experts (layers/moe.py select_experts, fused_experts),
+CUDA-graph captured, against the bytes its chosen experts hold: Qwen3-30B-A3B's expert shape (128 experts, top 8, hidden
 2048, 768 per expert), bf16, random router logits.
 
 Usage: python3 docs/bench/moe_layer.py [--peak-tbps 4.8]
@@ -28,12 +28,12 @@ print(f"{torch.cuda.get_device_name()}, peak {args.peak_tbps} TB/s")
 def run(tokens: int) -> None:
     x = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
     logits = torch.randn(tokens, E, device="cuda", generator=gen)
-    weights, ids = select_experts(logits, K, True)
-    fused_experts(x, w13, w2, weights, ids)  # compile first
+    layer = lambda: fused_experts(x, w13, w2, *select_experts(logits, K, True))
+    layer()  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_experts(x, w13, w2, weights, ids)
+        layer()
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -44,7 +44,7 @@ def run(tokens: int) -> None:
     end.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(end) / reps * 1000
-    chosen = ids.unique().numel()
+    chosen = select_experts(logits, K, True)[1].unique().numel()
     floor_us = chosen * expert_bytes / (args.peak_tbps * 1e12) * 1e6
     print(f"tokens {tokens:4d}: {us:7.1f} us, {chosen:3d} experts read, floor {floor_us:6.1f} us "
           f"({floor_us / us:.0%} of it)")
@@ -66,12 +66,12 @@ if args.profile:  # each kernel's time at one token: where the time above goes
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.randn(1, H, device="cuda", generator=gen).bfloat16()
-    weights, ids = select_experts(torch.randn(1, E, device="cuda", generator=gen), K, True)
+    logits = torch.randn(1, E, device="cuda", generator=gen)
     for _ in range(3):
-        fused_experts(x, w13, w2, weights, ids)
+        fused_experts(x, w13, w2, *select_experts(logits, K, True))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
-            fused_experts(x, w13, w2, weights, ids)
+            fused_experts(x, w13, w2, *select_experts(logits, K, True))
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))

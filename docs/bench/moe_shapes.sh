@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The mixture-of-experts rows of docs/benchmarks.md: the Qwen3-30B-A3B shape (128 experts,
+# top 8) with random bf16 weights built on the GPU, `roseinfer bench offline`, beside the
+# dense Llama-3-8B shape, alternated, on the same GPU; each run's decode bytes floor is
+# taken at the copy bandwidth measured first (bandwidth.py) and counts the experts a step
+# chooses (bench/floor.py). Usage: OUT=dir bash docs/bench/moe_shapes.sh [layer] [offline]
+source "$(dirname "$0")/bench_env.sh"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  lscpu | grep -E "Model name|^CPU\(s\)"; git log -1 --format=%H 2>/dev/null; date -u; } \
+  > "$OUT/machine.txt"
+python3 docs/bench/bandwidth.py | tee "$OUT/bandwidth.txt"
+peak=$(grep -o "[0-9.]* TB/s" "$OUT/bandwidth.txt" | cut -d' ' -f1)
+common="--dtype bfloat16 --dataset random --ignore-eos --no-enable-prefix-cache
+  --max-model-len 4096 --no-progress --warmup-runs 1 --repeat-runs 2 --peak-tb-s $peak"
+run() {  # name, flags
+  python3 -m roseinfer.cli bench offline $common "${@:2}" --output-json "$OUT/$1.json" \
+    > "$OUT/$1.log" 2>&1
+  echo "$1: $(grep -E "completion tok/s|TPOT" "$OUT/$1.log" | tail -2 | tr -s ' │' ' ')" \
+    "$(grep -o "reaches .* of it" "$OUT/$1.log" | tail -1)"
+}
+shape() {  # batch, new tokens
+  echo "--input-len 512 --num-requests $1 --max-num-seqs $1 --max-new-tokens $2"
+}
+for part in ${@:-layer offline}; do case $part in
+layer)
+  python3 docs/bench/moe_layer.py --peak-tbps "$peak" --profile 2>&1 | tee "$OUT/layer.txt" ;;
+offline)
+  for model in qwen3-30b-a3b-random llama3-8b-random; do
+    name=${model%-random}
+    run "$name-b1" --model $model $(shape 1 128)
+    run "$name-b64" --model $model $(shape 64 256)
+  done ;;
+esac; done
