@@ -113,8 +113,11 @@ def test_the_one_program_alignment_equals_torchs(tokens, experts, top_k, block_m
 @pytest.mark.parametrize("experts, top_k, renormalize", [(128, 8, True), (8, 2, True),
                                                          (60, 4, False)],
                          ids=["qwen3-moe", "mixtral", "qwen2-moe"])
-def test_the_kernel_equals_a_float64_loop_at_real_shapes(tokens, experts, top_k, renormalize):
-    """Qwen3-30B-A3B's expert shape (hidden 2048, 768 per expert) in bf16."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_the_kernel_equals_a_float64_loop_at_real_shapes(tokens, experts, top_k, renormalize,
+                                                         fp8):
+    """Qwen3-30B-A3B's expert shape (hidden 2048, 768 per expert) in bf16, and with FP8
+    weights scaled per row (against the float64 loop on their de-quantized values)."""
     hidden, inter = 2048, 768
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
@@ -122,8 +125,36 @@ def test_the_kernel_equals_a_float64_loop_at_real_shapes(tokens, experts, top_k,
     w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) * 0.02).bfloat16()
     logits = torch.randn(tokens, experts, device="cuda", generator=gen)
     weights, ids = select_experts(logits, top_k, renormalize)
-    got = fused_experts(x, w13, w2, weights, ids)
+    scales = None
+    if fp8:
+        (w13, s13), (w2, s2) = (to_fp8_rows(w) for w in (w13, w2))
+        scales = (s13, s2)
+    got = fused_experts(x, w13, w2, weights, ids, scales=scales)
+    if fp8:
+        w13, w2 = (w.double() * s[..., None].double() for w, s in zip((w13, w2), scales))
     want = fused_experts(x.double(), w13.double(), w2.double(), weights.double(), ids,
                          use_triton=False)
     # bf16 rounds the gate_up output and the activation, which the float64 loop does not
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=5e-3)
+
+
+def to_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, float32 scale per row) of ``w``, as SparseMoE.to_fp8 keeps them."""
+    scale = w.float().abs().amax(-1) / 448
+    return (w.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_fp8_experts_through_the_kernel_equal_their_values_through_torch(tokens):
+    """The kernel de-quantizes FP8 tiles (each row times its scale) as the torch path
+    de-quantizes whole experts."""
+    moe = block(True)
+    w13, w2 = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()
+    (q13, s13), (q2, s2) = to_fp8_rows(w13), to_fp8_rows(w2)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    weights, ids = select_experts(x @ moe.gate.weight.detach().T, 2, True)
+    args = [t.to(DEVICE) for t in (x, q13, q2, weights, ids)]
+    scales = (s13.to(DEVICE), s2.to(DEVICE))
+    got = fused_experts(*args, use_triton=True, scales=scales)
+    want = fused_experts(*args, use_triton=False, scales=scales)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.plugins import PluginRegistry, UnknownPluginError
-from tests.models import hf_greedy, tiny_llama
+from tests.models import hf_greedy, tiny_family, tiny_llama
 
 FP8 = torch.float8_e4m3fn
 STEPS = 12
@@ -82,6 +82,22 @@ def save(model, path, tensors=None, quantization_config=None):
 def test_fp8_at_load_equals_transformers_on_fp8_values(hf, tmp_path):
     path = save(hf, tmp_path)
     want = reference(fp8_activations(with_weights(hf, lambda _, w: fp8_round(w))))
+    assert ours(path, quantization="fp8") == want
+    assert ours(path) != want, "fp8 must change this model's output, or the test shows nothing"
+
+
+def test_fp8_experts_at_load_equal_transformers_on_fp8_values(tmp_path):
+    """A mixture of experts: dense linears W8A8 as above; the experts' rows rounded to FP8
+    with their inputs kept (W8A16); the router (not an nn.Linear in transformers) whole."""
+    hf = tiny_family("qwen3_moe")
+    path = save(hf, tmp_path)
+    model = fp8_activations(with_weights(hf, lambda _, w: fp8_round(w)))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            for w in (experts.gate_up_proj, experts.down_proj) if experts else ():
+                w.copy_(fp8_round(w))
+    want = reference(model)
     assert ours(path, quantization="fp8") == want
     assert ours(path) != want, "fp8 must change this model's output, or the test shows nothing"
 

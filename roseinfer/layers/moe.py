@@ -27,15 +27,19 @@ import torch
 from torch import nn
 
 from roseinfer.core import tp
-from roseinfer.core.triton_support import kernel as _kernel, tl, triton
+from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
+    wait_for_inputs
 from roseinfer.layers.fused import _use_triton, silu_and_mul
+from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
 
 
 @_kernel
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, experts, s_l, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr):
     """One token's softmax over its router logits, its top k (the larger first, the lower
-    expert first on ties, as torch.topk), renormalised where asked."""
+    expert first on ties), renormalised where asked."""
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + token * s_l + cols, mask=cols < experts,
@@ -66,12 +70,14 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         tokens, experts = router_logits.shape
         weights = torch.empty((tokens, top_k), dtype=torch.float32, device=router_logits.device)
         ids = torch.empty((tokens, top_k), dtype=torch.int32, device=router_logits.device)
-        if tokens:
+        if tokens:  # one warp: a row of logits is a few registers per thread
+            pdl = dependent_launch(router_logits.device, tokens)
             _route_kernel[(tokens,)](router_logits, weights, ids, experts,
                                      router_logits.stride(0), TOP_K=top_k,
                                      RENORMALIZE=renormalize,
                                      BLOCK_E=triton.next_power_of_2(experts),
-                                     BLOCK_K=triton.next_power_of_2(top_k))
+                                     BLOCK_K=triton.next_power_of_2(top_k), PDL=pdl,
+                                     num_warps=1, launch_pdl=pdl)
         return weights, ids
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
@@ -82,9 +88,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 @_kernel
 def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, total_ptr, pairs, rows, experts,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
     """align_blocks in one program: count each expert's pairs, lay the padded runs out,
     name each tile's expert, then place each pair after its expert's earlier ones."""
+    wait_for_inputs(PDL)
     everyone = tl.arange(0, BLOCK_E)
     chunk = tl.arange(0, CHUNK)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -135,9 +143,13 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
         sorted_ids = torch.empty(rows, dtype=torch.int32, device=ids.device)
         tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
         total = torch.empty(1, dtype=torch.int32, device=ids.device)
+        # chunks of pairs no larger than the step's: each is a [chunk, E] one-hot
+        chunk = min(64, max(16, triton.next_power_of_2(pairs)))
+        pdl = dependent_launch(ids.device, pairs)
         _align_kernel[(1,)](ids.contiguous(), sorted_ids, tile_expert, total, pairs, rows,
                             num_experts, BLOCK_M=block_m,
-                            BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=64)
+                            BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk, PDL=pdl,
+                            num_warps=2 if chunk < 64 else 4, launch_pdl=pdl)
         return sorted_ids, tile_expert, total
     flat = ids.flatten().long()
     # not bincount: it reads the largest id back to the host, which a graph cannot
@@ -158,14 +170,18 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
 
 
 @_kernel
-def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, tile_expert_ptr,
-                         total_ptr, N, K, pairs, pairs_per_row, s_a, s_we, s_wn, s_c,
+def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, c_ptr, weights_ptr, sorted_ptr,
+                         tile_expert_ptr, total_ptr, N, K, pairs, pairs_per_row, s_a, s_we,
+                         s_wn, s_se, s_c, SCALED: tl.constexpr,
                          SWIGLU: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
     """C[pair] = A[pair // pairs_per_row] @ W[expert].T (x the pair's routing weight), for the
     BLOCK_M pairs of one tile and BLOCK_N of the N output columns. ``SWIGLU``: W holds 2N
     rows, gate then up, and C is silu(gate) * up, each rounded to C's dtype first as the
-    unfused gate_up output would be."""
+    unfused gate_up output would be. ``SCALED``: W is FP8, each of its rows times its
+    float32 scale (``scale_ptr``, [E, rows]); A stays in its own dtype (W8A16)."""
+    wait_for_inputs(PDL)
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(total_ptr):
         return
@@ -184,11 +200,16 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, tile_expe
         a = tl.load(a_ptr + token[:, None] * s_a + ks[None, :],
                     mask=valid[:, None] & (ks[None, :] < K), other=0.0)
         w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < N) & in_k, other=0.0)
-        acc += tl.dot(a, w, input_precision="ieee")
+        acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")
         if SWIGLU:
             w = tl.load(w_rows + N * s_wn + ks[:, None], mask=(cols[None, :] < N) & in_k,
                         other=0.0)
-            up += tl.dot(a, w, input_precision="ieee")
+            up += tl.dot(a, w.to(a.dtype), input_precision="ieee")
+    if SCALED:  # a row's scale factors out of its sum over K
+        scales = scale_ptr + expert * s_se + cols
+        acc *= tl.load(scales, mask=cols < N, other=0.0)[None, :]
+        if SWIGLU:
+            up *= tl.load(scales + N, mask=cols < N, other=0.0)[None, :]
     if SWIGLU:
         gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
         acc = gate / (1.0 + tl.exp(-gate)) * up.to(c_ptr.dtype.element_ty).to(tl.float32)
@@ -206,37 +227,73 @@ def _config(pairs: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def _grouped_gemm(a, w, weights, aligned, config: dict, pairs_per_row: int,
+def _grouped_gemm(a, w, scale, weights, aligned, config: dict, pairs_per_row: int,
                   swiglu: bool) -> torch.Tensor:
-    """[pairs, N]: row p is A's row p // pairs_per_row times its expert's W ([E, N, K]);
-    ``swiglu``: W is [E, 2N, K], the gate and the up rows, and the rows come out
-    silu(gate) * up; otherwise each row is scaled by its routing weight."""
+    """[pairs, N]: row p is A's row p // pairs_per_row times its expert's W ([E, N, K]),
+    FP8 times ``scale`` ([E, N]) where that is not None; ``swiglu``: W is [E, 2N, K], the
+    gate and the up rows, and the rows come out silu(gate) * up; otherwise each row is
+    scaled by its routing weight."""
     assert w.stride(-1) == 1, "expert weights must be contiguous in K"
     sorted_ids, tile_expert, total = aligned
     pairs, n, k = weights.numel(), w.shape[1] // (2 if swiglu else 1), w.shape[2]
     c = torch.empty((pairs, n), dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n, config["BLOCK_N"]))
-    _grouped_gemm_kernel[grid](a, w, c, weights, sorted_ids, tile_expert, total, n, k, pairs,
-                               pairs_per_row, a.stride(0), w.stride(0), w.stride(1),
-                               c.stride(0), SWIGLU=swiglu, MUL_WEIGHTS=not swiglu, **config)
+    pdl = dependent_launch(a.device, pairs)
+    scaled = scale is not None
+    _grouped_gemm_kernel[grid](a, w, scale if scaled else w, c, weights, sorted_ids,
+                               tile_expert, total, n, k, pairs, pairs_per_row, a.stride(0),
+                               w.stride(0), w.stride(1), scale.stride(0) if scaled else 0,
+                               c.stride(0), SCALED=scaled, SWIGLU=swiglu,
+                               MUL_WEIGHTS=not swiglu, PDL=pdl, launch_pdl=pdl, **config)
     return c
 
 
+@_kernel
+def _sum_choices_kernel(x_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    """out[t] = the sum of x's TOP_K rows of token t, in float32, rounded once."""
+    wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (token * TOP_K + j) * hidden + cols, mask=cols < hidden,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty),
+             mask=cols < hidden)
+
+
+def _sum_choices(down: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """[tokens, H]: each token's top_k rows of ``down`` ([tokens * top_k, H]) summed, in
+    one launch where torch's float32 sum and cast take two."""
+    hidden = down.shape[1]
+    out = torch.empty((tokens, hidden), dtype=down.dtype, device=down.device)
+    block = min(triton.next_power_of_2(hidden), 1024)
+    pdl = dependent_launch(down.device, tokens)
+    _sum_choices_kernel[(tokens, triton.cdiv(hidden, block))](
+        down, out, hidden, TOP_K=top_k, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return out
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor,
-                  use_triton: bool | None = None) -> torch.Tensor:
+                  weights: torch.Tensor, ids: torch.Tensor, use_triton: bool | None = None,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t of ``x`` ([T, H]),
-    each expert ``down(silu(gate(x)) * up(x))``; returns [T, H] in x's dtype."""
+    each expert ``down(silu(gate(x)) * up(x))``; returns [T, H] in x's dtype. ``scales``:
+    w13 and w2 are FP8, their rows times these ([E, 2I] and [E, H], float32)."""
     if not _use_triton(use_triton, x):
+        if scales is not None:
+            w13, w2 = (w.to(x.dtype) * s[..., None].to(x.dtype) for w, s in zip((w13, w2), scales))
         return _experts_torch(x, w13, w2, weights, ids)
     x = x.contiguous()
     tokens, top_k = ids.shape
     config = _config(ids.numel())
     aligned = align_blocks(ids, w13.shape[0], config["BLOCK_M"], use_triton=True)
     flat_weights = weights.flatten().float().contiguous()
-    act = _grouped_gemm(x, w13, flat_weights, aligned, config, top_k, swiglu=True)
-    down = _grouped_gemm(act, w2, flat_weights, aligned, config, 1, swiglu=False)
-    return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    s13, s2 = scales or (None, None)
+    act = _grouped_gemm(x, w13, s13, flat_weights, aligned, config, top_k, swiglu=True)
+    down = _grouped_gemm(act, w2, s2, flat_weights, aligned, config, 1, swiglu=False)
+    return _sum_choices(down, tokens, top_k)
 
 
 def _experts_torch(x, w13, w2, weights, ids) -> torch.Tensor:
@@ -259,13 +316,26 @@ class SparseMoE(nn.Module):
         inter = tp.split(intermediate, "expert intermediate size")
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = nn.Linear(hidden, experts, bias=False)
-        self.gate.replicated = True  # every rank routes alike (random weights too)
+        # it decides the routing: drawn alike on every rank, kept at full precision
+        self.gate.router = True
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(h), self.top_k, self.renormalize)
-        return fused_experts(h, self.w13, self.w2, weights, ids)
+        scales = (self.w13_scale, self.w2_scale) if hasattr(self, "w13_scale") else None
+        return fused_experts(h, self.w13, self.w2, weights, ids, scales=scales)
+
+    def to_fp8(self) -> None:
+        """The experts' weights in e4m3 with a float32 scale per output row (the kernel
+        de-quantizes tiles as it reads them: half the bytes a step reads), the float
+        copies freed."""
+        for name in ("w13", "w2"):
+            w = getattr(self, name).detach().float()
+            scale = absmax_scale(w).squeeze(-1)
+            q = (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            self.register_buffer(f"{name}_scale", scale.float())
 
     def step_weights(self) -> list[torch.Tensor]:
         """Of its own tensors, those every step reads whatever its routing: none (the
@@ -279,6 +349,8 @@ class SparseMoE(nn.Module):
         experts = self.w13.shape[0]
         chosen = experts * (1 - (1 - self.top_k / experts) ** tokens)
         per_expert = (self.w13.numel() + self.w2.numel()) // experts * self.w13.element_size()
+        if hasattr(self, "w13_scale"):
+            per_expert += (self.w13_scale.numel() + self.w2_scale.numel()) // experts * 4
         return chosen * per_expert
 
 
@@ -292,7 +364,7 @@ class SharedExpert(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.gate = nn.Linear(hidden, 1, bias=False)
-        self.gate.replicated = True
+        self.gate.router = True
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(silu_and_mul(self.gate_up_proj(h)))

@@ -194,14 +194,14 @@ def _empty_module(hf_config, dtype, device, plugins=None):
 
 def _random_init(model, seed: int) -> None:
     """GPT-2's init on the module's own device: weights N(0, 0.02), norms 1, biases 0. Each
-    rank draws its own shards from ``seed + rank``; a module every rank holds whole
-    (``replicated``, a router) draws from ``seed``, the same on every rank."""
+    rank draws its own shards from ``seed + rank``; a ``router`` (layers/moe.py), which
+    every rank holds whole, draws from ``seed``, the same on every rank."""
     device = next(model.parameters()).device
     own = torch.Generator(device).manual_seed(seed + tp.group().rank)
     shared = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
-            gen = shared if getattr(module, "replicated", False) else own
+            gen = shared if getattr(module, "router", False) else own
             for name, p in module.named_parameters(recurse=False):
                 if p.dim() > 1:
                     p.normal_(0.0, 0.02, generator=gen)

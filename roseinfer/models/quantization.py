@@ -65,9 +65,11 @@ def describe(qc: dict) -> str:
 
 
 def quantizable(model: nn.Module):
-    """(name, linear) for each linear a method quantizes: all but the LM head's."""
+    """(name, linear) for each linear a method quantizes: all but the LM head's and the
+    routers' of mixtures of experts (``router``: they pick the experts, and are small)."""
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head":
+        if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head" \
+                and not getattr(m, "router", False):
             yield name, m
 
 

@@ -3,13 +3,16 @@ per token where the checkpoint says so, and at load (W8A8 dynamic, as vLLM's
 ``--quantization fp8``). Reads compressed-tensors ``float-quantized`` checkpoints, as
 llm-compressor's FP8 and FP8_DYNAMIC schemes write them. On GPUs with FP8 (compute
 capability 8.9 and up) W8A8 linears keep their weights in FP8 and run FP8 kernels
-(layers/fp8_linear.py); elsewhere the de-quantized values."""
+(layers/fp8_linear.py); elsewhere the de-quantized values. Mixtures of experts keep their
+experts in FP8 too, with activations unrounded (W8A16), and their routers in the model's
+dtype."""
 from __future__ import annotations
 
 import torch
 
 from roseinfer.core.errors import ConfigError
 from roseinfer.layers.fp8_linear import runs_here, to_fp8
+from roseinfer.layers.moe import SparseMoE
 from roseinfer.models.quantization import Fp8ActivationLinear, absmax_scale, fp8_rows, \
     quantizable
 
@@ -75,3 +78,14 @@ class Fp8:
                     linear.weight.copy_(fp8_rows(w, absmax_scale(w)))
                 if self.dynamic_activations:
                     linear.__class__ = Fp8ActivationLinear
+            for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+                self._quantize_experts(moe)
+
+    def _quantize_experts(self, moe: SparseMoE) -> None:
+        """Experts in FP8 per output row, activations in the model's dtype (W8A16: a decode
+        step reads the same bytes as W8A8, and no activation is rounded)."""
+        if runs_here(moe.w13.device):
+            moe.to_fp8()
+        elif not self.from_checkpoint:
+            for w in (moe.w13, moe.w2):
+                w.copy_(fp8_rows(w.float(), absmax_scale(w.float())).to(w.dtype))
