@@ -15,6 +15,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--peak-tbps", type=float, default=3.35)
 p.add_argument("--sweep", action="store_true", help="also time other decode tilings")
 p.add_argument("--profile", action="store_true", help="list each kernel's time at one token")
+p.add_argument("--fp8", action="store_true", help="experts in FP8, a scale per row (W8A16)")
 args = p.parse_args()
 CHOSEN = moe._config
 E, K, H, I = 128, 8, 2048, 768
@@ -22,13 +23,22 @@ gen = torch.Generator(device="cuda").manual_seed(0)
 w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * 0.02).bfloat16()
 w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * 0.02).bfloat16()
 expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
-print(f"{torch.cuda.get_device_name()}, peak {args.peak_tbps} TB/s")
+scales = None
+if args.fp8:
+    layer = moe.SparseMoE(H, I, E, K, True).cuda()
+    layer.w13, layer.w2 = torch.nn.Parameter(w13), torch.nn.Parameter(w2)
+    layer.to_fp8()
+    w13, w2, scales = layer.w13, layer.w2, (layer.w13_scale, layer.w2_scale)
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * 1 + (scales[0][0].numel() + scales[1][0].numel()) * 4
+print(f"{torch.cuda.get_device_name()}, peak {args.peak_tbps} TB/s, "
+      f"experts in {'fp8' if args.fp8 else 'bf16'}")
 
 
 def run(tokens: int) -> None:
     x = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
     logits = torch.randn(tokens, E, device="cuda", generator=gen)
-    layer = lambda: fused_experts(x, w13, w2, *select_experts(logits, K, True))
+    layer = lambda: fused_experts(x, w13, w2, *select_experts(logits, K, True),
+                                 scales=scales)
     layer()  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -68,10 +78,10 @@ if args.profile:  # each kernel's time at one token: where the time above goes
     x = torch.randn(1, H, device="cuda", generator=gen).bfloat16()
     logits = torch.randn(1, E, device="cuda", generator=gen)
     for _ in range(3):
-        fused_experts(x, w13, w2, *select_experts(logits, K, True))
+        fused_experts(x, w13, w2, *select_experts(logits, K, True), scales=scales)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
-            fused_experts(x, w13, w2, *select_experts(logits, K, True))
+            fused_experts(x, w13, w2, *select_experts(logits, K, True), scales=scales)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))

@@ -25,7 +25,9 @@ shape() {  # batch, new tokens
 }
 for part in ${@:-layer offline}; do case $part in
 layer)
-  python3 docs/bench/moe_layer.py --peak-tbps "$peak" --profile 2>&1 | tee "$OUT/layer.txt" ;;
+  python3 docs/bench/moe_layer.py --peak-tbps "$peak" --profile 2>&1 | tee "$OUT/layer.txt"
+  python3 docs/bench/moe_layer.py --peak-tbps "$peak" --fp8 --profile 2>&1 \
+    | tee "$OUT/layer-fp8.txt" ;;
 offline)
   for model in qwen3-30b-a3b-random llama3-8b-random; do
     name=${model%-random}
@@ -38,3 +40,14 @@ fp8)
 mixtral)
   run mixtral-8x7b-b1 --model mixtral-8x7b-random $(shape 1 128) ;;
 esac; done
+# One line per run (the lent machine returns only so many files), the runs packed.
+python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    d = json.loads(f.read_text())
+    s, floor = d["roseinfer"]["summary"], d.get("bytes_floor", {})
+    print(f"{f.stem}: {s['output_throughput']:.1f} tok/s, TTFT p50 {s['ttft_ms']['p50']:.2f} ms, "
+          f"TPOT p50 {s['tpot_ms']['p50']:.3f} ms, floor {floor.get('output_throughput', 0):.1f} "
+          f"tok/s ({floor.get('fraction', 0):.1%} of it)")
+PY
+(cd "$OUT" && ls *.json >/dev/null 2>&1 && tar czf runs.tgz *.json *.log && rm -f *.json *.log)
