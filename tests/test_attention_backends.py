@@ -35,8 +35,9 @@ if CUDA:  # compiled kernels: afford realistic sizes as well
     LONG_DECODE = [(9000, 1), (3000, 1), (17, 1), (4500, 1)] * 4
 
 
-def reference(q, k_cache, v_cache, block_tables, seqs, scale):
-    """Causal attention in float64 over each sequence's gathered context."""
+def reference(q, k_cache, v_cache, block_tables, seqs, scale, window=None):
+    """Causal attention in float64 over each sequence's gathered context; with a window,
+    a query at position p sees keys p - window + 1 .. p."""
     q, k_cache, v_cache = q.double(), k_cache.double(), v_cache.double()
     group = q.shape[1] // k_cache.shape[1]
     block_size = k_cache.shape[2]
@@ -50,6 +51,8 @@ def reference(q, k_cache, v_cache, block_tables, seqs, scale):
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
         q_pos = context_len - query_len + torch.arange(query_len, device=q.device)
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], -math.inf)
+        if window:
+            scores.masked_fill_(pos[None, None, :] <= q_pos[None, :, None] - window, -math.inf)
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         start += query_len
     return torch.cat(out)
@@ -84,7 +87,7 @@ def make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
 
 
 def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
-          cache_dtype=None):
+          cache_dtype=None, window=None):
     backend = REGISTRY.create("attention", backend_name)
     if not backend.supports(DEVICE):
         pytest.skip(f"{backend_name} does not run on {DEVICE.type}")
@@ -98,8 +101,9 @@ def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_
     if cache_dtype is not None:
         k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     scale = head_dim ** -0.5
-    out = backend.forward(q, k_cache, v_cache, attn, scale)
-    ref = reference(q, k_cache, v_cache, attn.block_tables, seqs, scale)
+    out = backend.forward(q, k_cache, v_cache, attn, scale,
+                          **({"window": window} if window else {}))
+    ref = reference(q, k_cache, v_cache, attn.block_tables, seqs, scale, window)
     assert out.shape == q.shape and out.dtype == dtype
     err = (out.double() - ref).norm() / ref.norm()
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
@@ -130,6 +134,16 @@ def test_an_fp8_cache(request, backend_name, batch, dtype):
     reference reads them too), in the query's dtype."""
     seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
     check(request, backend_name, seqs, 6, 2, 64, 16, dtype, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64])
+@pytest.mark.parametrize("batch", [*BATCHES, "long_decode"])
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_sliding_window(request, backend_name, batch, window):
+    """Windows narrower than a q-block's queries (whose rows then start at different
+    keys), than a block, and than the long contexts (split over programs)."""
+    seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
+    check(request, backend_name, seqs, 6, 2, 24, 4, torch.float32, window=window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

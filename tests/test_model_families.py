@@ -5,8 +5,8 @@ context, and so does LongRoPE."""
 import pytest
 import torch
 
-from roseinfer import LLM
-from tests.models import per_expert_checkpoint, tiny_family
+from roseinfer import LLM, SamplingParams
+from tests.models import hf_greedy, per_expert_checkpoint, tiny_family
 from tests.test_greedy_equality import check, mixed_prompts
 
 FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
@@ -30,10 +30,23 @@ def test_prefix_cache_keeps_greedy_equal(family_model):
     assert llm.engine.blocks.prefix_cache
 
 
-def test_a_sliding_window_bounds_the_context():
-    llm = LLM(tiny_family("mistral", sliding_window=64), device="cpu", dtype="float32",
-              num_kv_blocks=128, block_size=4)
-    assert llm.engine.max_model_len == 64
+@pytest.mark.parametrize("family, window", [
+    ("mistral", dict(sliding_window=6)), ("mixtral", dict(sliding_window=5)),
+    # Qwen2's windows start at layer max_window_layers: layer 0 full, layer 1 windowed
+    ("qwen2", dict(sliding_window=4, use_sliding_window=True, max_window_layers=1))])
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_sliding_windows_equal_transformers(family, window, chunk):
+    """Prompts several windows long, prefilled whole or in 8-token chunks across window
+    edges, then decoded past more windows; the window no longer bounds the context."""
+    model = tiny_family(family, **window)
+    prompts = mixed_prompts(5, seed=9) + [list(range(3, 40))]
+    llm = check(model, prompts, max_tokens=20, max_num_batched_tokens=chunk or 2048,
+                enable_prefix_cache=True)
+    assert llm.engine.max_model_len == 256
+    # again: the prompts' full blocks come from the prefix cache
+    again = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in again] == [hf_greedy(model, p, 20) for p in prompts]
+    assert sum(o.num_cached_tokens for o in again) > 0
 
 
 def test_olmoe_clipping_q_k_and_v():

@@ -189,14 +189,10 @@ def _kv_shape(model) -> tuple[int, int, int]:
 
 
 def _context_len(hf) -> int:
-    """The model's context; a sliding window bounds it, since attention here is full:
-    within the window the two are the same. LongRoPE (Phi-3's long-context variants)
-    switches to other frequencies past its original context, and the tables here are
-    built once: that bounds it too."""
+    """The model's context. LongRoPE (Phi-3's long-context variants) switches to other
+    frequencies past its original context, and the tables here are built once: that
+    bounds it. (A sliding window does not: window layers attend over their window.)"""
     context = getattr(hf, "n_positions", None) or hf.max_position_embeddings
-    window = getattr(hf, "sliding_window", None)
-    if window and getattr(hf, "use_sliding_window", True):
-        context = min(context, window)
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type")) == "longrope":
         context = min(context, hf.original_max_position_embeddings)

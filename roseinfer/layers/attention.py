@@ -8,14 +8,17 @@ from roseinfer.core.attention import get_context
 
 
 class PagedAttention(nn.Module):
-    """Appends this step's K/V to the paged cache, then attends through it."""
+    """Appends this step's K/V to the paged cache, then attends through it; with a
+    ``window``, each query sees only the last ``window`` positions up to its own (the
+    backend gets ``window=`` only then, so a backend without windows serves the rest)."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float):
+                 scale: float, window: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.extra = {"window": window} if window else {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
@@ -25,5 +28,5 @@ class PagedAttention(nn.Module):
         ctx.kv_cache.append(self.layer_idx, k, v)
         cache = ctx.kv_cache
         out = ctx.attention.forward(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                    ctx.attn, self.scale)
+                                    ctx.attn, self.scale, **self.extra)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -1,7 +1,7 @@
 """Llama family on the paged KV cache: RoPE, RMSNorm, SwiGLU, grouped-query attention.
 
-The families that are Llama plus a flag run here too: Mistral (Llama's layers; its
-sliding window bounds the context instead, see device_side._context_len), Qwen2 (bias on
+The families that are Llama plus a flag run here too: Mistral (Llama's layers, each
+attending over its sliding window), Qwen2 (bias on
 q/k/v), Qwen3 (an RMSNorm on each head of q and k before RoPE) and Phi-3 (its
 checkpoints hold q/k/v and gate/up already fused; partial rotary where the config
 sets it). The mixture-of-experts families' attention is here too: OLMoE's q and k norms
@@ -24,6 +24,17 @@ def heads_of(cfg) -> tuple[int, int, int]:
     """(query heads, K/V heads, head dim) of the whole model."""
     h = cfg.num_attention_heads
     return h, cfg.num_key_value_heads or h, getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+
+
+def sliding_window(cfg, layer_idx: int) -> int | None:
+    """The layer's attention window: the config's ``sliding_window`` where the family
+    uses it (Qwen2's ``use_sliding_window``) and the layer is a window layer
+    (``layer_types``); None where the layer sees its whole context."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or not getattr(cfg, "use_sliding_window", True):
+        return None
+    types = getattr(cfg, "layer_types", None)
+    return window if types is None or types[layer_idx] == "sliding_attention" else None
 
 
 class LlamaLayer(nn.Module):
@@ -50,7 +61,8 @@ class LlamaLayer(nn.Module):
         self.clip_qkv = getattr(cfg, "clip_qkv", None)
         self.post_attention_layernorm = RMSNorm(e, cfg.rms_norm_eps)
         self.rotary = rotary
-        self.attn = PagedAttention(layer_idx, h, hkv, d, d ** -0.5)
+        self.attn = PagedAttention(layer_idx, h, hkv, d, d ** -0.5,
+                                   window=sliding_window(cfg, layer_idx))
         self.init_mlp(cfg, layer_idx)
 
     def init_mlp(self, cfg, layer_idx: int) -> None:

@@ -7,7 +7,7 @@ SwiGLU experts, each token through its top k (layers/moe.py).
 - ``qwen2_moe``: Qwen3-MoE's layout, with q/k/v biases and no q/k norms, and beside the
   routed experts a shared one every token goes through, scaled by a sigmoid gate.
 - ``mixtral``: ``num_local_experts`` of ``intermediate_size`` in every layer, the top-k
-  weights renormalised; its sliding window is Mistral's (device_side._context_len).
+  weights renormalised; a sliding window as Mistral's.
 - ``olmoe``: ``num_experts`` of ``intermediate_size`` in every layer; q and k normed
   across all heads.
 

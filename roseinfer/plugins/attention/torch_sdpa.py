@@ -1,6 +1,6 @@
 """Reference paged attention on torch SDPA: any device, padded per sequence. An FP8 cache
 (``kv_cache_dtype="fp8"``) is read in the query's dtype: only the rows a step gathers are
-converted."""
+converted. A sliding-window layer's query at position p sees keys p - window + 1 .. p."""
 import torch
 import torch.nn.functional as F
 
@@ -33,14 +33,14 @@ class TorchSDPAAttention:
     def supports(self, device) -> bool:
         return True
 
-    def forward(self, q, k_cache, v_cache, attn, scale):
+    def forward(self, q, k_cache, v_cache, attn, scale, window=None):
         if attn.is_decode:
             return _decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-                           attn.max_context_len, scale, attn.memo)
+                           attn.max_context_len, scale, attn.memo, window)
         qlens = attn.query_start[1:] - attn.query_start[:-1]
         single = qlens == 1
         if not bool(single.any()):
-            return _prefill(q, k_cache, v_cache, attn, qlens, scale)
+            return _prefill(q, k_cache, v_cache, attn, qlens, scale, window)
         # A mixed step: decode rows and prefill chunks attend apart. One padded
         # batch would pad every decode row to the longest chunk and context
         # (16 decode rows beside a 128-token chunk at 1,000 tokens of context:
@@ -50,7 +50,7 @@ class TorchSDPAAttention:
         dec_rows = attn.query_start[dec].long()
         ctx = attn.context_lens[dec]
         out[dec_rows] = _decode(q[dec_rows], k_cache, v_cache, attn.block_tables[dec], ctx,
-                                int(ctx.max()), scale, attn.memo)
+                                int(ctx.max()), scale, attn.memo, window)
         pre = (~single).nonzero().squeeze(1)
         pre_qlens = qlens[pre]
         starts = torch.zeros(len(pre) + 1, dtype=attn.query_start.dtype, device=q.device)
@@ -58,17 +58,20 @@ class TorchSDPAAttention:
         sub = AttnMetadata(attn.block_tables[pre], attn.context_lens[pre], starts,
                            int(pre_qlens.max()), int(attn.context_lens[pre].max()))
         rows = ~torch.repeat_interleave(single, qlens.long())
-        out[rows] = _prefill(q[rows], k_cache, v_cache, sub, pre_qlens, scale)
+        out[rows] = _prefill(q[rows], k_cache, v_cache, sub, pre_qlens, scale, window)
         return out
 
 
-def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, memo):
-    """One query row per sequence: [S, H, D]. Every layer of a forward attends
-    through the same block ids and mask: the first computes them into ``memo``."""
-    if "decode" not in memo:
-        memo["decode"] = _decode_plan(block_tables, context_lens, max_context_len,
-                                      k_cache.shape[2], k_cache.shape[1])
-    index, padding = memo["decode"]
+def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, memo,
+            window=None):
+    """One query row per sequence: [S, H, D]. Every layer of a forward with the same
+    window attends through the same block ids and mask: the first computes them into
+    ``memo``."""
+    key = ("decode", window)
+    if key not in memo:
+        memo[key] = _decode_plan(block_tables, context_lens, max_context_len,
+                                 k_cache.shape[2], k_cache.shape[1], window)
+    index, padding = memo[key]
     if padding is not None:
         return _decode_blocks(q, k_cache, v_cache, index, padding, scale)
     # One sequence: its rows, head by head, in one index op a cache and no second copy.
@@ -79,18 +82,25 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, sc
     return out.squeeze(2)
 
 
-def _decode_plan(block_tables, context_lens, max_context_len, block_size, num_kv_heads):
-    """For one sequence, the rows of its context in the cache seen as [rows, D],
-    head-major ([H_kv * context]). For a batch, the block ids and the padding of the
-    gathered blocks, [S, 1, 1, blocks * block_size], True past each context."""
+def _decode_plan(block_tables, context_lens, max_context_len, block_size, num_kv_heads,
+                 window=None):
+    """For one sequence, the rows of its context (its last ``window``) in the cache seen
+    as [rows, D], head-major ([H_kv * context]). For a batch, the block ids and the
+    padding of the gathered blocks, [S, 1, 1, blocks * block_size], True past each
+    context and before its window."""
     if block_tables.shape[0] == 1:
-        t = torch.arange(max_context_len, device=block_tables.device)
+        first = max(0, max_context_len - window) if window else 0
+        t = torch.arange(first, max_context_len, device=block_tables.device)
         rows = cache_rows(block_tables[0][t // block_size], t % block_size, num_kv_heads,
                           block_size)
         return rows.t().flatten(), None
     index = context_index(block_tables, max_context_len, block_size)
     kpos = torch.arange(index.shape[1] * block_size, device=block_tables.device)
-    return index, kpos[None, None, None, :] >= context_lens[:, None, None, None]
+    ctx = context_lens[:, None, None, None]
+    padding = kpos[None, None, None, :] >= ctx
+    if window:
+        padding |= kpos[None, None, None, :] < ctx - window
+    return index, padding
 
 
 def _decode_blocks(q, k_cache, v_cache, index, padding, scale):
@@ -111,7 +121,7 @@ def _decode_blocks(q, k_cache, v_cache, index, padding, scale):
     return torch.matmul(p, v).sum(1).reshape(s, h, d)
 
 
-def _prefill(q, k_cache, v_cache, attn, qlens, scale):
+def _prefill(q, k_cache, v_cache, attn, qlens, scale, window=None):
     """Query chunks padded per sequence to the longest one."""
     index = context_index(attn.block_tables, attn.max_context_len, k_cache.shape[2])
     k = gather_context(k_cache, index, attn.max_context_len, q.dtype)
@@ -124,6 +134,8 @@ def _prefill(q, k_cache, v_cache, attn, qlens, scale):
     first = (attn.context_lens - qlens)[:, None]
     qp = first + torch.arange(attn.max_query_len, device=q.device)[None, :]
     mask = kpos[None, None, None, :] <= qp[:, None, :, None]
+    if window:
+        mask &= kpos[None, None, None, :] > qp[:, None, :, None] - window
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)[seq, local]

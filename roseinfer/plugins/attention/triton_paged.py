@@ -22,6 +22,9 @@ the context bound.
 An FP8 cache (``kv_cache_dtype="fp8"``) is read as e4m3 and widened in registers (a
 16-bit query's products then run in float16), so half a bfloat16 cache's bytes cross
 memory.
+
+A sliding-window layer (``window``) reads only keys its queries see, p - window + 1 .. p:
+a decode row splits its window, not its context, over programs.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
@@ -51,6 +54,7 @@ DECODE_TUNING: dict[tuple[int, int], dict] = {
 # tile at batch 64-256 (docs/kernels.md).
 FP8_BLOCK_N = 128
 MIN_SPLIT_LEN = 64     # context bound per split below which splitting only adds merging
+NO_WINDOW = 2 ** 30    # the decode kernel's window where a layer has none: past any context
 MAX_SPLITS = 16
 
 
@@ -104,11 +108,15 @@ def _scores(q, k, DOT_PRECISION: tl.constexpr, K_T: tl.constexpr):
 
 
 @_kernel
-def _softmax_tile(s, m_i, l_i):
+def _softmax_tile(s, m_i, l_i, ROWS_MAY_BE_EMPTY: tl.constexpr = False):
     """Online softmax over one more tile of base-2 scores ``s`` [rows, keys]:
     returns (weights p, rescale factor alpha for the accumulator, new running
-    max, new running sum); the caller does ``acc * alpha + p @ V``."""
+    max, new running sum); the caller does ``acc * alpha + p @ V``.
+    ``ROWS_MAY_BE_EMPTY``: a row may have seen no key yet (a window's rows start at
+    different keys): its max stays -inf, and its weights 0, not NaN."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if ROWS_MAY_BE_EMPTY:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
@@ -121,10 +129,11 @@ def _paged_attention_kernel(
     sq_n, sq_h, sq_d,                 # q strides (a view of fused qkv is fine)
     so_n, so_h,                       # out strides (d stride 1)
     sc_b, sc_h, sc_o, sc_d,           # cache strides, K and V alike
-    bt_stride, table_keys, num_seqs, head_dim, scale_log2,
+    bt_stride, table_keys, num_seqs, head_dim, scale_log2, window,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     q_block = tl.program_id(0)
@@ -158,17 +167,25 @@ def _paged_attention_kernel(
     kv_hi = tl.minimum(kv_hi, table_keys)
     block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride
 
+    # With a window, from the first key the block's first query sees.
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(context_len - q_len + first_tok - window + 1, 0)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, kv_hi, BLOCK_N):
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos, k_ok, k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
             sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N, KV_FP16)
         k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's e4m3 values, exactly
         s = _scores(q, k, DOT_PRECISION, KV_FP16) * scale_log2
-        s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i)
+        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            seen &= k_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(seen, s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, HAS_WINDOW)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     out = acc / l_i[:, None]
     tl.store(out_ptr + row[:, None] * so_n + head[:, None] * so_h + d[None, :],
@@ -205,7 +222,7 @@ def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, context_lens_ptr,
     sq_n, sq_h, sq_d, so_s, so_n, so_h, sm_s, sm_n, sc_b, sc_h, sc_o, sc_d,
-    bt_stride, head_dim, scale_log2, n_splits,
+    bt_stride, head_dim, scale_log2, n_splits, window,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
@@ -231,9 +248,11 @@ def _paged_decode_kernel(
         q = q.to(tl.float32)
 
     # Each split takes an equal share of this sequence's own context (whole
-    # tiles), so a graph captured for the context bound splits short contexts too.
-    share = tl.cdiv(tl.cdiv(context_len, BLOCK_N), n_splits) * BLOCK_N
-    kv_lo = split * share
+    # tiles), so a graph captured for the context bound splits short contexts too;
+    # of a window layer's, only the window.
+    first = tl.maximum(context_len - window, 0)
+    share = tl.cdiv(tl.cdiv(context_len - first, BLOCK_N), n_splits) * BLOCK_N
+    kv_lo = first + split * share
     kv_hi = tl.minimum(context_len, kv_lo + share)
     block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -293,13 +312,15 @@ def decode_tuning(head_dim: int, group: int, fp8_cache: bool = False) -> dict:
     return dict(tune, block_n=FP8_BLOCK_N) if fp8_cache and tune["dot"] else tune
 
 
-def num_splits(attn, num_kv_heads: int, num_sms: int, programs_per_sm: int) -> int:
-    """Split decode contexts until the grid has ``programs_per_sm`` programs
-    per SM: many programs per SM hide a decode program's load latency."""
+def num_splits(attn, num_kv_heads: int, num_sms: int, programs_per_sm: int,
+               window: int = NO_WINDOW) -> int:
+    """Split decode contexts (or windows) until the grid has ``programs_per_sm``
+    programs per SM: many programs per SM hide a decode program's load latency."""
     if not attn.is_decode:
         return 1  # prefill chunks give programs enough; the kernel relies on this
     wanted = triton.cdiv(programs_per_sm * num_sms, attn.num_seqs * num_kv_heads)
-    return max(1, min(wanted, attn.max_context_len // MIN_SPLIT_LEN, MAX_SPLITS))
+    keys = min(attn.max_context_len, window)
+    return max(1, min(wanted, keys // MIN_SPLIT_LEN, MAX_SPLITS))
 
 
 class TritonPagedAttention:
@@ -310,7 +331,7 @@ class TritonPagedAttention:
     def supports(self, device) -> bool:
         return triton_usable(device)
 
-    def forward(self, q, k_cache, v_cache, attn, scale):
+    def forward(self, q, k_cache, v_cache, attn, scale, window=None):
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         assert k_cache.stride() == v_cache.stride()
@@ -329,7 +350,8 @@ class TritonPagedAttention:
         scale_log2 = scale * math.log2(math.e)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if attn.is_decode:
-            self._decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune)
+            self._decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune,
+                         window or NO_WINDOW)
             return out
         # Prefill chunks give programs enough: never split.
         block_m = max(64, triton.next_power_of_2(const["G"]))
@@ -337,14 +359,17 @@ class TritonPagedAttention:
         _paged_attention_kernel[(n // block_q + attn.num_seqs, num_kv_heads)](
             q, k_cache, v_cache, out, attn.block_tables, attn.context_lens, attn.query_start,
             *q.stride(), *out.stride()[:2], *k_cache.stride(), attn.block_tables.stride(0),
-            attn.block_tables.shape[1] * k_cache.shape[2], attn.num_seqs, head_dim, scale_log2, BLOCK_M=block_m, BLOCK_Q=block_q, **const)
+            attn.block_tables.shape[1] * k_cache.shape[2], attn.num_seqs, head_dim, scale_log2,
+            window or NO_WINDOW, BLOCK_M=block_m, BLOCK_Q=block_q, HAS_WINDOW=bool(window),
+            **const)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune):
+    def _decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune, window):
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
-        splits = num_splits(attn, num_kv_heads, _num_sms(q.device), tune["programs_per_sm"])
+        splits = num_splits(attn, num_kv_heads, _num_sms(q.device), tune["programs_per_sm"],
+                            window)
         if splits == 1:
             dest, m, l = out.unsqueeze(0), out, out  # m, l unused without splits
         else:
@@ -354,7 +379,7 @@ class TritonPagedAttention:
         _paged_decode_kernel[(n, num_kv_heads, splits)](
             q, k_cache, v_cache, dest, m, l, attn.block_tables, attn.context_lens,
             *q.stride(), *dest.stride()[:3], *m.stride()[:2], *k_cache.stride(),
-            attn.block_tables.stride(0), head_dim, scale_log2, splits,
+            attn.block_tables.stride(0), head_dim, scale_log2, splits, window,
             BLOCK_G=max(16 if tune["dot"] else 1, triton.next_power_of_2(const["G"])),
             PARTIAL=splits > 1, DOT=tune["dot"], **const)
         if splits > 1:
