@@ -5,7 +5,7 @@ context, and so does LongRoPE."""
 import pytest
 import torch
 
-from roseinfer import LLM, SamplingParams
+from roseinfer import SamplingParams
 from tests.models import hf_greedy, per_expert_checkpoint, tiny_family
 from tests.test_greedy_equality import check, mixed_prompts
 
