@@ -35,9 +35,10 @@ if CUDA:  # compiled kernels: afford realistic sizes as well
     LONG_DECODE = [(9000, 1), (3000, 1), (17, 1), (4500, 1)] * 4
 
 
-def reference(q, k_cache, v_cache, block_tables, seqs, scale, window=None):
+def reference(q, k_cache, v_cache, block_tables, seqs, scale, window=None, sinks=None):
     """Causal attention in float64 over each sequence's gathered context; with a window,
-    a query at position p sees keys p - window + 1 .. p."""
+    a query at position p sees keys p - window + 1 .. p; with sinks, each head's sink
+    logit joins its softmax (and its weight is dropped), as transformers' gpt-oss does."""
     q, k_cache, v_cache = q.double(), k_cache.double(), v_cache.double()
     group = q.shape[1] // k_cache.shape[1]
     block_size = k_cache.shape[2]
@@ -53,7 +54,12 @@ def reference(q, k_cache, v_cache, block_tables, seqs, scale, window=None):
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], -math.inf)
         if window:
             scores.masked_fill_(pos[None, None, :] <= q_pos[None, :, None] - window, -math.inf)
-        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        if sinks is not None:
+            sink = sinks.double()[:, None, None].expand(-1, query_len, 1)
+            weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            weights = scores.softmax(-1)
+        out.append(torch.einsum("hqk,khd->qhd", weights, v))
         start += query_len
     return torch.cat(out)
 
@@ -87,7 +93,7 @@ def make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
 
 
 def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
-          cache_dtype=None, window=None):
+          cache_dtype=None, window=None, sinks=False):
     backend = REGISTRY.create("attention", backend_name)
     if not backend.supports(DEVICE):
         pytest.skip(f"{backend_name} does not run on {DEVICE.type}")
@@ -101,9 +107,12 @@ def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_
     if cache_dtype is not None:
         k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     scale = head_dim ** -0.5
-    out = backend.forward(q, k_cache, v_cache, attn, scale,
-                          **({"window": window} if window else {}))
-    ref = reference(q, k_cache, v_cache, attn.block_tables, seqs, scale, window)
+    extra = {"window": window} if window else {}
+    if sinks:  # logits about as large as the scores, so the sinks take a real share
+        extra["sinks"] = (torch.randn(num_heads, generator=gen) * 2).float().to(DEVICE)
+    out = backend.forward(q, k_cache, v_cache, attn, scale, **extra)
+    ref = reference(q, k_cache, v_cache, attn.block_tables, seqs, scale, window,
+                    extra.get("sinks"))
     assert out.shape == q.shape and out.dtype == dtype
     err = (out.double() - ref).norm() / ref.norm()
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
@@ -144,6 +153,17 @@ def test_a_sliding_window(request, backend_name, batch, window):
     keys), than a block, and than the long contexts (split over programs)."""
     seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
     check(request, backend_name, seqs, 6, 2, 24, 4, torch.float32, window=window)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("batch", [*BATCHES, "long_decode"])
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_attention_sinks(request, backend_name, batch, dtype, window):
+    """gpt-oss's sinks, alone and with its 128-token windows' kind (5 here); long decode
+    splits its context, and only the first split may count the sink."""
+    seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
+    check(request, backend_name, seqs, 6, 2, 64, 16, dtype, window=window, sinks=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

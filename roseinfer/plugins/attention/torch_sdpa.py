@@ -1,6 +1,8 @@
 """Reference paged attention on torch SDPA: any device, padded per sequence. An FP8 cache
 (``kv_cache_dtype="fp8"``) is read in the query's dtype: only the rows a step gathers are
-converted. A sliding-window layer's query at position p sees keys p - window + 1 .. p."""
+converted. A sliding-window layer's query at position p sees keys p - window + 1 .. p.
+Attention sinks (gpt-oss: a learned logit per head, a key with no value) join each row's
+softmax."""
 import torch
 import torch.nn.functional as F
 
@@ -33,14 +35,14 @@ class TorchSDPAAttention:
     def supports(self, device) -> bool:
         return True
 
-    def forward(self, q, k_cache, v_cache, attn, scale, window=None):
+    def forward(self, q, k_cache, v_cache, attn, scale, window=None, sinks=None):
         if attn.is_decode:
             return _decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-                           attn.max_context_len, scale, attn.memo, window)
+                           attn.max_context_len, scale, attn.memo, window, sinks)
         qlens = attn.query_start[1:] - attn.query_start[:-1]
         single = qlens == 1
         if not bool(single.any()):
-            return _prefill(q, k_cache, v_cache, attn, qlens, scale, window)
+            return _prefill(q, k_cache, v_cache, attn, qlens, scale, window, sinks)
         # A mixed step: decode rows and prefill chunks attend apart. One padded
         # batch would pad every decode row to the longest chunk and context
         # (16 decode rows beside a 128-token chunk at 1,000 tokens of context:
@@ -50,7 +52,7 @@ class TorchSDPAAttention:
         dec_rows = attn.query_start[dec].long()
         ctx = attn.context_lens[dec]
         out[dec_rows] = _decode(q[dec_rows], k_cache, v_cache, attn.block_tables[dec], ctx,
-                                int(ctx.max()), scale, attn.memo, window)
+                                int(ctx.max()), scale, attn.memo, window, sinks)
         pre = (~single).nonzero().squeeze(1)
         pre_qlens = qlens[pre]
         starts = torch.zeros(len(pre) + 1, dtype=attn.query_start.dtype, device=q.device)
@@ -58,12 +60,12 @@ class TorchSDPAAttention:
         sub = AttnMetadata(attn.block_tables[pre], attn.context_lens[pre], starts,
                            int(pre_qlens.max()), int(attn.context_lens[pre].max()))
         rows = ~torch.repeat_interleave(single, qlens.long())
-        out[rows] = _prefill(q[rows], k_cache, v_cache, sub, pre_qlens, scale, window)
+        out[rows] = _prefill(q[rows], k_cache, v_cache, sub, pre_qlens, scale, window, sinks)
         return out
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, memo,
-            window=None):
+            window=None, sinks=None):
     """One query row per sequence: [S, H, D]. Every layer of a forward with the same
     window attends through the same block ids and mask: the first computes them into
     ``memo``."""
@@ -73,13 +75,28 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, sc
                                  k_cache.shape[2], k_cache.shape[1], window)
     index, padding = memo[key]
     if padding is not None:
-        return _decode_blocks(q, k_cache, v_cache, index, padding, scale)
+        return _decode_blocks(q, k_cache, v_cache, index, padding, scale, sinks)
     # One sequence: its rows, head by head, in one index op a cache and no second copy.
     _, hkv, _, d = k_cache.shape
     k = select(k_cache.view(-1, d), index, q.dtype).view(1, hkv, -1, d)
     v = select(v_cache.view(-1, d), index, q.dtype).view(1, hkv, -1, d)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    return attend(q.unsqueeze(2), k, v, None, scale, sinks).squeeze(2)
+
+
+def attend(q, k, v, mask, scale, sinks=None):
+    """SDPA of q [S, H, Q, D] over k, v [S, H_kv, K, D] (``mask`` True where a query sees
+    a key); with ``sinks`` ([H]), each row's softmax also holds its head's sink logit,
+    whose key has no value: the output scaled by sigmoid(logsumexp(scores) - sink)."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    if sinks is None:
+        return out
+    group = q.shape[1] // k.shape[1]
+    scores = torch.matmul(q.float(), k.float().repeat_interleave(group, 1).transpose(-1, -2))
+    scores = scores * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    seen = torch.sigmoid(torch.logsumexp(scores, -1, keepdim=True) - sinks.float()[:, None, None])
+    return (out.float() * seen).to(out.dtype)
 
 
 def _decode_plan(block_tables, context_lens, max_context_len, block_size, num_kv_heads,
@@ -103,7 +120,7 @@ def _decode_plan(block_tables, context_lens, max_context_len, block_size, num_kv
     return index, padding
 
 
-def _decode_blocks(q, k_cache, v_cache, index, padding, scale):
+def _decode_blocks(q, k_cache, v_cache, index, padding, scale, sinks=None):
     """Attention over the gathered blocks as they lie, [S, blocks, H_kv, bs, D],
     for a batch: gather_context's second copy, into one run per sequence and head,
     cost more than SDPA itself (16 rows of GPT-2 on two CPU cores: 1.3-1.5x
@@ -116,12 +133,16 @@ def _decode_blocks(q, k_cache, v_cache, index, padding, scale):
     v = select(v_cache, flat, q.dtype).view(s, mb, hkv, bs, d)
     qt = (q * scale).view(s, 1, hkv, g, d).transpose(-1, -2)           # [S, 1, H_kv, D, G]
     scores = torch.matmul(k, qt).permute(0, 2, 4, 1, 3).reshape(s, hkv, g, mb * bs)
-    p = torch.softmax(scores.masked_fill_(padding, float("-inf")), dim=-1)
-    p = p.view(s, hkv, g, mb, bs).permute(0, 3, 1, 2, 4)               # [S, blocks, H_kv, G, bs]
+    scores = scores.masked_fill_(padding, float("-inf"))
+    if sinks is not None:  # one more logit per row, of a key with no value
+        sink = sinks.to(scores.dtype).view(1, hkv, g, 1).expand(s, -1, -1, -1)
+        scores = torch.cat([scores, sink], dim=-1)
+    p = torch.softmax(scores, dim=-1)[..., :mb * bs]
+    p = p.reshape(s, hkv, g, mb, bs).permute(0, 3, 1, 2, 4)            # [S, blocks, H_kv, G, bs]
     return torch.matmul(p, v).sum(1).reshape(s, h, d)
 
 
-def _prefill(q, k_cache, v_cache, attn, qlens, scale, window=None):
+def _prefill(q, k_cache, v_cache, attn, qlens, scale, window=None, sinks=None):
     """Query chunks padded per sequence to the longest one."""
     index = context_index(attn.block_tables, attn.max_context_len, k_cache.shape[2])
     k = gather_context(k_cache, index, attn.max_context_len, q.dtype)
@@ -136,8 +157,7 @@ def _prefill(q, k_cache, v_cache, attn, qlens, scale, window=None):
     mask = kpos[None, None, None, :] <= qp[:, None, :, None]
     if window:
         mask &= kpos[None, None, None, :] > qp[:, None, :, None] - window
-    out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = attend(padded.transpose(1, 2), k, v, mask, scale, sinks)
     return out.transpose(1, 2)[seq, local]
 
 

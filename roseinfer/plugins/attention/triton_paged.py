@@ -24,7 +24,9 @@ An FP8 cache (``kv_cache_dtype="fp8"``) is read as e4m3 and widened in registers
 memory.
 
 A sliding-window layer (``window``) reads only keys its queries see, p - window + 1 .. p:
-a decode row splits its window, not its context, over programs.
+a decode row splits its window, not its context, over programs. Attention sinks
+(``sinks``, gpt-oss's logit per head) start each row's running softmax as a key with no
+value would: max = the sink, sum = 1 (in a split decode, the first split's).
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
@@ -123,17 +125,31 @@ def _softmax_tile(s, m_i, l_i, ROWS_MAY_BE_EMPTY: tl.constexpr = False):
 
 
 @_kernel
+def _softmax_start(sinks_ptr, head, ok, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """(running max, running sum) of rows before any key: -inf and 0, or with sinks the
+    head's sink logit (base 2) and 1, as if a key with that score and no value came
+    first."""
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([ROWS], 1.0, tl.float32)
+    else:
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+    return m_i, l_i
+
+
+@_kernel
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr,
     sq_n, sq_h, sq_d,                 # q strides (a view of fused qkv is fine)
     so_n, so_h,                       # out strides (d stride 1)
     sc_b, sc_h, sc_o, sc_d,           # cache strides, K and V alike
-    bt_stride, table_keys, num_seqs, head_dim, scale_log2, window,
+    bt_stride, table_keys, num_seqs, head_dim, scale_log2, window, sinks_ptr,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     q_block = tl.program_id(0)
@@ -172,8 +188,7 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         kv_lo = tl.maximum(context_len - q_len + first_tok - window + 1, 0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _softmax_start(sinks_ptr, head, row_ok, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos, k_ok, k, v = _load_kv_tile(
@@ -222,10 +237,11 @@ def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, context_lens_ptr,
     sq_n, sq_h, sq_d, so_s, so_n, so_h, sm_s, sm_n, sc_b, sc_h, sc_o, sc_d,
-    bt_stride, head_dim, scale_log2, n_splits, window,
+    bt_stride, head_dim, scale_log2, n_splits, window, sinks_ptr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Decode rows only: program (seq, kv_head, split) owns query row ``seq``
     and the ``G`` query heads of ``kv_head`` (tiles: ``_decode_tile``)."""
@@ -255,8 +271,9 @@ def _paged_decode_kernel(
     kv_lo = first + split * share
     kv_hi = tl.minimum(context_len, kv_lo + share)
     block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    m_i, l_i = _softmax_start(sinks_ptr, head, g_ok, BLOCK_G, HAS_SINKS)
+    if HAS_SINKS and split > 0:  # the sink counts once, in the first split
+        m_i, l_i = tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         _, k_ok, k, v = _load_kv_tile(
@@ -331,7 +348,7 @@ class TritonPagedAttention:
     def supports(self, device) -> bool:
         return triton_usable(device)
 
-    def forward(self, q, k_cache, v_cache, attn, scale, window=None):
+    def forward(self, q, k_cache, v_cache, attn, scale, window=None, sinks=None):
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         assert k_cache.stride() == v_cache.stride()
@@ -345,13 +362,14 @@ class TritonPagedAttention:
                  "PDL": dependent_launch(q.device, n),
                  # e4m3 widens to float16 in one instruction, to bfloat16 in three: over an
                  # FP8 cache a 16-bit query computes in float16 (docs/kernels.md)
-                 "KV_FP16": fp8_cache and q.element_size() == 2}
+                 "KV_FP16": fp8_cache and q.element_size() == 2, "HAS_SINKS": sinks is not None}
         const["launch_pdl"] = const["PDL"]
         scale_log2 = scale * math.log2(math.e)
+        sinks = q if sinks is None else sinks  # a pointer the kernels never read without sinks
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if attn.is_decode:
             self._decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune,
-                         window or NO_WINDOW)
+                         window or NO_WINDOW, sinks)
             return out
         # Prefill chunks give programs enough: never split.
         block_m = max(64, triton.next_power_of_2(const["G"]))
@@ -360,12 +378,12 @@ class TritonPagedAttention:
             q, k_cache, v_cache, out, attn.block_tables, attn.context_lens, attn.query_start,
             *q.stride(), *out.stride()[:2], *k_cache.stride(), attn.block_tables.stride(0),
             attn.block_tables.shape[1] * k_cache.shape[2], attn.num_seqs, head_dim, scale_log2,
-            window or NO_WINDOW, BLOCK_M=block_m, BLOCK_Q=block_q, HAS_WINDOW=bool(window),
+            window or NO_WINDOW, sinks, BLOCK_M=block_m, BLOCK_Q=block_q, HAS_WINDOW=bool(window),
             **const)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune, window):
+    def _decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune, window, sinks):
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         splits = num_splits(attn, num_kv_heads, _num_sms(q.device), tune["programs_per_sm"],
@@ -379,7 +397,7 @@ class TritonPagedAttention:
         _paged_decode_kernel[(n, num_kv_heads, splits)](
             q, k_cache, v_cache, dest, m, l, attn.block_tables, attn.context_lens,
             *q.stride(), *dest.stride()[:3], *m.stride()[:2], *k_cache.stride(),
-            attn.block_tables.stride(0), head_dim, scale_log2, splits, window,
+            attn.block_tables.stride(0), head_dim, scale_log2, splits, window, sinks,
             BLOCK_G=max(16 if tune["dot"] else 1, triton.next_power_of_2(const["G"])),
             PARTIAL=splits > 1, DOT=tune["dot"], **const)
         if splits > 1:
