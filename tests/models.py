@@ -31,14 +31,15 @@ def tiny_llama(vocab=512, **overrides):
 def tiny_family(family, vocab=512, **overrides):
     """A Llama-like family at tiny_llama's shape: "mistral", "qwen2", "qwen3", "phi3", or a
     mixture of experts, each with 8 experts and top 2: "qwen3_moe" (of 48; its second layer
-    dense), "qwen2_moe" (the same, and a shared expert of 96), "mixtral" and "olmoe" (of
-    48, in every layer)."""
+    dense), "qwen2_moe" (the same, and a shared expert of 96), "mixtral", "olmoe" and
+    "gpt_oss" (of 48, in every layer; gpt-oss's layers alternate 4-token windows with
+    full attention, and have sinks)."""
     import transformers
 
     torch.manual_seed(0)
     names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
              "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
-             "olmoe": "Olmoe"}[family]
+             "olmoe": "Olmoe", "gpt_oss": "GptOss"}[family]
     config = getattr(transformers, f"{names}Config")
     base = dict(vocab_size=vocab, hidden_size=72, intermediate_size=144, num_hidden_layers=2,
                 num_attention_heads=6, num_key_value_heads=2, head_dim=12,
@@ -55,6 +56,12 @@ def tiny_family(family, vocab=512, **overrides):
         base.update(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
     if family == "olmoe":
         base.update(intermediate_size=48, num_experts=8, num_experts_per_tok=2, pad_token_id=0)
+    if family == "gpt_oss":  # YaRN as the real one, over a tiny original context
+        base.update(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=4, pad_token_id=0, rope_parameters={
+                        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                        "original_max_position_embeddings": 64})
     model = getattr(transformers, f"{names}ForCausalLM")(config(**{**base, **overrides})).eval()
     if family in ("qwen2", "qwen2_moe"):  # q/k/v biases start at 0: make them matter
         for layer in model.model.layers:
@@ -62,8 +69,15 @@ def tiny_family(family, vocab=512, **overrides):
                 torch.nn.init.normal_(proj.bias, std=0.5)
     if family in MOE_FAMILIES:  # a router starts at 0: every expert would tie
         for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                torch.nn.init.normal_(getattr(layer.mlp.gate, "weight"), std=0.5)
+            router = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
+            if router is not None:
+                torch.nn.init.normal_(router.weight, std=0.5)
+    if family == "gpt_oss":  # sinks and biases as large as the scores and activations
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+            for b in (layer.mlp.router.bias, layer.mlp.experts.gate_up_proj_bias,
+                      layer.mlp.experts.down_proj_bias):
+                torch.nn.init.normal_(b, std=0.5)
     if family in ("qwen3", "qwen3_moe", "olmoe"):  # the q/k norms start at 1: make them matter
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
@@ -71,7 +85,7 @@ def tiny_family(family, vocab=512, **overrides):
     return model
 
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def per_expert_checkpoint(model) -> dict:

@@ -1,5 +1,5 @@
-"""The Llama-like families (Mistral, Qwen2, Qwen3, Phi-3; Qwen3-MoE, Qwen2-MoE, Mixtral
-and OLMoE): greedy ids equal transformers' generate on random tiny configs, across block
+"""The Llama-like families (Mistral, Qwen2, Qwen3, Phi-3; Qwen3-MoE, Qwen2-MoE, Mixtral,
+OLMoE and gpt-oss): greedy ids equal transformers' generate on random tiny configs, across block
 sizes, batches of mixed lengths and the prefix cache; a sliding window bounds the
 context, and so does LongRoPE."""
 import pytest
@@ -9,12 +9,13 @@ from roseinfer import SamplingParams
 from tests.models import hf_greedy, per_expert_checkpoint, tiny_family
 from tests.test_greedy_equality import check, mixed_prompts
 
-FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
+            "gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_model(request):
-    return tiny_family(request.param, sliding_window=None)
+    return tiny_family(request.param)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

@@ -158,3 +158,33 @@ def test_fp8_experts_through_the_kernel_equal_their_values_through_torch(tokens)
     got = fused_experts(*args, use_triton=True, scales=scales)
     want = fused_experts(*args, use_triton=False, scales=scales)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_gpt_oss_experts_through_the_kernel_equal_transformers(tokens):
+    """Biases on gate_up and down, the clamped SwiGLU, gate and up columns interleaved in
+    transformers' [E, H, 2I] (models/moe.py unpacks them): the kernel's output equals
+    transformers' GptOssExperts'."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from roseinfer.layers.moe import ClampedGlu
+    from roseinfer.models.moe import _gpt_oss_experts
+
+    cfg = GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=8)
+    torch.manual_seed(0)
+    experts = GptOssExperts(cfg)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.5)  # large enough that the clamp at 7 bites
+    mine = {}
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        mine.update(_gpt_oss_experts("", f"experts.{name}", getattr(experts, name).detach()))
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    logits = torch.randn(tokens, 8, generator=torch.Generator().manual_seed(1))
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    with torch.no_grad():
+        want = experts(x, ids.long(), weights)
+    got = fused_experts(*(t.to(DEVICE) for t in (x, mine["w13"], mine["w2"], weights, ids)),
+                        use_triton=True, biases=(mine["b13"].to(DEVICE), mine["b2"].to(DEVICE)),
+                        glu=ClampedGlu(cfg.swiglu_alpha, cfg.swiglu_limit))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)

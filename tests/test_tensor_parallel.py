@@ -103,7 +103,7 @@ def test_drafts_are_checked_over_two_ranks(tmp_path, device):
     assert stats.num_accepted_tokens > 0, stats
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f != "gpt_oss"])
 def test_a_rank_cuts_stacked_experts_as_it_cuts_one_per_expert(family):
     """Checkpoints on disk hold one tensor per expert (what the tests above load), and
     transformers' in-memory ones hold them stacked: each rank's share of every expert

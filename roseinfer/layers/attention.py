@@ -9,16 +9,18 @@ from roseinfer.core.attention import get_context
 
 class PagedAttention(nn.Module):
     """Appends this step's K/V to the paged cache, then attends through it; with a
-    ``window``, each query sees only the last ``window`` positions up to its own (the
-    backend gets ``window=`` only then, so a backend without windows serves the rest)."""
+    ``window``, each query sees only the last ``window`` positions up to its own; with
+    ``sinks``, a learned logit per head (``sinks``, this rank's heads) joins each row's
+    softmax (gpt-oss). The backend gets ``window=`` and ``sinks=`` only where the layer
+    has them, so a backend without them serves the other models."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float, window: int | None = None):
+                 scale: float, window: int | None = None, sinks: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = scale
-        self.extra = {"window": window} if window else {}
+        self.scale, self.window = scale, window
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
@@ -27,6 +29,9 @@ class PagedAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         ctx.kv_cache.append(self.layer_idx, k, v)
         cache = ctx.kv_cache
+        extra = {"window": self.window} if self.window else {}
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
         out = ctx.attention.forward(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                    ctx.attn, self.scale, **self.extra)
+                                    ctx.attn, self.scale, **extra)
         return out.reshape(-1, self.num_heads * self.head_dim)

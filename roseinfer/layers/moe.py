@@ -23,6 +23,9 @@ is a partial sum, as a dense MLP's is: the caller sums the ranks'.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -170,17 +173,20 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
 
 
 @_kernel
-def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, c_ptr, weights_ptr, sorted_ptr,
+def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, sorted_ptr,
                          tile_expert_ptr, total_ptr, N, K, pairs, pairs_per_row, s_a, s_we,
-                         s_wn, s_se, s_c, SCALED: tl.constexpr,
-                         SWIGLU: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr):
+                         s_wn, s_se, s_be, s_c, alpha, limit, SCALED: tl.constexpr,
+                         BIAS: tl.constexpr, SWIGLU: tl.constexpr, CLAMPED: tl.constexpr,
+                         MUL_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """C[pair] = A[pair // pairs_per_row] @ W[expert].T (x the pair's routing weight), for the
     BLOCK_M pairs of one tile and BLOCK_N of the N output columns. ``SWIGLU``: W holds 2N
     rows, gate then up, and C is silu(gate) * up, each rounded to C's dtype first as the
-    unfused gate_up output would be. ``SCALED``: W is FP8, each of its rows times its
-    float32 scale (``scale_ptr``, [E, rows]); A stays in its own dtype (W8A16)."""
+    unfused gate_up output would be; ``CLAMPED``: gpt-oss's form, both clamped to
+    ``limit`` (the gate from above only), (up + 1) * gate * sigmoid(alpha * gate).
+    ``SCALED``: W is FP8, each of its rows times its float32 scale (``scale_ptr``,
+    [E, rows]); A stays in its own dtype (W8A16). ``BIAS``: each row's bias (``bias_ptr``,
+    [E, rows]) is added before the activation and the routing weight."""
     wait_for_inputs(PDL)
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(total_ptr):
@@ -210,9 +216,20 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, c_ptr, weights_ptr, sorted_ptr
         acc *= tl.load(scales, mask=cols < N, other=0.0)[None, :]
         if SWIGLU:
             up *= tl.load(scales + N, mask=cols < N, other=0.0)[None, :]
+    if BIAS:
+        biases = bias_ptr + expert * s_be + cols
+        acc += tl.load(biases, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if SWIGLU:
+            up += tl.load(biases + N, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if SWIGLU:
         gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        if CLAMPED:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            acc = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+        else:
+            acc = gate / (1.0 + tl.exp(-gate)) * up
     if MUL_WEIGHTS:
         acc *= tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + pair.to(tl.int64)[:, None] * s_c + cols[None, :],
@@ -227,11 +244,12 @@ def _config(pairs: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def _grouped_gemm(a, w, scale, weights, aligned, config: dict, pairs_per_row: int,
-                  swiglu: bool) -> torch.Tensor:
+def _grouped_gemm(a, w, scale, bias, weights, aligned, config: dict, pairs_per_row: int,
+                  swiglu: bool, glu: ClampedGlu | None = None) -> torch.Tensor:
     """[pairs, N]: row p is A's row p // pairs_per_row times its expert's W ([E, N, K]),
-    FP8 times ``scale`` ([E, N]) where that is not None; ``swiglu``: W is [E, 2N, K], the
-    gate and the up rows, and the rows come out silu(gate) * up; otherwise each row is
+    FP8 times ``scale`` ([E, N]) where that is not None, plus ``bias`` ([E, N]) where
+    that is not; ``swiglu``: W is [E, 2N, K], the gate and the up rows, and the rows
+    come out silu(gate) * up (``glu``'s clamped form where given); otherwise each row is
     scaled by its routing weight."""
     assert w.stride(-1) == 1, "expert weights must be contiguous in K"
     sorted_ids, tile_expert, total = aligned
@@ -239,11 +257,13 @@ def _grouped_gemm(a, w, scale, weights, aligned, config: dict, pairs_per_row: in
     c = torch.empty((pairs, n), dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n, config["BLOCK_N"]))
     pdl = dependent_launch(a.device, pairs)
-    scaled = scale is not None
-    _grouped_gemm_kernel[grid](a, w, scale if scaled else w, c, weights, sorted_ids,
-                               tile_expert, total, n, k, pairs, pairs_per_row, a.stride(0),
-                               w.stride(0), w.stride(1), scale.stride(0) if scaled else 0,
-                               c.stride(0), SCALED=scaled, SWIGLU=swiglu,
+    scaled, biased = scale is not None, bias is not None
+    _grouped_gemm_kernel[grid](a, w, scale if scaled else w, bias if biased else w, c, weights,
+                               sorted_ids, tile_expert, total, n, k, pairs, pairs_per_row,
+                               a.stride(0), w.stride(0), w.stride(1),
+                               scale.stride(0) if scaled else 0, bias.stride(0) if biased else 0,
+                               c.stride(0), glu.alpha if glu else 1.0, glu.limit if glu else 0.0,
+                               SCALED=scaled, BIAS=biased, SWIGLU=swiglu, CLAMPED=glu is not None,
                                MUL_WEIGHTS=not swiglu, PDL=pdl, launch_pdl=pdl, **config)
     return c
 
@@ -275,56 +295,86 @@ def _sum_choices(down: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class ClampedGlu:
+    """gpt-oss's gated activation: gate clamped from above and up both ways at ``limit``,
+    then (up + 1) * gate * sigmoid(alpha * gate)."""
+    alpha: float
+    limit: float
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return ((up + 1) * gate * torch.sigmoid(self.alpha * gate)).to(gate_up.dtype)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor, use_triton: bool | None = None,
-                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  glu: ClampedGlu | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t of ``x`` ([T, H]),
     each expert ``down(silu(gate(x)) * up(x))``; returns [T, H] in x's dtype. ``scales``:
-    w13 and w2 are FP8, their rows times these ([E, 2I] and [E, H], float32)."""
+    w13 and w2 are FP8, their rows times these ([E, 2I] and [E, H], float32); ``biases``:
+    added to gate_up's and down's rows ([E, 2I], [E, H]); ``glu``: the activation in place
+    of SiLU's."""
     if not _use_triton(use_triton, x):
         if scales is not None:
             w13, w2 = (w.to(x.dtype) * s[..., None].to(x.dtype) for w, s in zip((w13, w2), scales))
-        return _experts_torch(x, w13, w2, weights, ids)
+        return _experts_torch(x, w13, w2, weights, ids, biases, glu)
     x = x.contiguous()
     tokens, top_k = ids.shape
     config = _config(ids.numel())
     aligned = align_blocks(ids, w13.shape[0], config["BLOCK_M"], use_triton=True)
     flat_weights = weights.flatten().float().contiguous()
-    s13, s2 = scales or (None, None)
-    act = _grouped_gemm(x, w13, s13, flat_weights, aligned, config, top_k, swiglu=True)
-    down = _grouped_gemm(act, w2, s2, flat_weights, aligned, config, 1, swiglu=False)
+    (s13, s2), (b13, b2) = scales or (None, None), biases or (None, None)
+    act = _grouped_gemm(x, w13, s13, b13, flat_weights, aligned, config, top_k, swiglu=True,
+                        glu=glu)
+    down = _grouped_gemm(act, w2, s2, b2, flat_weights, aligned, config, 1, swiglu=False)
     return _sum_choices(down, tokens, top_k)
 
 
-def _experts_torch(x, w13, w2, weights, ids) -> torch.Tensor:
+def _experts_torch(x, w13, w2, weights, ids, biases=None, glu=None) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in ids.unique().tolist():
         token, slot = (ids == expert).nonzero(as_tuple=True)
-        h = silu_and_mul(x[token] @ w13[expert].T, use_triton=False) @ w2[expert].T
+        gate_up = x[token] @ w13[expert].T
+        if biases is not None:
+            gate_up = gate_up + biases[0][expert]
+        h = (glu or partial(silu_and_mul, use_triton=False))(gate_up) @ w2[expert].T
+        if biases is not None:
+            h = h + biases[1][expert]
         out.index_add_(0, token, h.float() * weights[token, slot, None].float())
     return out.to(x.dtype)
 
 
 class SparseMoE(nn.Module):
-    """A router (``gate``, no bias) and ``experts`` SwiGLU experts (``w13``, ``w2``),
-    each token through its ``top_k``; this rank's share of each expert's
-    ``intermediate`` rows."""
+    """A router (``gate``) and ``experts`` SwiGLU experts (``w13``, ``w2``), each token
+    through its ``top_k``; this rank's share of each expert's ``intermediate`` rows.
+    ``bias``: the router and the experts' projections have biases (``b13``, ``b2``:
+    under tensor parallelism rank 0's down bias holds it, the others' zeros); ``glu``:
+    the experts' activation where it is not SiLU's (gpt-oss)."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int,
-                 renormalize: bool):
+                 renormalize: bool, bias: bool = False, glu: ClampedGlu | None = None):
         super().__init__()
         inter = tp.split(intermediate, "expert intermediate size")
-        self.top_k, self.renormalize = top_k, renormalize
-        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.top_k, self.renormalize, self.glu = top_k, renormalize, glu
+        self.gate = nn.Linear(hidden, experts, bias=bias)
         # it decides the routing: drawn alike on every rank, kept at full precision
         self.gate.router = True
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+        if bias:
+            self.b13 = nn.Parameter(torch.empty(experts, 2 * inter))
+            self.b2 = nn.Parameter(torch.empty(experts, hidden))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(h), self.top_k, self.renormalize)
         scales = (self.w13_scale, self.w2_scale) if hasattr(self, "w13_scale") else None
-        return fused_experts(h, self.w13, self.w2, weights, ids, scales=scales)
+        biases = (self.b13, self.b2) if hasattr(self, "b13") else None
+        return fused_experts(h, self.w13, self.w2, weights, ids, scales=scales, biases=biases,
+                             glu=self.glu)
 
     def to_fp8(self) -> None:
         """The experts' weights in e4m3 with a float32 scale per output row (the kernel

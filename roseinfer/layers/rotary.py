@@ -15,7 +15,8 @@ def rope_params(cfg) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+        with torch.device("cpu"):  # the model may be built under a meta device: not these
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
         return inv_freq, scaling
     theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))  # the rotated dims

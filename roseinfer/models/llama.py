@@ -5,7 +5,7 @@ attending over its sliding window), Qwen2 (bias on
 q/k/v), Qwen3 (an RMSNorm on each head of q and k before RoPE) and Phi-3 (its
 checkpoints hold q/k/v and gate/up already fused; partial rotary where the config
 sets it). The mixture-of-experts families' attention is here too: OLMoE's q and k norms
-span every head, and it may clip q, k and v (``clip_qkv``)."""
+span every head, and it may clip q, k and v (``clip_qkv``); gpt-oss has sinks."""
 from __future__ import annotations
 
 import torch
@@ -62,7 +62,8 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(e, cfg.rms_norm_eps)
         self.rotary = rotary
         self.attn = PagedAttention(layer_idx, h, hkv, d, d ** -0.5,
-                                   window=sliding_window(cfg, layer_idx))
+                                   window=sliding_window(cfg, layer_idx),
+                                   sinks=cfg.model_type == "gpt_oss")
         self.init_mlp(cfg, layer_idx)
 
     def init_mlp(self, cfg, layer_idx: int) -> None:

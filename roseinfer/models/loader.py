@@ -77,12 +77,12 @@ def _random_llama3(layers: int, hidden: int, intermediate: int, heads: int, tied
 
 
 def _random_family(name: str, **shape):
-    """transformers' ``{name}Config`` (Qwen2, Qwen3, Mistral, Phi3, Qwen3Moe, Mixtral) at a
-    real shape."""
+    """transformers' ``{name}Config`` (Qwen2, Qwen3, Mistral, Phi3, Qwen3Moe, Mixtral,
+    GptOss) at a real shape."""
     def config():
         import transformers
-        return getattr(transformers, f"{name}Config")(max_position_embeddings=32768,
-                                                      **shape), None
+        return getattr(transformers, f"{name}Config")(**{"max_position_embeddings": 32768,
+                                                         **shape}), None
     return config
 
 
@@ -113,6 +113,11 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
               "Mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
               num_local_experts=8, num_experts_per_tok=2, sliding_window=None, rope_theta=1e6),
+          "gpt-oss-20b-random": _random_family(  # experts in bf16, not MXFP4
+              "GptOss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+              num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+              head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+              max_position_embeddings=131072, tie_word_embeddings=False),
           "phi3-mini-random": _random_family(
               "Phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,

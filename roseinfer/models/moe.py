@@ -10,6 +10,10 @@ SwiGLU experts, each token through its top k (layers/moe.py).
   weights renormalised; a sliding window as Mistral's.
 - ``olmoe``: ``num_experts`` of ``intermediate_size`` in every layer; q and k normed
   across all heads.
+- ``gpt_oss``: ``num_local_experts`` of ``intermediate_size`` in every layer, with biases
+  on the router and the experts, and a clamped SwiGLU (layers/moe.py ``ClampedGlu``);
+  attention with biases and sinks, its window layers alternating with full ones. Its
+  checkpoints hold gate_up as [E, H, 2I] with gate and up columns interleaved.
 
 Under tensor parallelism each expert's intermediate rows split over the ranks, as a dense
 MLP's do (``shard_rule``).
@@ -20,7 +24,8 @@ import re
 
 import torch
 
-from roseinfer.layers.moe import SharedExpert, SparseMoE
+from roseinfer.core.errors import ConfigError
+from roseinfer.layers.moe import ClampedGlu, SharedExpert, SparseMoE
 from roseinfer.models import sharding
 from roseinfer.models.llama import LlamaForCausalLM, LlamaLayer, heads_of
 
@@ -29,14 +34,16 @@ from roseinfer.models.llama import LlamaForCausalLM, LlamaLayer, heads_of
 # checkpoints on disk hold them (``mlp.experts.E.gate_proj.weight``; Mixtral's
 # ``block_sparse_moe.experts.E.w1.weight``, w1 the gate, w3 the up, w2 the down).
 _EXPERT = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
-                     r"(gate\.weight|experts\..+)")
+                     r"(gate\.weight|router\.weight|router\.bias|experts\..+)")
+# Every layer sparse, each expert of intermediate_size.
+_EVERY_LAYER = ("mixtral", "olmoe", "gpt_oss")
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
          "w2": "down"}
 
 
 def expert_width(cfg) -> int:
     """Each routed expert's intermediate size."""
-    every_layer = cfg.model_type in ("mixtral", "olmoe")
+    every_layer = cfg.model_type in _EVERY_LAYER
     return cfg.intermediate_size if every_layer else cfg.moe_intermediate_size
 
 
@@ -47,8 +54,10 @@ def experts_of(cfg, layer_idx: int) -> SparseMoE | None:
     if (layer_idx in (getattr(cfg, "mlp_only_layers", None) or []) or experts == 0
             or (layer_idx + 1) % step):
         return None
+    gpt_oss = cfg.model_type == "gpt_oss"  # softmax over the top k: renormalised
     return SparseMoE(cfg.hidden_size, expert_width(cfg), experts, cfg.num_experts_per_tok,
-                     renormalize=getattr(cfg, "norm_topk_prob", True))
+                     renormalize=getattr(cfg, "norm_topk_prob", True), bias=gpt_oss,
+                     glu=ClampedGlu(cfg.swiglu_alpha, cfg.swiglu_limit) if gpt_oss else None)
 
 
 class MoeLayer(LlamaLayer):
@@ -82,8 +91,10 @@ class MoeForCausalLM(LlamaForCausalLM):
                 continue
             layer, name = m.groups()
             prefix = f"layers.{layer}.moe."
-            if name == "gate.weight":
-                out[prefix + "gate.weight"] = t
+            if name in ("gate.weight", "router.weight", "router.bias"):
+                out[prefix + "gate." + name.split(".")[1]] = t
+            elif cfg.model_type == "gpt_oss":
+                out.update(_gpt_oss_experts(prefix, name, t))
             elif name in ("experts.gate_up_proj", "experts.down_proj"):
                 out[prefix + ("w13" if name.endswith("gate_up_proj") else "w2")] = t
             else:  # experts.E.PROJ.weight
@@ -94,13 +105,18 @@ class MoeForCausalLM(LlamaForCausalLM):
             out[prefix + "w2"] = torch.stack([projs["down"][e] for e in experts])
             out[prefix + "w13"] = torch.stack([torch.cat([projs["gate"][e], projs["up"][e]])
                                                for e in experts])
-        return {**LlamaForCausalLM.convert_hf_state_dict(dense, cfg), **out}
+        dense = LlamaForCausalLM.convert_hf_state_dict(dense, cfg)
+        sinks = {k.replace(".sinks", ".attn.sinks"): dense.pop(k) for k in list(dense)
+                 if k.endswith(".sinks")}
+        return {**dense, **sinks, **out}
 
     @staticmethod
     def shard_rule(key: str, cfg) -> sharding.Shard | None:
         """Llama's, with each expert's intermediate rows split as a dense MLP's are (the
         router and the shared expert's gate whole), and OLMoE's q/k norms by head."""
         routed, shared = ".experts." in key, ".shared_expert." in key
+        if cfg.model_type == "gpt_oss" and (routed or key.endswith(".sinks")):
+            return _gpt_oss_shard(key, cfg)
         if routed or shared:
             width = cfg.shared_expert_intermediate_size if shared else expert_width(cfg)
             mlp = sharding.split(width, "expert intermediate size")
@@ -116,3 +132,36 @@ class MoeForCausalLM(LlamaForCausalLM):
             h, hkv, d = heads_of(cfg)
             return sharding.heads(h, d) if "q_norm" in key else sharding.kv_heads(hkv, d)
         return LlamaForCausalLM.shard_rule(key, cfg)
+
+
+def _gpt_oss_experts(prefix: str, name: str, t: torch.Tensor) -> dict:
+    """gpt-oss's stacked experts as w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I] and
+    their biases; its gate_up is [E, H, 2I], gate and up columns interleaved."""
+    def split(x):  # interleaved gate, up -> gate then up
+        return torch.cat([x[..., ::2], x[..., 1::2]], dim=-1)
+    kind = name.removeprefix("experts.")
+    if kind == "gate_up_proj":
+        return {prefix + "w13": split(t).transpose(1, 2).contiguous()}
+    if kind == "down_proj":
+        return {prefix + "w2": t.transpose(1, 2).contiguous()}
+    if kind == "gate_up_proj_bias":
+        return {prefix + "b13": split(t)}
+    if kind == "down_proj_bias":
+        return {prefix + "b2": t}
+    raise ConfigError(f"gpt_oss: no expert tensor {name!r} (an MXFP4 checkpoint's blocks and "
+                      "scales need its quantization method)")
+
+
+def _gpt_oss_shard(key: str, cfg) -> sharding.Shard | None:
+    """gpt-oss's experts split by intermediate rows: an interleaved gate/up pair per row,
+    so a rank's share of gate_up is one run of 2 * I / ranks columns."""
+    if key.endswith(".sinks"):
+        return sharding.heads(cfg.num_attention_heads, 1)
+    mlp = sharding.split(cfg.intermediate_size, "expert intermediate size")
+    (lo, hi), = mlp.ranges
+    kind = key.rsplit(".", 1)[1]
+    if kind in ("gate_up_proj", "gate_up_proj_bias"):
+        return sharding.Shard(2 if kind == "gate_up_proj" else 1, ((2 * lo, 2 * hi),))
+    if kind == "down_proj":
+        return sharding.Shard(1, mlp.ranges)
+    return sharding.Shard(0, once=True)  # down_proj_bias: the ranks' outputs are summed

@@ -1,6 +1,6 @@
 """Built-in model families by transformers ``model_type``. Mistral, Qwen2, Qwen3 and
 Phi-3 are Llama plus flags the config sets (roseinfer/models/llama.py); Qwen3-MoE,
-Qwen2-MoE, Mixtral and OLMoE are Llama's layers with mixture-of-experts MLPs
+Qwen2-MoE, Mixtral, OLMoE and gpt-oss are Llama's layers with mixture-of-experts MLPs
 (roseinfer/models/moe.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
@@ -14,5 +14,5 @@ def roseinfer_register_model_architectures(register):
     register("gpt2", GPT2ForCausalLM)
     for model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         register(model_type, LlamaForCausalLM)
-    for model_type in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):
+    for model_type in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"):
         register(model_type, MoeForCausalLM)
