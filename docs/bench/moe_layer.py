@@ -67,7 +67,7 @@ if args.sweep:
                 {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
                 {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
                 {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 2, "num_stages": 5}):
-        moe._config = lambda pairs, cfg=cfg: cfg if pairs <= 256 else CHOSEN(pairs)
+        moe._config = lambda pairs, fp8=False, cfg=cfg: cfg if pairs <= 256 else CHOSEN(pairs)
         print(cfg)
         for tokens in (1, 16):
             run(tokens)

@@ -4,8 +4,9 @@
 # dense Llama-3-8B shape, alternated, on the same GPU; each run's decode bytes floor is
 # taken at the copy bandwidth measured first (bandwidth.py) and counts the experts a step
 # chooses (bench/floor.py). `fp8`: the same shape with FP8 experts and linears; `mixtral`:
-# the Mixtral-8x7B shape at batch 1 (93 GB of bf16 weights: an H200, or TP 2).
-# Usage: OUT=dir bash docs/bench/moe_shapes.sh [layer] [offline] [fp8] [mixtral]
+# the Mixtral-8x7B shape at batch 1 (93 GB of bf16 weights: an H200, or TP 2); `gpt-oss`:
+# the gpt-oss-20b shape, experts in bf16.
+# Usage: OUT=dir bash docs/bench/moe_shapes.sh [layer] [offline] [fp8] [mixtral] [gpt-oss]
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   lscpu | grep -E "Model name|^CPU\(s\)"; git log -1 --format=%H 2>/dev/null; date -u; } \
@@ -39,6 +40,9 @@ fp8)
   run qwen3-30b-a3b-fp8-b64 --model qwen3-30b-a3b-random --quantization fp8 $(shape 64 256) ;;
 mixtral)
   run mixtral-8x7b-b1 --model mixtral-8x7b-random $(shape 1 128) ;;
+gpt-oss)
+  run gpt-oss-20b-b1 --model gpt-oss-20b-random $(shape 1 128)
+  run gpt-oss-20b-b64 --model gpt-oss-20b-random $(shape 64 256) ;;
 esac; done
 # One line per run (the lent machine returns only so many files), the runs packed.
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"

@@ -236,9 +236,13 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, 
              acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
-def _config(pairs: int) -> dict:
+def _config(pairs: int, fp8: bool = False) -> dict:
     """The GEMM's tiles and launch: small row tiles at decode sizes, where most tiles are
-    one expert's few tokens and the time is its weights' bytes."""
+    one expert's few tokens and the time is its weights' bytes. FP8 experts at one or two
+    tokens: tiles as deep as a 16-bit tile's bytes, half as wide (32.0 against 37.7 us a
+    Qwen3-30B-A3B layer at one token on an H200, docs/benchmarks.md)."""
+    if fp8 and pairs <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
     if pairs <= 256:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -324,7 +328,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return _experts_torch(x, w13, w2, weights, ids, biases, glu)
     x = x.contiguous()
     tokens, top_k = ids.shape
-    config = _config(ids.numel())
+    config = _config(ids.numel(), fp8=scales is not None)
     aligned = align_blocks(ids, w13.shape[0], config["BLOCK_M"], use_triton=True)
     flat_weights = weights.flatten().float().contiguous()
     (s13, s2), (b13, b2) = scales or (None, None), biases or (None, None)
