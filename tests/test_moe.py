@@ -168,8 +168,7 @@ def test_gpt_oss_experts_through_the_kernel_equal_transformers(tokens):
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from roseinfer.layers.moe import ClampedGlu
-    from roseinfer.models.moe import _gpt_oss_experts, gpt_oss_alpha
+    from roseinfer.models.moe import _gpt_oss_experts, gpt_oss_glu
 
     cfg = GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=8)
     torch.manual_seed(0)
@@ -186,5 +185,5 @@ def test_gpt_oss_experts_through_the_kernel_equal_transformers(tokens):
         want = experts(x, ids.long(), weights)
     got = fused_experts(*(t.to(DEVICE) for t in (x, mine["w13"], mine["w2"], weights, ids)),
                         use_triton=True, biases=(mine["b13"].to(DEVICE), mine["b2"].to(DEVICE)),
-                        glu=ClampedGlu(gpt_oss_alpha(cfg), cfg.swiglu_limit))
+                        glu=gpt_oss_glu(cfg))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)

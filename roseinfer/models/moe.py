@@ -41,9 +41,9 @@ _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
          "w2": "down"}
 
 
-def gpt_oss_alpha(cfg) -> float:
-    """gpt-oss's SwiGLU alpha: a config field in newer transformers, a constant before."""
-    return getattr(cfg, "swiglu_alpha", 1.702)
+def gpt_oss_glu(cfg) -> ClampedGlu:
+    """gpt-oss's clamped SwiGLU: config fields in newer transformers, constants before."""
+    return ClampedGlu(getattr(cfg, "swiglu_alpha", 1.702), getattr(cfg, "swiglu_limit", 7.0))
 
 
 def expert_width(cfg) -> int:
@@ -62,7 +62,7 @@ def experts_of(cfg, layer_idx: int) -> SparseMoE | None:
     gpt_oss = cfg.model_type == "gpt_oss"  # softmax over the top k: renormalised
     return SparseMoE(cfg.hidden_size, expert_width(cfg), experts, cfg.num_experts_per_tok,
                      renormalize=getattr(cfg, "norm_topk_prob", True), bias=gpt_oss,
-                     glu=ClampedGlu(gpt_oss_alpha(cfg), cfg.swiglu_limit) if gpt_oss else None)
+                     glu=gpt_oss_glu(cfg) if gpt_oss else None)
 
 
 class MoeLayer(LlamaLayer):
