@@ -102,6 +102,51 @@ def test_fp8_experts_at_load_equal_transformers_on_fp8_values(tmp_path):
     assert ours(path) != want, "fp8 must change this model's output, or the test shows nothing"
 
 
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's MXFP4 of ``w`` [..., K] (K a multiple of 32): (blocks [..., K / 32, 16]
+    uint8, two e2m1 codes a byte, the even column's low; scales [..., K / 32] uint8, the
+    shared exponent + 127), each value the nearest code after a power of two that brings
+    its block's largest magnitude to at most 6."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    groups = w.float().reshape(*w.shape[:-1], -1, 32)
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 6))
+    values = torch.tensor(FP4_VALUES)
+    codes = ((groups / 2 ** exp)[..., None] - values).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp.squeeze(-1) + 127).to(torch.uint8)
+
+
+def test_mxfp4_gpt_oss_experts_equal_transformers_on_their_values(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 blocks and scales, as OpenAI's are
+    ([E, rows, K / 32, 16] with K the input dim): loaded through the mxfp4 method, greedy
+    ids equal transformers' on the same values, which transformers' own
+    convert_moe_packed_tensors de-quantizes."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = tiny_family("gpt_oss", hidden_size=64, intermediate_size=32)
+    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    want_model = copy.deepcopy(hf)
+    for i, layer in enumerate(want_model.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            param = getattr(layer.mlp.experts, proj)  # [E, K, N]: its rows are the inputs
+            blocks, scales = mxfp4(param.detach().transpose(1, 2))
+            key = f"model.layers.{i}.mlp.experts.{proj}"
+            del tensors[key]
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+            with torch.no_grad():
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    path = save(hf, tmp_path, tensors, quantization_config={"quant_method": "mxfp4"})
+    want = reference(want_model)
+    assert ours(path) == want
+    assert reference(hf) != want, "MXFP4 must change this model's output, or the test shows nothing"
+
+
+def test_mxfp4_does_not_quantize_a_float_model(hf, tmp_path):
+    with pytest.raises(ConfigError, match="does not quantize a float model"):
+        ours(save(hf, tmp_path), quantization="mxfp4")
+
+
 def compressed_tensors_checkpoint(hf, path, preset, fmt, scale_of):
     """Quantize with compressed-tensors' own scheme and compressor (what llm-compressor
     runs after its observers), our scales set by ``scale_of``; save as it writes."""

@@ -153,8 +153,9 @@ def _gpt_oss_experts(prefix: str, name: str, t: torch.Tensor) -> dict:
         return {prefix + "b13": split(t)}
     if kind == "down_proj_bias":
         return {prefix + "b2": t}
-    raise ConfigError(f"gpt_oss: no expert tensor {name!r} (an MXFP4 checkpoint's blocks and "
-                      "scales need its quantization method)")
+    raise ConfigError(f"gpt_oss: no expert tensor {name!r}; an MXFP4 checkpoint's blocks and "
+                      "scales are read where its config.json has quantization_config "
+                      "{\"quant_method\": \"mxfp4\"}")
 
 
 def _gpt_oss_shard(key: str, cfg) -> sharding.Shard | None:
