@@ -7,7 +7,6 @@ four times MXFP4's): a kernel that keeps them packed is issue work not done yet.
 is quantized at load: ``quantization="mxfp4"`` on a float model is refused."""
 from __future__ import annotations
 
-
 from roseinfer.core.errors import ConfigError
 
 
