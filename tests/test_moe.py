@@ -187,3 +187,24 @@ def test_gpt_oss_experts_through_the_kernel_equal_transformers(tokens):
                         use_triton=True, biases=(mine["b13"].to(DEVICE), mine["b2"].to(DEVICE)),
                         glu=gpt_oss_glu(cfg))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_pairs_of_another_ranks_experts_are_left_out(tokens):
+    """Under expert parallelism a rank's ids are -1 where the expert is another rank's:
+    both alignments give those pairs no row, and the layer sums only this rank's."""
+    moe = block(True)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    weights, ids = select_experts(x @ moe.gate.weight.detach().T, 2, True)
+    w13, w2 = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()
+    mine = torch.where(ids < 4, ids, -1)  # this rank holds experts 0..3
+    aligned = [align_blocks(mine.to(DEVICE), 4, 16, use_triton=t) for t in (True, False)]
+    for got, want in zip(*aligned):
+        assert got.tolist() == want.tolist()
+    sorted_ids = aligned[0][0].cpu()
+    placed = sorted_ids[sorted_ids < ids.numel()].sort().values
+    assert placed.tolist() == (mine.flatten() >= 0).nonzero().flatten().tolist()
+    args = [t.to(DEVICE) for t in (x, w13[:4], w2[:4], weights, mine)]
+    got = fused_experts(*args, use_triton=True)
+    want = fused_experts(x, w13, w2, torch.where(ids < 4, weights, 0), ids, use_triton=False)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)

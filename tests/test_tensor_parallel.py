@@ -103,8 +103,20 @@ def test_drafts_are_checked_over_two_ranks(tmp_path, device):
     assert stats.num_accepted_tokens > 0, stats
 
 
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_parallel_ranks_equal_transformers_greedy(saved, family):
+    """Each of two ranks holds 4 of the 8 experts whole and computes the pairs routed to
+    them; attention and any shared expert stay split as under tensor parallelism."""
+    path, hf = saved[family]
+    prompts = mixed_prompts(5, seed=4)
+    outs, _ = run(path, prompts, tensor_parallel_size=2, enable_expert_parallel=True,
+                  max_num_batched_tokens=16)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 @pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f != "gpt_oss"])
-def test_a_rank_cuts_stacked_experts_as_it_cuts_one_per_expert(family):
+def test_a_rank_cuts_stacked_experts_as_it_cuts_one_per_expert(family, expert_parallel):
     """Checkpoints on disk hold one tensor per expert (what the tests above load), and
     transformers' in-memory ones hold them stacked: each rank's share of every expert
     is the same either way, and OLMoE's q/k norms are cut by head."""
@@ -112,12 +124,13 @@ def test_a_rank_cuts_stacked_experts_as_it_cuts_one_per_expert(family):
 
     hf = tiny_family(family)
     for rank in range(2):
-        with tp.assume(rank, 2):
+        with tp.assume(rank, 2, expert_parallel):
             want, got = (MoeForCausalLM.convert_hf_state_dict(
                 loader._shards(MoeForCausalLM, sd, hf.config), hf.config)
                 for sd in (per_expert_checkpoint(hf), hf.state_dict()))
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-        assert want["layers.0.moe.w13"].shape == (8, 48, 72)  # 2 x 48 / 2 ranks
+        # 8 experts of 2 x 48 rows: each rank's half of every one, or half of them whole
+        assert want["layers.0.moe.w13"].shape == ((4, 96, 72) if expert_parallel else (8, 48, 72))
         if family == "olmoe":
             assert want["layers.0.q_norm.weight"].equal(hf.model.layers[0].self_attn.q_norm
                                                          .weight[rank * 36:(rank + 1) * 36])

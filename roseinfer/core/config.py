@@ -66,6 +66,9 @@ class EngineConfig:
     # Processes (one per GPU, cuda:0..N-1) that each hold 1/N of every layer's
     # heads and MLP and of the vocabulary (docs/architecture.md, "Tensor parallelism").
     tensor_parallel_size: int = 1
+    # Under tensor parallelism, place whole experts of a mixture of experts on each rank
+    # (1/N of the experts each) instead of 1/N of every expert's rows.
+    enable_expert_parallel: bool = False
     # A float32 model on the CPU may keep its linear weights (not the LM head's)
     # as bfloat16 or int8: a batch-1 step reads every weight once, so fewer bytes
     # make it faster, and greedy output drifts from float32's (layers/cpu_weights.py;

@@ -56,7 +56,7 @@ class Engine:
         self.peers = None
         if config.tensor_parallel_size > 1:
             self.device = rank_device(self.device, 0, config.tensor_parallel_size)
-            with tp.assume(0, config.tensor_parallel_size):
+            with tp.assume(0, config.tensor_parallel_size, config.enable_expert_parallel):
                 loader.check_shards(model, plugins)
             self.peers = Peers.start(model, config, self.device)
         try:

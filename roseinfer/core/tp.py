@@ -22,6 +22,9 @@ class Group:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")  # where collectives' tensors live
+    # Mixtures of experts: each rank holds 1/size of the experts whole, not 1/size of
+    # every expert (layers/moe.py).
+    expert_parallel: bool = False
 
 
 _group = Group()
@@ -31,7 +34,8 @@ def group() -> Group:
     return _group
 
 
-def init(rank: int, size: int, port: int, device: torch.device) -> None:
+def init(rank: int, size: int, port: int, device: torch.device,
+         expert_parallel: bool = False) -> None:
     """Join the group of ``size`` processes rendezvousing on localhost:``port``."""
     import torch.distributed as dist
 
@@ -41,14 +45,14 @@ def init(rank: int, size: int, port: int, device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             device_id=device if device.type == "cuda" else None)
-    _group = Group(rank, size, device)
+    _group = Group(rank, size, device, expert_parallel)
 
 
 @contextmanager
-def assume(rank: int, size: int):
+def assume(rank: int, size: int, expert_parallel: bool = False):
     """Build as rank ``rank`` of ``size`` would, without a group (checks, tests)."""
     global _group
-    before, _group = _group, Group(rank, size)
+    before, _group = _group, Group(rank, size, expert_parallel=expert_parallel)
     try:
         yield
     finally:

@@ -74,7 +74,7 @@ class Peers:
             conns.append(Connection(write, readable=False))
         peers = cls(procs, conns)
         try:
-            tp.init(0, size, port, device)
+            tp.init(0, size, port, device, config.enable_expert_parallel)
         except BaseException:
             peers.close(kill=True)
             raise
@@ -166,7 +166,7 @@ def main(argv=None) -> None:
 
     config = EngineConfig(**json.loads(args.config))
     device = rank_device(torch.device(args.device), args.rank, args.size)
-    tp.init(args.rank, args.size, args.port, device)
+    tp.init(args.rank, args.size, args.port, device, config.enable_expert_parallel)
     runner = device_side.build(args.model, None, config, default_registry(), device).runner
     device_side.settle_heap()  # as rank 0 does: no full collection between steps walks the model's objects
     conn = Connection(args.fd, writable=False)

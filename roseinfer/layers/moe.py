@@ -19,7 +19,9 @@ tokens (``use_triton`` as in fused.py).
 
 Under tensor parallelism each rank holds every expert's share of the intermediate
 dimension (vLLM's default), so routing is the same on every rank and the layer's output
-is a partial sum, as a dense MLP's is: the caller sums the ranks'.
+is a partial sum, as a dense MLP's is: the caller sums the ranks'. Under expert
+parallelism (``enable_expert_parallel``) each rank holds 1/size of the experts whole and
+computes the pairs routed to them: again a partial sum, with the same sum after it.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
@@ -123,7 +125,7 @@ def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, total_ptr, pairs, rows, 
         onehot = (e[:, None] == everyone[None, :]).to(tl.int32)
         earlier = tl.cumsum(onehot, 0) - onehot + seen[None, :]
         row = tl.sum(onehot * (starts[None, :] + earlier), 1)
-        tl.store(sorted_ptr + row, c0 + chunk, mask=c0 + chunk < pairs)
+        tl.store(sorted_ptr + row, c0 + chunk, mask=(c0 + chunk < pairs) & (e >= 0))
         seen += tl.sum(onehot, 0)
 
 
@@ -139,7 +141,8 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
     tensor). Sized for the worst case: each expert holding pairs adds at most one tile
     that is not full, so ceil(T*k / block_m) + min(E, T*k) tiles (9 for one token's
     top 8, where E*(block_m - 1) rows of padding would launch 121). At decode sizes one
-    Triton program does it; torch's way takes some 25 launches."""
+    Triton program does it; torch's way takes some 25 launches. A pair whose expert is
+    -1 (another rank's, under expert parallelism) gets no row."""
     pairs = ids.numel()
     rows = block_m * (-(-pairs // block_m) + min(num_experts, pairs))
     if _use_triton(use_triton, ids) and pairs <= ALIGN_IN_ONE_PROGRAM:
@@ -154,17 +157,23 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
                             BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk, PDL=pdl,
                             num_warps=2 if chunk < 64 else 4, launch_pdl=pdl)
         return sorted_ids, tile_expert, total
-    flat = ids.flatten().long()
+    # -1 (another rank's expert) counts in one more bucket, which gets no rows
+    flat = ids.flatten().long().remainder(num_experts + 1)
     # not bincount: it reads the largest id back to the host, which a graph cannot
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device).scatter_add_(
         0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
     starts = torch.cumsum(padded, 0) - padded
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     rank = torch.arange(pairs, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    sorted_ids = torch.full((rows,), pairs, dtype=torch.int32, device=ids.device)
-    sorted_ids[starts[expert] + rank] = order.to(torch.int32)
+    # the last bucket's pairs write past the rows, into a slot that is dropped
+    sorted_ids = torch.full((rows + 1,), pairs, dtype=torch.int32, device=ids.device)
+    place = torch.where(expert < num_experts, starts[expert] + rank, rows)
+    sorted_ids[place] = order.to(torch.int32)
+    sorted_ids = sorted_ids[:rows]
+    padded = padded[:num_experts]
     tile_starts = torch.arange(0, rows, block_m, device=ids.device)
     tile_expert = torch.searchsorted(torch.cumsum(padded, 0), tile_starts, right=True)
     total = padded.sum().reshape(1)
@@ -273,29 +282,32 @@ def _grouped_gemm(a, w, scale, bias, weights, aligned, config: dict, pairs_per_r
 
 
 @_kernel
-def _sum_choices_kernel(x_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
-    """out[t] = the sum of x's TOP_K rows of token t, in float32, rounded once."""
+def _sum_choices_kernel(x_ptr, ids_ptr, out_ptr, hidden, TOP_K: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = the sum of x's TOP_K rows of token t, in float32, rounded once; rows of
+    another rank's experts (id -1) were never written and count nothing."""
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(x_ptr + (token * TOP_K + j) * hidden + cols, mask=cols < hidden,
-                       other=0.0).to(tl.float32)
+        if tl.load(ids_ptr + token * TOP_K + j) >= 0:
+            acc += tl.load(x_ptr + (token * TOP_K + j) * hidden + cols, mask=cols < hidden,
+                           other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty),
              mask=cols < hidden)
 
 
-def _sum_choices(down: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
-    """[tokens, H]: each token's top_k rows of ``down`` ([tokens * top_k, H]) summed, in
-    one launch where torch's float32 sum and cast take two."""
+def _sum_choices(down: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[tokens, H]: each token's top_k rows of ``down`` ([tokens * top_k, H]) summed, those
+    of ``ids`` -1 left out, in one launch where torch's float32 sum and cast take two."""
+    tokens, top_k = ids.shape
     hidden = down.shape[1]
     out = torch.empty((tokens, hidden), dtype=down.dtype, device=down.device)
     block = min(triton.next_power_of_2(hidden), 1024)
     pdl = dependent_launch(down.device, tokens)
     _sum_choices_kernel[(tokens, triton.cdiv(hidden, block))](
-        down, out, hidden, TOP_K=top_k, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        down, ids.contiguous(), out, hidden, TOP_K=top_k, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -335,12 +347,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = _grouped_gemm(x, w13, s13, b13, flat_weights, aligned, config, top_k, swiglu=True,
                         glu=glu)
     down = _grouped_gemm(act, w2, s2, b2, flat_weights, aligned, config, 1, swiglu=False)
-    return _sum_choices(down, tokens, top_k)
+    return _sum_choices(down, ids)
 
 
 def _experts_torch(x, w13, w2, weights, ids, biases=None, glu=None) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in ids.unique().tolist():
+    for expert in (e for e in ids.unique().tolist() if e >= 0):
         token, slot = (ids == expert).nonzero(as_tuple=True)
         gate_up = x[token] @ w13[expert].T
         if biases is not None:
@@ -354,27 +366,38 @@ def _experts_torch(x, w13, w2, weights, ids, biases=None, glu=None) -> torch.Ten
 
 class SparseMoE(nn.Module):
     """A router (``gate``) and ``experts`` SwiGLU experts (``w13``, ``w2``), each token
-    through its ``top_k``; this rank's share of each expert's ``intermediate`` rows.
-    ``bias``: the router and the experts' projections have biases (``b13``, ``b2``:
-    under tensor parallelism rank 0's down bias holds it, the others' zeros); ``glu``:
-    the experts' activation where it is not SiLU's (gpt-oss)."""
+    through its ``top_k``. Under tensor parallelism this rank's share of each expert's
+    ``intermediate`` rows; under expert parallelism (``tp.group().expert_parallel``)
+    1/size of the experts, whole, the others' pairs left to their ranks. ``bias``: the
+    router and the experts' projections have biases (``b13``, ``b2``: under tensor
+    parallelism rank 0's down bias holds it, the others' zeros); ``glu``: the experts'
+    activation where it is not SiLU's (gpt-oss)."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int,
                  renormalize: bool, bias: bool = False, glu: ClampedGlu | None = None):
         super().__init__()
-        inter = tp.split(intermediate, "expert intermediate size")
-        self.top_k, self.renormalize, self.glu = top_k, renormalize, glu
+        group = tp.group()
+        self.expert_parallel = group.expert_parallel and group.size > 1
+        if self.expert_parallel:
+            local, inter = tp.split(experts, "experts"), intermediate
+        else:
+            local, inter = experts, tp.split(intermediate, "expert intermediate size")
+        self.first_expert = group.rank * local if self.expert_parallel else 0
+        self.num_experts, self.top_k, self.renormalize, self.glu = experts, top_k, renormalize, glu
         self.gate = nn.Linear(hidden, experts, bias=bias)
         # it decides the routing: drawn alike on every rank, kept at full precision
         self.gate.router = True
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, inter))
         if bias:
-            self.b13 = nn.Parameter(torch.empty(experts, 2 * inter))
-            self.b2 = nn.Parameter(torch.empty(experts, hidden))
+            self.b13 = nn.Parameter(torch.empty(local, 2 * inter))
+            self.b2 = nn.Parameter(torch.empty(local, hidden))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(h), self.top_k, self.renormalize)
+        if self.expert_parallel:  # this rank's experts by their index here; -1 elsewhere
+            local = ids - self.first_expert
+            ids = torch.where((local >= 0) & (local < self.w13.shape[0]), local, -1)
         scales = (self.w13_scale, self.w2_scale) if hasattr(self, "w13_scale") else None
         biases = (self.b13, self.b2) if hasattr(self, "b13") else None
         return fused_experts(h, self.w13, self.w2, weights, ids, scales=scales, biases=biases,
@@ -400,11 +423,11 @@ class SparseMoE(nn.Module):
     def expert_bytes(self, tokens: int) -> float:
         """Expert weight bytes a step of ``tokens`` tokens reads, expected under uniform
         routing: each expert is chosen by none of them with (1 - k/E)^tokens."""
-        experts = self.w13.shape[0]
-        chosen = experts * (1 - (1 - self.top_k / experts) ** tokens)
-        per_expert = (self.w13.numel() + self.w2.numel()) // experts * self.w13.element_size()
+        here = self.w13.shape[0]  # this rank's experts
+        chosen = here * (1 - (1 - self.top_k / self.num_experts) ** tokens)
+        per_expert = (self.w13.numel() + self.w2.numel()) // here * self.w13.element_size()
         if hasattr(self, "w13_scale"):
-            per_expert += (self.w13_scale.numel() + self.w2_scale.numel()) // experts * 4
+            per_expert += (self.w13_scale.numel() + self.w2_scale.numel()) // here * 4
         return chosen * per_expert
 
 

@@ -185,7 +185,9 @@ def _shards(cls, tensors: dict, hf_config) -> dict:
     if rule is None:
         raise ConfigError(f"{cls.__name__} does not support tensor parallelism: its class has "
                           "no shard_rule (docs/plugins.md); use tensor_parallel_size=1")
-    return {k: sharding.take(v, rule(k, hf_config)) for k, v in tensors.items()}
+    shards = ((k, v, rule(k, hf_config)) for k, v in tensors.items())
+    return {k: sharding.take(v, shard) for k, v, shard in shards
+            if shard is None or not shard.absent}
 
 
 def _empty_module(hf_config, dtype, device, plugins=None):

@@ -16,7 +16,7 @@ SwiGLU experts, each token through its top k (layers/moe.py).
   checkpoints hold gate_up as [E, H, 2I] with gate and up columns interleaved.
 
 Under tensor parallelism each expert's intermediate rows split over the ranks, as a dense
-MLP's do (``shard_rule``).
+MLP's do; with ``enable_expert_parallel``, the experts do, whole (``shard_rule``).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import re
 
 import torch
 
+from roseinfer.core import tp
 from roseinfer.core.errors import ConfigError
 from roseinfer.layers.moe import ClampedGlu, SharedExpert, SparseMoE
 from roseinfer.models import sharding
@@ -52,9 +53,13 @@ def expert_width(cfg) -> int:
     return cfg.intermediate_size if every_layer else cfg.moe_intermediate_size
 
 
+def num_experts(cfg) -> int:
+    return getattr(cfg, "num_local_experts", None) or cfg.num_experts
+
+
 def experts_of(cfg, layer_idx: int) -> SparseMoE | None:
     """The layer's mixture of experts; None where it keeps a dense MLP."""
-    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    experts = num_experts(cfg)
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
     if (layer_idx in (getattr(cfg, "mlp_only_layers", None) or []) or experts == 0
             or (layer_idx + 1) % step):
@@ -118,8 +123,11 @@ class MoeForCausalLM(LlamaForCausalLM):
     @staticmethod
     def shard_rule(key: str, cfg) -> sharding.Shard | None:
         """Llama's, with each expert's intermediate rows split as a dense MLP's are (the
-        router and the shared expert's gate whole), and OLMoE's q/k norms by head."""
+        router and the shared expert's gate whole), or under expert parallelism each
+        rank's experts whole; OLMoE's q/k norms by head."""
         routed, shared = ".experts." in key, ".shared_expert." in key
+        if routed and tp.group().expert_parallel:
+            return _expert_shard(key, cfg)
         if cfg.model_type == "gpt_oss" and (routed or key.endswith(".sinks")):
             return _gpt_oss_shard(key, cfg)
         if routed or shared:
@@ -156,6 +164,16 @@ def _gpt_oss_experts(prefix: str, name: str, t: torch.Tensor) -> dict:
     raise ConfigError(f"gpt_oss: no expert tensor {name!r}; an MXFP4 checkpoint's blocks and "
                       "scales are read where its config.json has quantization_config "
                       "{\"quant_method\": \"mxfp4\"}")
+
+
+def _expert_shard(key: str, cfg) -> sharding.Shard | None:
+    """Under expert parallelism, this rank's experts whole: its rows of a stacked tensor
+    ([E, ...]), or a per-expert tensor if the expert is its own, else none of it."""
+    mine = sharding.experts(num_experts(cfg))
+    m = re.search(r"\.experts\.(\d+)\.", key)
+    if m is None:
+        return sharding.rows(mine.start, len(mine))
+    return None if int(m.group(1)) in mine else sharding.ABSENT
 
 
 def _gpt_oss_shard(key: str, cfg) -> sharding.Shard | None:

@@ -21,6 +21,11 @@ class Shard:
     ranges: tuple[tuple[int, int], ...] = ()
     # A row-parallel layer's bias: the ranks' outputs are summed, so only rank 0 adds it.
     once: bool = False
+    # Not this rank's at all (an expert another rank holds under expert parallelism).
+    absent: bool = False
+
+
+ABSENT = Shard(0, absent=True)
 
 
 def rows(start: int, count: int, dim: int = 0) -> Shard:
@@ -55,6 +60,12 @@ def split(size: int, what: str, dim: int = 0) -> Shard:
     """This rank's share of ``size`` rows (an MLP's intermediate)."""
     n = tp.split(size, what)
     return rows(tp.group().rank * n, n, dim)
+
+
+def experts(count: int) -> range:
+    """The experts of ``count`` this rank holds under expert parallelism."""
+    n = tp.split(count, "experts")
+    return range(tp.group().rank * n, (tp.group().rank + 1) * n)
 
 
 def take(view, shard: Shard | None) -> torch.Tensor:
