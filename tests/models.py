@@ -33,14 +33,17 @@ def tiny_family(family, vocab=512, **overrides):
     mixture of experts, each with 8 experts and top 2: "qwen3_moe" (of 48; its second layer
     dense), "qwen2_moe" (the same, and a shared expert of 96), "mixtral", "olmoe" and
     "gpt_oss" (of 48, in every layer; gpt-oss's layers alternate 4-token windows with
-    full attention, and have sinks)."""
+    full attention, and have sinks); "gemma2" and "gemma3_text" (a 4-token window layer,
+    then a global one; Gemma 2's soft caps low enough to bite)."""
     import transformers
 
     torch.manual_seed(0)
     names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
              "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
-             "olmoe": "Olmoe", "gpt_oss": "GptOss"}[family]
-    config = getattr(transformers, f"{names}Config")
+             "olmoe": "Olmoe", "gpt_oss": "GptOss", "gemma2": "Gemma2",
+             "gemma3_text": "Gemma3"}[family]
+    config = getattr(transformers, "Gemma3TextConfig" if family == "gemma3_text" else
+                     f"{names}Config")
     base = dict(vocab_size=vocab, hidden_size=72, intermediate_size=144, num_hidden_layers=2,
                 num_attention_heads=6, num_key_value_heads=2, head_dim=12,
                 max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.2,
@@ -62,6 +65,11 @@ def tiny_family(family, vocab=512, **overrides):
                         "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                         "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                         "original_max_position_embeddings": 64})
+    if family in ("gemma2", "gemma3_text"):
+        base.update(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                    query_pre_attn_scalar=16, pad_token_id=0)
+    if family == "gemma2":
+        base.update(attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
     model = getattr(transformers, f"{names}ForCausalLM")(config(**{**base, **overrides})).eval()
     if family in ("qwen2", "qwen2_moe"):  # q/k/v biases start at 0: make them matter
         for layer in model.model.layers:
@@ -78,6 +86,10 @@ def tiny_family(family, vocab=512, **overrides):
             for b in (layer.mlp.router.bias, layer.mlp.experts.gate_up_proj_bias,
                       layer.mlp.experts.down_proj_bias):
                 torch.nn.init.normal_(b, std=0.5)
+    if family in ("gemma2", "gemma3_text"):  # Gemma's norms start at 0 (a scale of 1)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                torch.nn.init.uniform_(p, -0.5, 0.5)
     if family in ("qwen3", "qwen3_moe", "olmoe"):  # the q/k norms start at 1: make them matter
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):

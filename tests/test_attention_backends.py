@@ -35,7 +35,8 @@ if CUDA:  # compiled kernels: afford realistic sizes as well
     LONG_DECODE = [(9000, 1), (3000, 1), (17, 1), (4500, 1)] * 4
 
 
-def reference(q, k_cache, v_cache, block_tables, seqs, scale, window=None, sinks=None):
+def reference(q, k_cache, v_cache, block_tables, seqs, scale, window=None, sinks=None,
+              softcap=None):
     """Causal attention in float64 over each sequence's gathered context; with a window,
     a query at position p sees keys p - window + 1 .. p; with sinks, each head's sink
     logit joins its softmax (and its weight is dropped), as transformers' gpt-oss does."""
@@ -50,6 +51,8 @@ def reference(q, k_cache, v_cache, block_tables, seqs, scale, window=None, sinks
         v = v_cache[blocks, :, pos % block_size].repeat_interleave(group, dim=1)
         qs = q[start:start + query_len]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = context_len - query_len + torch.arange(query_len, device=q.device)
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], -math.inf)
         if window:
@@ -93,7 +96,7 @@ def make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
 
 
 def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
-          cache_dtype=None, window=None, sinks=False):
+          cache_dtype=None, window=None, sinks=False, softcap=None):
     backend = REGISTRY.create("attention", backend_name)
     if not backend.supports(DEVICE):
         pytest.skip(f"{backend_name} does not run on {DEVICE.type}")
@@ -110,9 +113,11 @@ def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_
     extra = {"window": window} if window else {}
     if sinks:  # logits about as large as the scores, so the sinks take a real share
         extra["sinks"] = (torch.randn(num_heads, generator=gen) * 2).float().to(DEVICE)
+    if softcap:
+        extra["softcap"] = softcap
     out = backend.forward(q, k_cache, v_cache, attn, scale, **extra)
     ref = reference(q, k_cache, v_cache, attn.block_tables, seqs, scale, window,
-                    extra.get("sinks"))
+                    extra.get("sinks"), softcap)
     assert out.shape == q.shape and out.dtype == dtype
     err = (out.double() - ref).norm() / ref.norm()
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
@@ -164,6 +169,16 @@ def test_attention_sinks(request, backend_name, batch, dtype, window):
     splits its context, and only the first split may count the sink."""
     seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
     check(request, backend_name, seqs, 6, 2, 64, 16, dtype, window=window, sinks=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("batch", [*BATCHES, "long_decode"])
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_soft_cap(request, backend_name, batch, dtype):
+    """Gemma 2's cap of 50 on scores, with its 4,096-token windows' kind (5 here); 1.5
+    here, below the random scores' spread, so the cap changes every row."""
+    seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
+    check(request, backend_name, seqs, 6, 2, 64, 16, dtype, window=5, softcap=1.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

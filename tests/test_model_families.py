@@ -1,7 +1,7 @@
 """The Llama-like families (Mistral, Qwen2, Qwen3, Phi-3; Qwen3-MoE, Qwen2-MoE, Mixtral,
-OLMoE and gpt-oss): greedy ids equal transformers' generate on random tiny configs, across block
-sizes, batches of mixed lengths and the prefix cache; a sliding window bounds the
-context, and so does LongRoPE."""
+OLMoE and gpt-oss; Gemma 2 and 3): greedy ids equal transformers' generate on random
+tiny configs, across block sizes, batches of mixed lengths and the prefix cache; a
+windows attend over their last tokens only; LongRoPE bounds the context."""
 import pytest
 import torch
 
@@ -10,7 +10,7 @@ from tests.models import hf_greedy, per_expert_checkpoint, tiny_family
 from tests.test_greedy_equality import check, mixed_prompts
 
 FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
-            "gpt_oss"]
+            "gpt_oss", "gemma2", "gemma3_text"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -17,7 +17,8 @@ from roseinfer.core.cuda_graphs import Layout
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.step_order import STOP, StepOrder, decode
 from roseinfer.models import loader
-from tests.models import MOE_FAMILIES, hf_greedy, per_expert_checkpoint, tiny_family, tiny_gpt2, tiny_llama
+from tests.models import MOE_FAMILIES, hf_greedy, per_expert_checkpoint, tiny_family, tiny_gpt2, \
+    tiny_llama
 from tests.test_greedy_equality import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -35,7 +36,8 @@ def saved(tmp_path_factory):
               "llama-1kv": tiny_llama(num_attention_heads=4, num_key_value_heads=1,
                                       hidden_size=48, tie_word_embeddings=True),
               "qwen2": tiny_family("qwen2"), "phi3": tiny_family("phi3"),
-              **{family: tiny_family(family) for family in MOE_FAMILIES}}
+              **{family: tiny_family(family)
+                 for family in (*MOE_FAMILIES, "gemma2", "gemma3_text")}}
     out = {}
     for name, hf in models.items():
         path = tmp_path_factory.mktemp(name)
@@ -53,7 +55,8 @@ def run(path, prompts, params=GREEDY, **config):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-1kv", "qwen2", "phi3", *MOE_FAMILIES])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-1kv", "qwen2", "phi3", *MOE_FAMILIES,
+                                  "gemma2", "gemma3_text"])
 def test_two_ranks_equal_transformers_greedy(saved, name, device):
     """Prompts of 1-23 tokens in chunks of at most 16 tokens a step (chunked prefill)."""
     path, hf = saved[name]

@@ -29,7 +29,7 @@ if args.fp8:
     layer.w13, layer.w2 = torch.nn.Parameter(w13), torch.nn.Parameter(w2)
     layer.to_fp8()
     w13, w2, scales = layer.w13, layer.w2, (layer.w13_scale, layer.w2_scale)
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * 1 + (scales[0][0].numel() + scales[1][0].numel()) * 4
+    expert_bytes = w13[0].numel() + w2[0].numel() + 4 * (scales[0][0].numel() + scales[1][0].numel())
 print(f"{torch.cuda.get_device_name()}, peak {args.peak_tbps} TB/s, "
       f"experts in {'fp8' if args.fp8 else 'bf16'}")
 

@@ -11,16 +11,19 @@ class PagedAttention(nn.Module):
     """Appends this step's K/V to the paged cache, then attends through it; with a
     ``window``, each query sees only the last ``window`` positions up to its own; with
     ``sinks``, a learned logit per head (``sinks``, this rank's heads) joins each row's
-    softmax (gpt-oss). The backend gets ``window=`` and ``sinks=`` only where the layer
-    has them, so a backend without them serves the other models."""
+    softmax (gpt-oss); with ``softcap``, scores are bounded by cap * tanh(score / cap)
+    (Gemma 2). The backend gets ``window=``, ``sinks=`` and ``softcap=`` only where the
+    layer has them, so a backend without them serves the other models."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float, window: int | None = None, sinks: bool = False):
+                 scale: float, window: int | None = None, sinks: bool = False,
+                 softcap: float | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.window = scale, window
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
@@ -32,6 +35,8 @@ class PagedAttention(nn.Module):
         extra = {"window": self.window} if self.window else {}
         if self.sinks is not None:
             extra["sinks"] = self.sinks
+        if self.softcap:
+            extra["softcap"] = self.softcap
         out = ctx.attention.forward(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
                                     ctx.attn, self.scale, **extra)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -48,6 +48,7 @@ def _add_norm_kernel(
     s_x, s_res, s_out, s_res_out,                # row strides
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, IS_RMS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 on long prefills
@@ -64,9 +65,12 @@ def _add_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if IS_RMS:
         rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-        # LlamaRMSNorm rounds the normalised value to the activation dtype
-        # before scaling by the weight.
-        y = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        if UNIT_OFFSET:  # Gemma's: scaled by 1 + weight in float32, rounded once
+            y = h * rstd * (1.0 + w)
+        else:
+            # LlamaRMSNorm rounds the normalised value to the activation dtype
+            # before scaling by the weight.
+            y = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
     else:
         mean = tl.sum(h, axis=0) / n_cols
         centered = tl.where(mask, h - mean, 0.0)  # padding lanes must not add to the variance
@@ -76,7 +80,7 @@ def _add_norm_kernel(
     tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _add_norm_triton(x, residual, weight, bias, eps, is_rms):
+def _add_norm_triton(x, residual, weight, bias, eps, is_rms, unit_offset=False):
     """Returns (normed, x + residual), or (normed, x) itself when residual is None."""
     rows = _rows(x)
     n_rows, n_cols = rows.shape
@@ -93,7 +97,7 @@ def _add_norm_triton(x, residual, weight, bias, eps, is_rms):
         rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         n_cols, eps,
         HAS_RESIDUAL=residual is not None, IS_RMS=is_rms, BLOCK=block, PDL=pdl,
-        num_warps=_warps(block), launch_pdl=pdl,
+        UNIT_OFFSET=unit_offset, num_warps=_warps(block), launch_pdl=pdl,
     )
     return out.view(x.shape), x if residual is None else res_out.view(x.shape)
 
@@ -115,17 +119,21 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, use_triton: bool | None = None
+                 eps: float, use_triton: bool | None = None, unit_offset: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` (``x`` when residual is None), then ``(rms_norm(h), h)``.
 
     Rounds like transformers' LlamaRMSNorm: float32 variance of ``h``, then
     ``weight * (h * rsqrt(var + eps)).to(x.dtype)``; the result is ``x.dtype``.
+    ``unit_offset``: Gemma's, ``(h * rsqrt(var + eps) * (1 + weight)).to(x.dtype)``.
     With ``residual=None`` the second result is ``x`` itself.
     """
     if _use_triton(use_triton, x):
-        return _add_norm_triton(x, residual, weight, None, eps, is_rms=True)
+        return _add_norm_triton(x, residual, weight, None, eps, True, unit_offset)
     h = x if residual is None else x + residual
+    if unit_offset:
+        normed = F.rms_norm(h.float(), (h.shape[-1],), eps=eps) * (1.0 + weight.float())
+        return normed.to(h.dtype), h
     if h.dtype == torch.float32:  # nothing to round: one op (a batch-1 CPU step runs 61)
         return F.rms_norm(h, (h.shape[-1],), weight, eps), h
     normed = F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype) * weight
@@ -164,6 +172,13 @@ def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch
         x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, PDL=pdl,
         num_warps=_warps(block), launch_pdl=pdl)
     return out.view(*gate_up.shape[:-1], n_cols)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``gate_up = [..., 2I]`` (gate first): Gemma's GeGLU, in
+    float32, rounded once. torch's ops on every device: no fused kernel yet."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
 
 
 # ---------------------------------------------------------------- RoPE

@@ -8,10 +8,12 @@ design, in Triton).
 - ``align_blocks``: the (token, choice) pairs sorted by expert, each expert's run padded to
   the GEMM's row tile, so that a tile of rows reads one expert's weights. Static shapes
   and no host sync: it runs inside CUDA graphs.
-- ``fused_experts``: one launch for gate_up over every tile, with silu(gate) * up in its
-  epilogue, one launch for down with the routing weights applied in the kernel, then the
-  top-k rows of each token summed. Each tile streams only its own expert's weights, so at decode sizes a
-  step reads the chosen experts and no other.
+- ``fused_experts``: one launch for gate_up over every tile, with silu(gate) * up (or
+  gpt-oss's clamped form) in its epilogue, one launch for down with the routing weights
+  applied in the kernel, then one launch summing each token's top-k rows. Each tile
+  streams only its own expert's weights, so at decode sizes a step reads the chosen
+  experts and no other. FP8 experts (a scale per row) and biases are applied in the
+  epilogues too.
 
 Weights are laid out as transformers keeps them: ``w13 = [E, 2I, H]`` (gate rows, then
 up), ``w2 = [E, H, I]``. Off CUDA a plain-torch twin loops over the experts that hold
@@ -307,7 +309,8 @@ def _sum_choices(down: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(hidden), 1024)
     pdl = dependent_launch(down.device, tokens)
     _sum_choices_kernel[(tokens, triton.cdiv(hidden, block))](
-        down, ids.contiguous(), out, hidden, TOP_K=top_k, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        down, ids.contiguous(), out, hidden, TOP_K=top_k, BLOCK=block, PDL=pdl, num_warps=4,
+        launch_pdl=pdl)
     return out
 
 

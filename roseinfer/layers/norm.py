@@ -19,6 +19,14 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scaled by 1 + weight (its weights are offsets from one), in
+    float32, rounded once."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return add_rms_norm(x, residual, self.weight, self.eps, unit_offset=True)
+
+
 class ShardedRMSNorm(RMSNorm):
     """RMSNorm over a width split across the tensor-parallel ranks (OLMoE's q and k norms
     span all heads, which the ranks share out): the mean square is summed over the ranks

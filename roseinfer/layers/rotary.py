@@ -8,15 +8,20 @@ from roseinfer.core.attention import get_context
 from roseinfer.layers.fused import apply_rope, rope_rows, rotate_qk_
 
 
-def rope_params(cfg) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling; non-default RoPE types go through transformers."""
+def rope_params(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling; non-default RoPE types go through transformers.
+    ``layer_type``: of a config whose ``rope_parameters`` differ by layer type (Gemma 3's
+    "sliding_attention" and "full_attention"), that type's."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        by_type = {"layer_type": layer_type} if layer_type else {}
         with torch.device("cpu"):  # the model may be built under a meta device: not these
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu", **by_type)
         return inv_freq, scaling
     theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))  # the rotated dims

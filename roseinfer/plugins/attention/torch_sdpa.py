@@ -2,7 +2,7 @@
 (``kv_cache_dtype="fp8"``) is read in the query's dtype: only the rows a step gathers are
 converted. A sliding-window layer's query at position p sees keys p - window + 1 .. p.
 Attention sinks (gpt-oss: a learned logit per head, a key with no value) join each row's
-softmax."""
+softmax; a soft cap (Gemma 2) bounds each score to (-cap, cap) by cap * tanh(score / cap)."""
 import torch
 import torch.nn.functional as F
 
@@ -35,14 +35,15 @@ class TorchSDPAAttention:
     def supports(self, device) -> bool:
         return True
 
-    def forward(self, q, k_cache, v_cache, attn, scale, window=None, sinks=None):
+    def forward(self, q, k_cache, v_cache, attn, scale, window=None, sinks=None, softcap=None):
+        extra = (window, sinks, softcap)
         if attn.is_decode:
             return _decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens,
-                           attn.max_context_len, scale, attn.memo, window, sinks)
+                           attn.max_context_len, scale, attn.memo, *extra)
         qlens = attn.query_start[1:] - attn.query_start[:-1]
         single = qlens == 1
         if not bool(single.any()):
-            return _prefill(q, k_cache, v_cache, attn, qlens, scale, window, sinks)
+            return _prefill(q, k_cache, v_cache, attn, qlens, scale, *extra)
         # A mixed step: decode rows and prefill chunks attend apart. One padded
         # batch would pad every decode row to the longest chunk and context
         # (16 decode rows beside a 128-token chunk at 1,000 tokens of context:
@@ -52,7 +53,7 @@ class TorchSDPAAttention:
         dec_rows = attn.query_start[dec].long()
         ctx = attn.context_lens[dec]
         out[dec_rows] = _decode(q[dec_rows], k_cache, v_cache, attn.block_tables[dec], ctx,
-                                int(ctx.max()), scale, attn.memo, window, sinks)
+                                int(ctx.max()), scale, attn.memo, *extra)
         pre = (~single).nonzero().squeeze(1)
         pre_qlens = qlens[pre]
         starts = torch.zeros(len(pre) + 1, dtype=attn.query_start.dtype, device=q.device)
@@ -60,12 +61,12 @@ class TorchSDPAAttention:
         sub = AttnMetadata(attn.block_tables[pre], attn.context_lens[pre], starts,
                            int(pre_qlens.max()), int(attn.context_lens[pre].max()))
         rows = ~torch.repeat_interleave(single, qlens.long())
-        out[rows] = _prefill(q[rows], k_cache, v_cache, sub, pre_qlens, scale, window, sinks)
+        out[rows] = _prefill(q[rows], k_cache, v_cache, sub, pre_qlens, scale, *extra)
         return out
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, memo,
-            window=None, sinks=None):
+            window=None, sinks=None, softcap=None):
     """One query row per sequence: [S, H, D]. Every layer of a forward with the same
     window attends through the same block ids and mask: the first computes them into
     ``memo``."""
@@ -75,28 +76,33 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, max_context_len, sc
                                  k_cache.shape[2], k_cache.shape[1], window)
     index, padding = memo[key]
     if padding is not None:
-        return _decode_blocks(q, k_cache, v_cache, index, padding, scale, sinks)
+        return _decode_blocks(q, k_cache, v_cache, index, padding, scale, sinks, softcap)
     # One sequence: its rows, head by head, in one index op a cache and no second copy.
     _, hkv, _, d = k_cache.shape
     k = select(k_cache.view(-1, d), index, q.dtype).view(1, hkv, -1, d)
     v = select(v_cache.view(-1, d), index, q.dtype).view(1, hkv, -1, d)
-    return attend(q.unsqueeze(2), k, v, None, scale, sinks).squeeze(2)
+    return attend(q.unsqueeze(2), k, v, None, scale, sinks, softcap).squeeze(2)
 
 
-def attend(q, k, v, mask, scale, sinks=None):
-    """SDPA of q [S, H, Q, D] over k, v [S, H_kv, K, D] (``mask`` True where a query sees
-    a key); with ``sinks`` ([H]), each row's softmax also holds its head's sink logit,
-    whose key has no value: the output scaled by sigmoid(logsumexp(scores) - sink)."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    if sinks is None:
-        return out
+def attend(q, k, v, mask, scale, sinks=None, softcap=None):
+    """Attention of q [S, H, Q, D] over k, v [S, H_kv, K, D] (``mask`` True where a query
+    sees a key): SDPA, or spelled out in float32 where SDPA has no place for ``softcap``
+    (scores capped) or ``sinks`` ([H]: one more logit per row, of a key with no value)."""
+    if sinks is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
     group = q.shape[1] // k.shape[1]
-    scores = torch.matmul(q.float(), k.float().repeat_interleave(group, 1).transpose(-1, -2))
-    scores = scores * scale
+    k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    seen = torch.sigmoid(torch.logsumexp(scores, -1, keepdim=True) - sinks.float()[:, None, None])
-    return (out.float() * seen).to(out.dtype)
+    if sinks is not None:
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    p = torch.softmax(scores, dim=-1)[..., :k.shape[2]]
+    return torch.matmul(p, v).to(q.dtype)
 
 
 def _decode_plan(block_tables, context_lens, max_context_len, block_size, num_kv_heads,
@@ -120,7 +126,7 @@ def _decode_plan(block_tables, context_lens, max_context_len, block_size, num_kv
     return index, padding
 
 
-def _decode_blocks(q, k_cache, v_cache, index, padding, scale, sinks=None):
+def _decode_blocks(q, k_cache, v_cache, index, padding, scale, sinks=None, softcap=None):
     """Attention over the gathered blocks as they lie, [S, blocks, H_kv, bs, D],
     for a batch: gather_context's second copy, into one run per sequence and head,
     cost more than SDPA itself (16 rows of GPT-2 on two CPU cores: 1.3-1.5x
@@ -133,6 +139,8 @@ def _decode_blocks(q, k_cache, v_cache, index, padding, scale, sinks=None):
     v = select(v_cache, flat, q.dtype).view(s, mb, hkv, bs, d)
     qt = (q * scale).view(s, 1, hkv, g, d).transpose(-1, -2)           # [S, 1, H_kv, D, G]
     scores = torch.matmul(k, qt).permute(0, 2, 4, 1, 3).reshape(s, hkv, g, mb * bs)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill_(padding, float("-inf"))
     if sinks is not None:  # one more logit per row, of a key with no value
         sink = sinks.to(scores.dtype).view(1, hkv, g, 1).expand(s, -1, -1, -1)
@@ -142,7 +150,7 @@ def _decode_blocks(q, k_cache, v_cache, index, padding, scale, sinks=None):
     return torch.matmul(p, v).sum(1).reshape(s, h, d)
 
 
-def _prefill(q, k_cache, v_cache, attn, qlens, scale, window=None, sinks=None):
+def _prefill(q, k_cache, v_cache, attn, qlens, scale, window=None, sinks=None, softcap=None):
     """Query chunks padded per sequence to the longest one."""
     index = context_index(attn.block_tables, attn.max_context_len, k_cache.shape[2])
     k = gather_context(k_cache, index, attn.max_context_len, q.dtype)
@@ -157,7 +165,7 @@ def _prefill(q, k_cache, v_cache, attn, qlens, scale, window=None, sinks=None):
     mask = kpos[None, None, None, :] <= qp[:, None, :, None]
     if window:
         mask &= kpos[None, None, None, :] > qp[:, None, :, None] - window
-    out = attend(padded.transpose(1, 2), k, v, mask, scale, sinks)
+    out = attend(padded.transpose(1, 2), k, v, mask, scale, sinks, softcap)
     return out.transpose(1, 2)[seq, local]
 
 

@@ -26,7 +26,8 @@ memory.
 A sliding-window layer (``window``) reads only keys its queries see, p - window + 1 .. p:
 a decode row splits its window, not its context, over programs. Attention sinks
 (``sinks``, gpt-oss's logit per head) start each row's running softmax as a key with no
-value would: max = the sink, sum = 1 (in a split decode, the first split's).
+value would: max = the sink, sum = 1 (in a split decode, the first split's). A soft cap
+(``softcap``, Gemma 2's) bounds each score as cap * tanh(score / cap), in base-2 units.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
@@ -110,6 +111,15 @@ def _scores(q, k, DOT_PRECISION: tl.constexpr, K_T: tl.constexpr):
 
 
 @_kernel
+def _capped(s, softcap_log2, SOFTCAP: tl.constexpr):
+    """Base-2 scores ``s`` soft-capped: c * tanh(s / c), with c the cap in base-2 units
+    (tanh through exp, which the interpreter and every GPU have)."""
+    if SOFTCAP:
+        s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap_log2) + 1.0))
+    return s
+
+
+@_kernel
 def _softmax_tile(s, m_i, l_i, ROWS_MAY_BE_EMPTY: tl.constexpr = False):
     """Online softmax over one more tile of base-2 scores ``s`` [rows, keys]:
     returns (weights p, rescale factor alpha for the accumulator, new running
@@ -145,11 +155,11 @@ def _paged_attention_kernel(
     sq_n, sq_h, sq_d,                 # q strides (a view of fused qkv is fine)
     so_n, so_h,                       # out strides (d stride 1)
     sc_b, sc_h, sc_o, sc_d,           # cache strides, K and V alike
-    bt_stride, table_keys, num_seqs, head_dim, scale_log2, window, sinks_ptr,
+    bt_stride, table_keys, num_seqs, head_dim, scale_log2, window, sinks_ptr, softcap_log2,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     q_block = tl.program_id(0)
@@ -195,7 +205,7 @@ def _paged_attention_kernel(
             k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
             sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N, KV_FP16)
         k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's e4m3 values, exactly
-        s = _scores(q, k, DOT_PRECISION, KV_FP16) * scale_log2
+        s = _capped(_scores(q, k, DOT_PRECISION, KV_FP16) * scale_log2, softcap_log2, SOFTCAP)
         seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             seen &= k_pos[None, :] > q_pos[:, None] - window
@@ -208,8 +218,9 @@ def _paged_attention_kernel(
 
 
 @_kernel
-def _decode_tile(q, k, v, k_ok, m_i, l_i, acc, scale_log2,
-                 DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, K_T: tl.constexpr):
+def _decode_tile(q, k, v, k_ok, m_i, l_i, acc, scale_log2, softcap_log2,
+                 DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, K_T: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """One K/V tile into a decode group's running softmax (max, sum, accumulator).
 
     Two ways, picked per shape by measurement (DECODE_TUNING): broadcast
@@ -223,7 +234,7 @@ def _decode_tile(q, k, v, k_ok, m_i, l_i, acc, scale_log2,
         s = _scores(q, k, DOT_PRECISION, K_T) * scale_log2
     else:
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale_log2  # [G, N]
-    s = tl.where(k_ok[None, :], s, float("-inf"))
+    s = tl.where(k_ok[None, :], _capped(s, softcap_log2, SOFTCAP), float("-inf"))
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i)
     if DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -237,11 +248,11 @@ def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, context_lens_ptr,
     sq_n, sq_h, sq_d, so_s, so_n, so_h, sm_s, sm_n, sc_b, sc_h, sc_o, sc_d,
-    bt_stride, head_dim, scale_log2, n_splits, window, sinks_ptr,
+    bt_stride, head_dim, scale_log2, n_splits, window, sinks_ptr, softcap_log2,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Decode rows only: program (seq, kv_head, split) owns query row ``seq``
     and the ``G`` query heads of ``kv_head`` (tiles: ``_decode_tile``)."""
@@ -280,7 +291,8 @@ def _paged_decode_kernel(
             k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
             sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N, KV_FP16 and DOT)
         m_i, l_i, acc = _decode_tile(q, k.to(q.dtype), v.to(q.dtype), k_ok, m_i, l_i, acc,
-                                     scale_log2, DOT, DOT_PRECISION, KV_FP16 and DOT)
+                                     scale_log2, softcap_log2, DOT, DOT_PRECISION,
+                                     KV_FP16 and DOT, SOFTCAP)
     # The normalised output, or this split's unnormalised partial (acc, max, sum).
     out_off = split.to(tl.int64) * so_s + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]
@@ -348,7 +360,7 @@ class TritonPagedAttention:
     def supports(self, device) -> bool:
         return triton_usable(device)
 
-    def forward(self, q, k_cache, v_cache, attn, scale, window=None, sinks=None):
+    def forward(self, q, k_cache, v_cache, attn, scale, window=None, sinks=None, softcap=None):
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         assert k_cache.stride() == v_cache.stride()
@@ -362,14 +374,16 @@ class TritonPagedAttention:
                  "PDL": dependent_launch(q.device, n),
                  # e4m3 widens to float16 in one instruction, to bfloat16 in three: over an
                  # FP8 cache a 16-bit query computes in float16 (docs/kernels.md)
-                 "KV_FP16": fp8_cache and q.element_size() == 2, "HAS_SINKS": sinks is not None}
+                 "KV_FP16": fp8_cache and q.element_size() == 2, "HAS_SINKS": sinks is not None,
+                 "SOFTCAP": softcap is not None}
         const["launch_pdl"] = const["PDL"]
         scale_log2 = scale * math.log2(math.e)
         sinks = q if sinks is None else sinks  # a pointer the kernels never read without sinks
+        softcap_log2 = (softcap or 1.0) * math.log2(math.e)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if attn.is_decode:
             self._decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune,
-                         window or NO_WINDOW, sinks)
+                         window or NO_WINDOW, sinks, softcap_log2)
             return out
         # Prefill chunks give programs enough: never split.
         block_m = max(64, triton.next_power_of_2(const["G"]))
@@ -378,12 +392,13 @@ class TritonPagedAttention:
             q, k_cache, v_cache, out, attn.block_tables, attn.context_lens, attn.query_start,
             *q.stride(), *out.stride()[:2], *k_cache.stride(), attn.block_tables.stride(0),
             attn.block_tables.shape[1] * k_cache.shape[2], attn.num_seqs, head_dim, scale_log2,
-            window or NO_WINDOW, sinks, BLOCK_M=block_m, BLOCK_Q=block_q, HAS_WINDOW=bool(window),
+            window or NO_WINDOW, sinks, softcap_log2, BLOCK_M=block_m, BLOCK_Q=block_q, HAS_WINDOW=bool(window),
             **const)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune, window, sinks):
+    def _decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune, window, sinks,
+                softcap_log2):
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         splits = num_splits(attn, num_kv_heads, _num_sms(q.device), tune["programs_per_sm"],
@@ -398,7 +413,7 @@ class TritonPagedAttention:
             q, k_cache, v_cache, dest, m, l, attn.block_tables, attn.context_lens,
             *q.stride(), *dest.stride()[:3], *m.stride()[:2], *k_cache.stride(),
             attn.block_tables.stride(0), head_dim, scale_log2, splits, window, sinks,
-            BLOCK_G=max(16 if tune["dot"] else 1, triton.next_power_of_2(const["G"])),
+            softcap_log2, BLOCK_G=max(16 if tune["dot"] else 1, triton.next_power_of_2(const["G"])),
             PARTIAL=splits > 1, DOT=tune["dot"], **const)
         if splits > 1:
             _merge_splits_kernel[(n, num_heads)](
