@@ -1,6 +1,6 @@
 """The Llama-like families (Mistral, Qwen2, Qwen3, Phi-3; Qwen3-MoE, Qwen2-MoE, Mixtral,
 OLMoE and gpt-oss; Gemma 2 and 3): greedy ids equal transformers' generate on random
-tiny configs, across block sizes, batches of mixed lengths and the prefix cache; a
+tiny configs, across block sizes, batches of mixed lengths and the prefix cache; sliding
 windows attend over their last tokens only; LongRoPE bounds the context."""
 import pytest
 import torch
