@@ -78,7 +78,7 @@ def _random_llama3(layers: int, hidden: int, intermediate: int, heads: int, tied
 
 def _random_family(name: str, **shape):
     """transformers' ``{name}Config`` (Qwen2, Qwen3, Mistral, Phi3, Qwen3Moe, Mixtral,
-    GptOss) at a real shape."""
+    GptOss, Gemma2, Gemma3Text) at a real shape."""
     def config():
         import transformers
         return getattr(transformers, f"{name}Config")(**{"max_position_embeddings": 32768,
@@ -118,6 +118,18 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
               num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
               head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
               max_position_embeddings=131072, tie_word_embeddings=False),
+          "gemma2-9b-random": _random_family(
+              "Gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+              num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+              query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+              final_logit_softcapping=30.0, max_position_embeddings=8192),
+          "gemma3-12b-random": _random_family(
+              "Gemma3Text", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+              num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+              query_pre_attn_scalar=256, sliding_window=1024, max_position_embeddings=131072,
+              rope_parameters={
+                  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
           "phi3-mini-random": _random_family(
               "Phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
