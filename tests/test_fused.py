@@ -14,7 +14,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 # Phi-3's rotates the first cos.shape[-1] dims (partial rotary) and equals Llama's at full width.
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
-from roseinfer.layers.fused import add_layer_norm, add_rms_norm, apply_rope, silu_and_mul
+from roseinfer.layers.fused import add_layer_norm, add_rms_norm, apply_rope, gelu_tanh_and_mul, \
+    silu_and_mul
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -99,6 +100,38 @@ def test_add_rms_norm(gen, hidden, with_residual, dtype):
                                             use_triton=use_triton)
         assert torch.equal(residual_out, summed)
         assert_close(normed, expected, dtype)
+
+
+@dtypes
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_gemma_rms_norm(gen, with_residual, dtype):
+    """Scaled by 1 + weight in float32 and rounded once, as transformers' Gemma3RMSNorm."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    hidden = 72
+    x, residual, summed = norm_inputs(gen, hidden, with_residual, dtype)
+    hf_norm = Gemma3RMSNorm(hidden, eps=EPS).to(DEVICE, dtype)
+    with torch.no_grad():
+        hf_norm.weight.copy_(0.2 * randn(gen, hidden, dtype=dtype))
+        expected = hf_norm(summed)
+    for use_triton in (True, False):
+        normed, residual_out = add_rms_norm(x, residual, hf_norm.weight.detach(), EPS,
+                                            use_triton=use_triton, unit_offset=True)
+        assert torch.equal(residual_out, summed)
+        assert_close(normed, expected, dtype)
+
+
+@dtypes
+@pytest.mark.parametrize("intermediate", INTERMEDIATE)
+def test_gelu_tanh_and_mul(gen, intermediate, dtype):
+    """Close, not bit-equal: the kernel's x * sigmoid(2u) and torch's 0.5 x (1 + tanh(u))
+    round apart where tanh(u) nears -1 (4 % of float16 values)."""
+    gate_up = 3 * randn(gen, ROWS, 2 * intermediate, dtype=dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (F.gelu(gate, approximate="tanh") * up).to(dtype)
+    assert_close(gelu_tanh_and_mul(gate_up, use_triton=False), expected, dtype)
+    torch.testing.assert_close(gelu_tanh_and_mul(gate_up, use_triton=True), expected,
+                               **TOL[dtype])
 
 
 @dtypes

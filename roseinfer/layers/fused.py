@@ -144,39 +144,50 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 @_kernel
 def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_out, n_cols, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, GELU: tl.constexpr = False):
+    """act(gate) * up of one row's block of columns: SiLU, or with ``GELU`` gelu-tanh."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * s_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    if GELU:  # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        y = gate / (1.0 + tl.exp(-2.0 * u)) * up
+    else:
+        y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up = [..., 2I]`` (gate first); returns ``[..., I]``."""
-    n_cols = gate_up.shape[-1] // 2
-    if not _use_triton(use_triton, gate_up):
-        if gate_up.dtype == torch.float32:  # nothing to round: no casts (30 layers a step)
-            gate, up = gate_up.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        return (F.silu(gate) * up).to(gate_up.dtype)
+def _gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     x = _rows(gate_up)
+    n_cols = x.shape[1] // 2
     out = torch.empty((x.shape[0], n_cols), dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(n_cols), 1024)
     pdl = dependent_launch(x.device, x.shape[0])
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, block))](
-        x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, PDL=pdl,
+        x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, PDL=pdl, GELU=gelu,
         num_warps=_warps(block), launch_pdl=pdl)
     return out.view(*gate_up.shape[:-1], n_cols)
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [..., 2I]`` (gate first); returns ``[..., I]``."""
+    if _use_triton(use_triton, gate_up):
+        return _gated(gate_up, gelu=False)
+    if gate_up.dtype == torch.float32:  # nothing to round: no casts (30 layers a step)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` for ``gate_up = [..., 2I]`` (gate first): Gemma's GeGLU, in
-    float32, rounded once. torch's ops on every device: no fused kernel yet."""
+    float32, rounded once."""
+    if _use_triton(use_triton, gate_up):
+        return _gated(gate_up, gelu=True)
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
 
