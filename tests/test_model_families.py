@@ -5,7 +5,7 @@ windows attend over their last tokens only; LongRoPE bounds the context."""
 import pytest
 import torch
 
-from roseinfer import SamplingParams
+from roseinfer import LLM, SamplingParams
 from tests.models import hf_greedy, per_expert_checkpoint, tiny_family
 from tests.test_greedy_equality import check, mixed_prompts
 
@@ -85,3 +85,31 @@ def test_moe_experts_load_stacked_or_one_per_expert(family):
     want = MoeForCausalLM.convert_hf_state_dict(model.state_dict(), model.config)
     got = MoeForCausalLM.convert_hf_state_dict(per_expert_checkpoint(model), model.config)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_gemma3_vision_language_checkpoint_serves_its_text_part(tmp_path):
+    """Gemma 3's released checkpoints are vision-language ones (``gemma3``): their text
+    model loads alone, the vision tower left unread, and greedy ids equal transformers'
+    own vision-language model on text prompts."""
+    import transformers
+
+    text = tiny_family("gemma3_text").config.to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, image_token_index=500,
+                                       boi_token_index=501, eoi_token_index=502)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # Gemma's norms start at 0 (a scale of 1): make them matter
+        for name, p in hf.model.language_model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    hf.save_pretrained(tmp_path)
+    prompts = mixed_prompts(4, seed=11)
+    with LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=128,
+             block_size=4) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                    ignore_eos=True))
+        assert llm.engine.hf_config.model_type == "gemma3_text"
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]

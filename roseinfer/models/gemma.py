@@ -7,7 +7,8 @@
   five to each global one) attending over their last ``sliding_window`` tokens;
 - Gemma 2: attention scores and final logits soft-capped (cap * tanh(x / cap));
 - Gemma 3: q and k normed per head, and the window layers' RoPE base apart from the
-  global layers' (``rope_parameters`` by layer type).
+  global layers' (``rope_parameters`` by layer type). Its vision-language checkpoints
+  (``gemma3``) load their text part (models/loader.py ``text_part``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
 from roseinfer.layers.fused import gelu_tanh_and_mul
 from roseinfer.layers.norm import GemmaRMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_params
+from roseinfer.models import sharding
 from roseinfer.models.llama import LlamaForCausalLM, heads_of, sliding_window
 
 
@@ -105,5 +107,25 @@ class GemmaForCausalLM(nn.Module):
             logits = self.logit_cap * torch.tanh(logits / self.logit_cap)
         return logits
 
-    convert_hf_state_dict = staticmethod(LlamaForCausalLM.convert_hf_state_dict)
-    shard_rule = staticmethod(LlamaForCausalLM.shard_rule)
+    @staticmethod
+    def convert_hf_state_dict(sd: dict, cfg) -> dict:
+        """Llama's; of a Gemma 3 vision-language checkpoint, the language model's tensors
+        only (``language_model.`` on disk, ``model.language_model.`` in memory)."""
+        text = {}
+        for key, t in sd.items():
+            if not key.startswith(_NOT_TEXT):
+                text[key.replace("model.language_model.", "model.")
+                     .removeprefix("language_model.")] = t
+        return LlamaForCausalLM.convert_hf_state_dict(text, cfg)
+
+    @staticmethod
+    def shard_rule(key: str, cfg) -> sharding.Shard | None:
+        """Llama's; a vision tower's and projector's tensors are not read at all."""
+        if key.startswith(_NOT_TEXT):
+            return sharding.ABSENT
+        return LlamaForCausalLM.shard_rule(key, cfg)
+
+
+# A Gemma 3 checkpoint's image parts, left out: roseinfer serves its text part.
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+             "model.multi_modal_projector.")

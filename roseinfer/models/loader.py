@@ -253,7 +253,7 @@ def model_info(spec, tokenizer: bool = True):
         config = _config(path)
     else:
         from transformers import AutoConfig
-        config = AutoConfig.from_pretrained(path)
+        config = text_part(AutoConfig.from_pretrained(path))
     return config, _load_tokenizer(path, config) if tokenizer else None
 
 
@@ -380,10 +380,26 @@ def _write_full_config(config, folder: str) -> None:
 
 def _config(path: str):
     """The directory's transformers config: its whole config if roseinfer kept one
-    (converted models), else AutoConfig's."""
+    (converted models), else AutoConfig's (of a vision-language checkpoint, its text
+    model's: ``text_part``)."""
     full = os.path.join(path, FULL_CONFIG)
     if os.path.exists(full):
         with open(full) as f:
             return PlainConfig(**json.load(f))
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
+    return text_part(AutoConfig.from_pretrained(path))
+
+
+# Vision-language checkpoints whose text part roseinfer serves (its family's
+# convert_hf_state_dict and shard_rule leave the rest out).
+TEXT_PARTS = ("gemma3",)
+
+
+def text_part(config):
+    """The text model's config of a checkpoint in TEXT_PARTS (whether its LM head is the
+    embedding is the whole model's to say); any other as it is."""
+    if config.model_type not in TEXT_PARTS:
+        return config
+    text = config.get_text_config()
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+    return text
