@@ -50,6 +50,21 @@ def test_sliding_windows_equal_transformers(family, window, chunk):
     assert sum(o.num_cached_tokens for o in again) > 0
 
 
+def test_sliding_windows_through_preemption_and_n_samples():
+    """Gemma 3's mixed layers (4-token windows beside global ones): a pool small enough
+    to preempt, three greedy samples per prompt, the prefix cache on; every sample
+    equals transformers'."""
+    model = tiny_family("gemma3_text")
+    prompts = mixed_prompts(4, seed=3)
+    llm = LLM(model, device="cpu", dtype="float32", block_size=4, num_kv_blocks=40,
+              max_num_seqs=8, enable_prefix_cache=True, decode_steps_min_seqs=1)
+    outs = llm.generate(prompts, SamplingParams(n=3, max_tokens=16, temperature=0,
+                                                ignore_eos=True))
+    assert llm.engine.stats().num_preemptions > 0, "the pool should have forced preemption"
+    for prompt, samples in zip(prompts, outs):
+        assert all(o.token_ids == hf_greedy(model, prompt, 16) for o in samples)
+
+
 def test_olmoe_clipping_q_k_and_v():
     """OLMoE's ``clip_qkv`` bounds q, k and v after its norms (1.0 clips most of them)."""
     check(tiny_family("olmoe", clip_qkv=1.0), mixed_prompts(4, seed=6), max_tokens=16)
