@@ -395,6 +395,22 @@ def test_the_floor_of_a_mixture_of_experts_counts_the_experts_a_step_chooses():
          batch["kv_bytes_per_token"]) / 1e9)
 
 
+def test_the_floor_counts_a_window_layers_window_of_keys():
+    """Gemma 3's tiny config: layer 0 attends over a 4-token window, layer 1 over all.
+    Decoding 6 tokens after 10 reads 6 x 4 keys in layer 0, 10 + 11 + ... + 15 in 1."""
+    from roseinfer import LLM
+    from roseinfer.bench.floor import decode_floor, keys_read
+    from tests.models import tiny_family
+
+    assert keys_read(3, 5, 4) == 3 + 4 + 4 + 4 + 4 and keys_read(3, 5) == 3 + 4 + 5 + 6 + 7
+    assert keys_read(9, 2, 4) == 8 and keys_read(1, 3, 4) == 1 + 2 + 3
+    eng = LLM(tiny_family("gemma3_text"), device="cpu", dtype="float32",
+              num_kv_blocks=64).engine
+    layer = 2 * 2 * 12 * 4  # K and V, 2 heads of 12 float32s
+    f = decode_floor(eng, [10], [6], peak=1e9)
+    assert f["seconds"] == pytest.approx((6 * f["weight_bytes"] + (24 + 75) * layer) / 1e9)
+
+
 def test_max_concurrency_caps_requests_in_flight(monkeypatch):
     """A due request waits for a slot; each client process gets its share of the cap."""
     import asyncio

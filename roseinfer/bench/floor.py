@@ -1,14 +1,16 @@
 """The decode bytes floor: the least time a run's decode steps can take on the
 GPU's memory bandwidth, reading every weight once per step and every cached
-K/V entry once per generated token. Of a mixture of experts a step reads only
-the experts its tokens chose: expected under uniform routing for the step's
-batch (layers/moe.py, ``expert_bytes``). Prefill (compute-bound) is not counted,
+K/V entry once per generated token (of a sliding-window layer, only its window's).
+Of a mixture of experts a step reads only the experts its tokens chose: expected
+under uniform routing for the step's batch (layers/moe.py, ``expert_bytes``). Prefill (compute-bound) is not counted,
 so on prefill-heavy runs the fraction overstates how far decode is from it."""
 from __future__ import annotations
 
 import math
 
 import torch
+
+from roseinfer.layers.attention import PagedAttention
 
 
 # What the real-shape benchmarks count an H100 SXM (HBM3) at; its spec says 3.35 TB/s.
@@ -39,7 +41,33 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def kv_bytes_per_token(kv_cache) -> int:
     """K and V of one token, all layers: [blocks, kv_heads, block_size, head_dim] each."""
-    return sum(2 * k.shape[1] * k.shape[3] * k.element_size() for k in kv_cache.k)
+    return sum(_layer_kv_bytes(k) for k in kv_cache.k)
+
+
+def _layer_kv_bytes(k: torch.Tensor) -> int:
+    return 2 * k.shape[1] * k.shape[3] * k.element_size()
+
+
+def keys_read(prompt: int, new: int, window: int | None = None) -> int:
+    """Keys a layer reads to decode ``new`` tokens after ``prompt``: token t reads the
+    prompt and the t tokens before it, or of a ``window`` layer at most ``window``."""
+    lo, hi = prompt, prompt + new - 1  # the first token's keys, the last one's
+    if window is None or hi <= window:
+        return (lo + hi) * new // 2
+    if lo >= window:
+        return new * window
+    return (lo + window) * (window - lo + 1) // 2 + (hi - window) * window
+
+
+def kv_bytes_read(engine, prompt_lens: list[int], output_lens: list[int]) -> int:
+    """K/V bytes the run's decode tokens read, layer by layer (each with its window)."""
+    windows = {m.layer_idx: m.window for m in engine.model.modules()
+               if isinstance(m, PagedAttention)}
+    total = 0
+    for layer, k in enumerate(engine.kv_cache.k):
+        keys = sum(keys_read(p, n, windows.get(layer)) for p, n in zip(prompt_lens, output_lens))
+        total += keys * _layer_kv_bytes(k)
+    return total
 
 
 def routed_bytes(model: torch.nn.Module, tokens: int) -> float:
@@ -58,8 +86,7 @@ def decode_floor(engine, prompt_lens: list[int], output_lens: list[int],
     # Each step counted at the full batch's experts: exact where the requests decode
     # equally long (the benchmarks' workloads), an upper bound otherwise.
     experts = steps * routed_bytes(engine.model, batch)
-    # Token t of a request reads the K/V of its prompt and of the t tokens before it.
-    kv = sum(n * p + n * (n - 1) // 2 for p, n in zip(prompt_lens, output_lens)) * kv_tok
+    kv = kv_bytes_read(engine, prompt_lens, output_lens)
     seconds = (steps * weights + experts + kv) / peak
     return {"peak_bytes_per_s": peak, "weight_bytes": weights, "kv_bytes_per_token": kv_tok,
             "expert_bytes_per_step": experts / steps, "decode_steps": steps, "seconds": seconds,
