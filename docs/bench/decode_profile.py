@@ -21,7 +21,7 @@ import time
 import torch
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.bench.floor import PEAK_BYTES_PER_S, kv_bytes_per_token, weight_bytes
+from roseinfer.bench.floor import PEAK_BYTES_PER_S, kv_bytes_read, routed_bytes, weight_bytes
 
 PEAK = float(os.environ.get("PEAK_TB_S", PEAK_BYTES_PER_S / 1e12)) * 1e12
 
@@ -65,7 +65,10 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
     per_step = (time.perf_counter() - t) / (tokens / batch)
     rows, profiled = kernel_table(eng, 20)
     context_at.append(sum(len(s.token_ids) for s in eng.seqs.values()) / batch)
-    kv = batch * sum(context_at) / 2 * kv_bytes_per_token(eng.kv_cache)
+    # K/V of one step at the mean context (each window layer's window); the experts a
+    # step of `batch` tokens chooses
+    kv = batch * kv_bytes_read(eng, [int(sum(context_at) / 2)], [1])
+    weights += routed_bytes(eng.model, batch)
     floor = (weights + kv) / PEAK
     n = profiled / batch  # decode steps profiled
     gpu = sum(us for _, _, us in rows) / n / 1e6
