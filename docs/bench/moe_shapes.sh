@@ -6,7 +6,8 @@
 # chooses (bench/floor.py). `fp8`: the same shape with FP8 experts and linears; `mixtral`:
 # the Mixtral-8x7B shape at batch 1 (93 GB of bf16 weights: an H200, or TP 2); `gpt-oss`:
 # the gpt-oss-20b shape, experts in bf16.
-# Usage: OUT=dir bash docs/bench/moe_shapes.sh [layer] [offline] [fp8] [mixtral] [gpt-oss]
+# `tp2` (two GPUs): tensor against expert parallelism, and Mixtral at TP 2.
+# Usage: OUT=dir bash docs/bench/moe_shapes.sh [layer] [offline] [fp8] [mixtral] [gpt-oss] [tp2]
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   lscpu | grep -E "Model name|^CPU\(s\)"; git log -1 --format=%H 2>/dev/null; date -u; } \
@@ -43,6 +44,16 @@ mixtral)
 gpt-oss)
   run gpt-oss-20b-b1 --model gpt-oss-20b-random $(shape 1 128)
   run gpt-oss-20b-b64 --model gpt-oss-20b-random $(shape 64 256) ;;
+tp2)  # two GPUs: each expert's rows split (tensor parallel) or whole experts (expert
+      # parallel), alternated; Mixtral at TP 2
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  for batch in "1 128" "64 256"; do
+    set -- $batch
+    run "qwen3-30b-a3b-tp2-b$1" --model qwen3-30b-a3b-random --tensor-parallel-size 2 $(shape $1 $2)
+    run "qwen3-30b-a3b-ep2-b$1" --model qwen3-30b-a3b-random --tensor-parallel-size 2 \
+      --enable-expert-parallel $(shape $1 $2)
+    run "mixtral-8x7b-tp2-b$1" --model mixtral-8x7b-random --tensor-parallel-size 2 $(shape $1 $2)
+  done ;;
 esac; done
 # One line per run (the lent machine returns only so many files), the runs packed.
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
