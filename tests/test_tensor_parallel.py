@@ -106,14 +106,15 @@ def test_drafts_are_checked_over_two_ranks(tmp_path, device):
     assert stats.num_accepted_tokens > 0, stats
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_expert_parallel_ranks_equal_transformers_greedy(saved, family):
+def test_expert_parallel_ranks_equal_transformers_greedy(saved, family, device):
     """Each of two ranks holds 4 of the 8 experts whole and computes the pairs routed to
     them; attention and any shared expert stay split as under tensor parallelism."""
     path, hf = saved[family]
     prompts = mixed_prompts(5, seed=4)
     outs, _ = run(path, prompts, tensor_parallel_size=2, enable_expert_parallel=True,
-                  max_num_batched_tokens=16)
+                  max_num_batched_tokens=16, device=device)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
 
 
