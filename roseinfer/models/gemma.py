@@ -22,7 +22,7 @@ from roseinfer.layers.fused import gelu_tanh_and_mul
 from roseinfer.layers.norm import GemmaRMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_params
 from roseinfer.models import sharding
-from roseinfer.models.llama import LlamaForCausalLM, heads_of, sliding_window
+from roseinfer.models.llama import LlamaForCausalLM, heads_of, self_attention, sliding_window
 
 
 def _rotaries(cfg) -> dict[str, RotaryEmbedding]:
@@ -40,13 +40,13 @@ class GemmaLayer(nn.Module):
         super().__init__()
         e, (h, hkv, d) = cfg.hidden_size, heads_of(cfg)
         h, hkv = tp.split(h, "attention heads"), tp.kv_heads(hkv)[0]
-        self.h, self.hkv, self.d, self.q_size, self.kv_size = h, hkv, d, h * d, hkv * d
+        self.h, self.hkv, self.q_size, self.kv_size = h, hkv, h * d, hkv * d
         norm = lambda dim: GemmaRMSNorm(dim, cfg.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(e), norm(e)
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(e), norm(e)
         self.qkv_proj = nn.Linear(e, (h + 2 * hkv) * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * d, e, bias=cfg.attention_bias)
-        self.qk_norm = cfg.model_type == "gemma3_text"
+        self.qk_norm, self.clip_qkv = cfg.model_type == "gemma3_text", None
         if self.qk_norm:
             self.q_norm, self.k_norm = norm(d), norm(d)
         self.rotary = rotary
@@ -62,14 +62,8 @@ class GemmaLayer(nn.Module):
         next norm adds the two. Attention's and the MLP's outputs are normed before they
         join the stream."""
         h, residual = self.input_layernorm(x, residual)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.d))[0].view(-1, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.d))[0].view(-1, self.kv_size)
-        q, k = self.rotary(positions, q, k, self.h, self.hkv)
-        attn = tp.all_reduce(self.o_proj(self.attn(q, k, v)))
-        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn)[0],
-                                                     residual)
+        attn = self.post_attention_layernorm(self_attention(self, h, positions))[0]
+        h, residual = self.pre_feedforward_layernorm(attn, residual)
         mlp = tp.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(h))))
         return self.post_feedforward_layernorm(mlp)[0], residual
 

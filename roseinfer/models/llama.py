@@ -47,7 +47,7 @@ class LlamaLayer(nn.Module):
         e, (h, hkv, d) = cfg.hidden_size, heads_of(cfg)
         h, hkv = tp.split(h, "attention heads"), tp.kv_heads(hkv)[0]
         bias = getattr(cfg, "attention_bias", False)
-        self.h, self.hkv, self.d, self.q_size, self.kv_size = h, hkv, d, h * d, hkv * d
+        self.h, self.hkv, self.q_size, self.kv_size = h, hkv, h * d, hkv * d
         self.input_layernorm = RMSNorm(e, cfg.rms_norm_eps)
         qkv_bias = bias or getattr(cfg, "qkv_bias", cfg.model_type == "qwen2")
         self.qkv_proj = nn.Linear(e, (h + 2 * hkv) * d, bias=qkv_bias)
@@ -82,16 +82,21 @@ class LlamaLayer(nn.Module):
         """Returns (this layer's output, the residual stream before it is added):
         the next norm adds the two in one fused kernel."""
         h, residual = self.input_layernorm(x, residual)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.q_norm.weight.numel()))[0].view(-1, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.k_norm.weight.numel()))[0].view(-1, self.kv_size)
-        if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q, k = self.rotary(positions, q, k, self.h, self.hkv)  # in place, inside qkv
-        attn = tp.all_reduce(self.o_proj(self.attn(q, k, v)))
-        h, residual = self.post_attention_layernorm(attn, residual)
+        h, residual = self.post_attention_layernorm(self_attention(self, h, positions), residual)
         return tp.all_reduce(self.mlp(h)), residual
+
+
+def self_attention(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The attention block of a layer built as LlamaLayer's (``qkv_proj``, q/k norms where
+    ``qk_norm``, ``clip_qkv``, ``rotary``, ``attn``, ``o_proj``), summed over the ranks."""
+    q, k, v = layer.qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+    if layer.qk_norm:
+        q = layer.q_norm(q.reshape(-1, layer.q_norm.weight.numel()))[0].view(-1, layer.q_size)
+        k = layer.k_norm(k.reshape(-1, layer.k_norm.weight.numel()))[0].view(-1, layer.kv_size)
+    if layer.clip_qkv is not None:
+        q, k, v = (t.clamp(-layer.clip_qkv, layer.clip_qkv) for t in (q, k, v))
+    q, k = layer.rotary(positions, q, k, layer.h, layer.hkv)  # in place, inside qkv
+    return tp.all_reduce(layer.o_proj(layer.attn(q, k, v)))
 
 
 class LlamaForCausalLM(nn.Module):
