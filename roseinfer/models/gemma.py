@@ -17,22 +17,11 @@ from torch import nn
 
 from roseinfer.core import tp
 from roseinfer.layers.attention import PagedAttention
-from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
 from roseinfer.layers.fused import gelu_tanh_and_mul
 from roseinfer.layers.norm import GemmaRMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_params
 from roseinfer.models import sharding
 from roseinfer.models.llama import LlamaForCausalLM, heads_of, self_attention, sliding_window
-
-
-def _rotaries(cfg) -> dict[str, RotaryEmbedding]:
-    """RoPE tables by layer type: one for all (Gemma 2), or the window layers' and the
-    global layers' (Gemma 3)."""
-    by_type = isinstance(next(iter(cfg.rope_parameters.values())), dict)
-    types = set(cfg.layer_types) if by_type else {None}
-    tables = {t: rope_params(cfg, t) for t in types}
-    return {t: RotaryEmbedding(inv_freq, cfg.max_position_embeddings, scaling)
-            for t, (inv_freq, scaling) in tables.items()}
 
 
 class GemmaLayer(nn.Module):
@@ -68,35 +57,34 @@ class GemmaLayer(nn.Module):
         return self.post_feedforward_layernorm(mlp)[0], residual
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(LlamaForCausalLM):
+    layer_class = GemmaLayer
+    norm_class = GemmaRMSNorm
+    tied_by_default = True
+
     def __init__(self, cfg):
-        super().__init__()
-        rotaries = _rotaries(cfg)
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        super().__init__(cfg)
         self.scale = cfg.hidden_size ** 0.5
-        self.layers = nn.ModuleList(
-            GemmaLayer(cfg, i, rotaries.get(cfg.layer_types[i], rotaries.get(None)))
-            for i in range(cfg.num_hidden_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.tied = bool(getattr(cfg, "tie_word_embeddings", True))
-        if not self.tied:
-            self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_shard(cfg.vocab_size), bias=False)
-        self.head = LogitsHead(cfg.vocab_size)
         self.logit_cap = getattr(cfg, "final_logit_softcapping", None)
 
-    def bind_head(self) -> None:
-        self.head.bind(self.embed_tokens.weight if self.tied else self.lm_head.weight)
+    @staticmethod
+    def rotaries(cfg) -> list[RotaryEmbedding]:
+        """One table for all layers (Gemma 2), or the window layers' and the global
+        layers' (Gemma 3: ``rope_parameters`` by layer type)."""
+        if not isinstance(next(iter(cfg.rope_parameters.values())), dict):
+            return LlamaForCausalLM.rotaries(cfg)
+        tables = {}
+        for t in set(cfg.layer_types):
+            inv_freq, scaling = rope_params(cfg, t)
+            tables[t] = RotaryEmbedding(inv_freq, cfg.max_position_embeddings, scaling)
+        return [tables[t] for t in cfg.layer_types]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        # scaled in the model's dtype, as Gemma's normalizer is
-        x, residual = x * torch.tensor(self.scale, dtype=x.dtype), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions)
-        return self.norm(x, residual)[0]
+        return x * torch.tensor(self.scale, dtype=x.dtype)  # in the model's dtype, as Gemma's
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.head(hidden)
+        logits = super().compute_logits(hidden)
         if self.logit_cap:
             logits = self.logit_cap * torch.tanh(logits / self.logit_cap)
         return logits

@@ -100,26 +100,40 @@ def self_attention(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor) -
 
 
 class LlamaForCausalLM(nn.Module):
+    """A family that is Llama's shape with other parts sets them here: its layer, its
+    final norm, whether its LM head is the embedding unless the config says, its RoPE
+    tables per layer (``rotaries``) and its embedding's output (``embed``)."""
     layer_class = LlamaLayer
+    norm_class = RMSNorm
+    tied_by_default = False
 
     def __init__(self, cfg):
         super().__init__()
-        inv_freq, scaling = rope_params(cfg)
-        rotary = RotaryEmbedding(inv_freq, cfg.max_position_embeddings, scaling)
+        rotaries = self.rotaries(cfg)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_class(cfg, i, rotary)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, rotaries[i])
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", self.tied_by_default))
         if not self.tied:
             self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_shard(cfg.vocab_size), bias=False)
         self.head = LogitsHead(cfg.vocab_size)
 
+    @staticmethod
+    def rotaries(cfg) -> list[RotaryEmbedding]:
+        """Each layer's RoPE tables: one for all."""
+        inv_freq, scaling = rope_params(cfg)
+        return [RotaryEmbedding(inv_freq, cfg.max_position_embeddings, scaling)] * \
+            cfg.num_hidden_layers
+
     def bind_head(self) -> None:
         self.head.bind(self.embed_tokens.weight if self.tied else self.lm_head.weight)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions)
         return self.norm(x, residual)[0]
