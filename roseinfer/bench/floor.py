@@ -2,8 +2,9 @@
 GPU's memory bandwidth, reading every weight once per step and every cached
 K/V entry once per generated token (of a sliding-window layer, only its window's).
 Of a mixture of experts a step reads only the experts its tokens chose: expected
-under uniform routing for the step's batch (layers/moe.py, ``expert_bytes``). Prefill (compute-bound) is not counted,
-so on prefill-heavy runs the fraction overstates how far decode is from it."""
+under uniform routing for the step's batch (layers/moe.py, ``expert_bytes``).
+Prefill (compute-bound) is not counted, so on prefill-heavy runs the fraction
+overstates how far decode is from it."""
 from __future__ import annotations
 
 import math

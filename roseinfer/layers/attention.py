@@ -23,7 +23,8 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.window = scale, window
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
-        self.softcap = softcap
+        # the keywords fixed at build, made once: this runs per layer per step
+        self._extra = {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
@@ -32,11 +33,8 @@ class PagedAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         ctx.kv_cache.append(self.layer_idx, k, v)
         cache = ctx.kv_cache
-        extra = {"window": self.window} if self.window else {}
-        if self.sinks is not None:
-            extra["sinks"] = self.sinks
-        if self.softcap:
-            extra["softcap"] = self.softcap
+        # the sinks read here: a load may have replaced the parameter
+        extra = self._extra if self.sinks is None else {**self._extra, "sinks": self.sinks}
         out = ctx.attention.forward(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
                                     ctx.attn, self.scale, **extra)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -184,6 +184,24 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
 
 
 @_kernel
+def _of_rows(ptr, cols, N):
+    """[1, cols] of a vector with a value per output row (a scale, a bias), as float32."""
+    return tl.load(ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+
+
+@_kernel
+def _glu(gate, up, alpha, limit, CLAMPED: tl.constexpr):
+    """silu(gate) * up, or gpt-oss's form: both clamped to ``limit`` (the gate from above
+    only), then (up + 1) * gate * sigmoid(alpha * gate)."""
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
+    else:
+        alpha = 1.0
+    return gate / (1.0 + tl.exp(-alpha * gate)) * up
+
+
+@_kernel
 def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, sorted_ptr,
                          tile_expert_ptr, total_ptr, N, K, pairs, pairs_per_row, s_a, s_we,
                          s_wn, s_se, s_be, s_c, alpha, limit, SCALED: tl.constexpr,
@@ -193,8 +211,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, 
     """C[pair] = A[pair // pairs_per_row] @ W[expert].T (x the pair's routing weight), for the
     BLOCK_M pairs of one tile and BLOCK_N of the N output columns. ``SWIGLU``: W holds 2N
     rows, gate then up, and C is silu(gate) * up, each rounded to C's dtype first as the
-    unfused gate_up output would be; ``CLAMPED``: gpt-oss's form, both clamped to
-    ``limit`` (the gate from above only), (up + 1) * gate * sigmoid(alpha * gate).
+    unfused gate_up output would be; ``CLAMPED``: gpt-oss's form (``_glu``).
     ``SCALED``: W is FP8, each of its rows times its float32 scale (``scale_ptr``,
     [E, rows]); A stays in its own dtype (W8A16). ``BIAS``: each row's bias (``bias_ptr``,
     [E, rows]) is added before the activation and the routing weight."""
@@ -223,24 +240,16 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, 
                         other=0.0)
             up += tl.dot(a, w.to(a.dtype), input_precision="ieee")
     if SCALED:  # a row's scale factors out of its sum over K
-        scales = scale_ptr + expert * s_se + cols
-        acc *= tl.load(scales, mask=cols < N, other=0.0)[None, :]
+        acc *= _of_rows(scale_ptr + expert * s_se, cols, N)
         if SWIGLU:
-            up *= tl.load(scales + N, mask=cols < N, other=0.0)[None, :]
+            up *= _of_rows(scale_ptr + expert * s_se + N, cols, N)
     if BIAS:
-        biases = bias_ptr + expert * s_be + cols
-        acc += tl.load(biases, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc += _of_rows(bias_ptr + expert * s_be, cols, N)
         if SWIGLU:
-            up += tl.load(biases + N, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            up += _of_rows(bias_ptr + expert * s_be + N, cols, N)
     if SWIGLU:
-        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(c_ptr.dtype.element_ty).to(tl.float32)
-        if CLAMPED:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            acc = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
-        else:
-            acc = gate / (1.0 + tl.exp(-gate)) * up
+        acc = _glu(acc.to(c_ptr.dtype.element_ty).to(tl.float32),
+                   up.to(c_ptr.dtype.element_ty).to(tl.float32), alpha, limit, CLAMPED)
     if MUL_WEIGHTS:
         acc *= tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + pair.to(tl.int64)[:, None] * s_c + cols[None, :],

@@ -149,6 +149,15 @@ def _softmax_start(sinks_ptr, head, ok, ROWS: tl.constexpr, HAS_SINKS: tl.conste
 
 
 @_kernel
+def _seen(k_pos, k_ok, q_pos, window, HAS_WINDOW: tl.constexpr):
+    """[rows, keys]: which keys each query row sees (causal; within its window)."""
+    seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        seen &= k_pos[None, :] > q_pos[:, None] - window
+    return seen
+
+
+@_kernel
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr,
@@ -206,10 +215,7 @@ def _paged_attention_kernel(
             sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N, KV_FP16)
         k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's e4m3 values, exactly
         s = _capped(_scores(q, k, DOT_PRECISION, KV_FP16) * scale_log2, softcap_log2, SOFTCAP)
-        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            seen &= k_pos[None, :] > q_pos[:, None] - window
-        s = tl.where(seen, s, float("-inf"))
+        s = tl.where(_seen(k_pos, k_ok, q_pos, window, HAS_WINDOW), s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, HAS_WINDOW)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     out = acc / l_i[:, None]
