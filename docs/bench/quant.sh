@@ -5,7 +5,8 @@
 # with INT4 at batch 1 (512 -> 128) and 16 x (512 -> 256), the 1B shape with the FP8 KV
 # cache at 256 x (512 -> 256); and the 8B shape's KV blocks (docs/bench/kv_memory.py).
 # and through Redis, the 8B shape with FP8 weights at 20 requests/s.
-# Usage: OUT=dir bash docs/bench/quant.sh [tests] [linears] [attention] [int4] [kv] [redis]
+# Usage: OUT=dir bash docs/bench/quant.sh [tests] [linears] [attention] [int4] [int4-more]
+#   [kv] [redis]
 #   [memory]
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -41,6 +42,15 @@ int4)
     flags="--model llama3-8b-random $([ $q = int4 ] && echo "--quantization int4")"
     run 8b-b1-$q $flags --num-requests 1 --max-num-seqs 1 --max-new-tokens 128
     run 8b-b16-$q $flags --num-requests 16 --max-num-seqs 16 --max-new-tokens 256
+  done ;;
+int4-more)  # a 2,048-token prompt's TTFT (prefill through the de-quantized weight), and 64
+  for q in bf16 int4; do
+    flags="--model llama3-8b-random $([ $q = int4 ] && echo "--quantization int4")"
+    python3 -m roseinfer.cli bench offline $common --input-len 2048 $flags --num-requests 1 \
+      --max-num-seqs 1 --max-new-tokens 1 --output-json "$OUT/8b-ttft2048-$q.json" \
+      > "$OUT/8b-ttft2048-$q.log" 2>&1
+    echo "8b-ttft2048-$q: $(grep -iE "ttft" "$OUT/8b-ttft2048-$q.log" | tail -1 | tr -s ' │' ' ')"
+    run 8b-b64-$q $flags --num-requests 64 --max-num-seqs 64 --max-new-tokens 256
   done ;;
 kv)
   for c in auto fp8; do

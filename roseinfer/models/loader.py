@@ -168,6 +168,8 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
         if assign:
             state_dict = {k: v.to(dtype) if v.is_floating_point() else v
                           for k, v in state_dict.items()}
+        if hasattr(method, "load_state"):  # a method that keeps its own tensors
+            state_dict = method.load_state(model, state_dict, device)
         model.load_state_dict(state_dict, strict=True, assign=assign)
     if method is not None:
         method.quantize(model)
@@ -197,7 +199,8 @@ def _shards(cls, tensors: dict, hf_config) -> dict:
     if rule is None:
         raise ConfigError(f"{cls.__name__} does not support tensor parallelism: its class has "
                           "no shard_rule (docs/plugins.md); use tensor_parallel_size=1")
-    shards = ((k, v, rule(k, hf_config)) for k, v in tensors.items())
+    shards = ((k, v, sharding.per_group(rule(k, hf_config), k, v, tensors))
+              for k, v in tensors.items())
     return {k: sharding.take(v, shard) for k, v, shard in shards
             if shard is None or not shard.absent}
 

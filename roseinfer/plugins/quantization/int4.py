@@ -1,29 +1,35 @@
-"""4-bit integer weights with a scale (and zero point) per group of 128 input columns,
-weight-only (W4A16). Reads AWQ (GEMM layout), GPTQ (act-order through its g_idx) and
-compressed-tensors ``pack-quantized`` checkpoints; at load it rounds a float model's
-weights to the nearest level of each group (symmetric, no calibration): groups of 128,
-or of 64 or 32 where 128 does not divide a linear's input size (SmolLM2's 576). On
-GPUs a bfloat16 model quantized at load keeps the weights of groups of 128 packed, half
-a byte each, and runs torch's int4 kernel (layers/int4_linear.py); smaller groups, and a
-checkpoint's weights, are de-quantized to the model's dtype at load, on every device."""
+"""4-bit integer weights with a scale and a zero point per group of input columns,
+weight-only (W4A16). Reads AWQ (GEMM layout), GPTQ and compressed-tensors
+``pack-quantized`` checkpoints; at load it rounds a float model's weights to the
+nearest level of each group (symmetric, no calibration): groups of 128, or of 64 or 32
+where 128 does not divide a linear's input size (SmolLM2's 576).
+
+A checkpoint's layers are read into one form, levels [N, K] with scales and zeros
+[N, K / group] (``<layer>.levels``, ``.scales``, ``.zeros``), which the family fuses and
+each rank cuts as it would the weight. On GPUs (bfloat16, layers/int4_linear.py) every
+linear whose input size is whole tiles of 128 stays packed, half a byte a weight: group
+sizes 32, 64, 128 and larger, and per-channel scales. What does not pack is
+de-quantized to the model's dtype at load, as on every CPU: input sizes that are not
+multiples of 128, and GPTQ's act-order (groups not contiguous along the input)."""
 from __future__ import annotations
 
 import torch
 
 from roseinfer.core.errors import ConfigError
-from roseinfer.layers.int4_linear import GROUP, dequantize, quantize, runs_here, to_int4
+from roseinfer.layers.int4_linear import dequantize, packs, quantize, runs_here, to_int4
 from roseinfer.models.quantization import quantizable
 
 GROUPS = (128, 64, 32)  # at load: the largest that divides the input size
+PARTS = ("levels", "scales", "zeros")
 # AWQ's GEMM kernels pack columns 0..7 of a word as nibbles 0, 2, 4, 6, 1, 3, 5, 7:
 # column c sits in nibble AWQ_NIBBLE[c].
 AWQ_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]
 
 
 def nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 words -> their eight 4-bit values (low nibble first), along ``dim``."""
+    """int32 words -> their eight 4-bit values (low nibble first), along ``dim``, as uint8."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    parts = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., 8]
+    parts = ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # [..., 8]
     if dim == 0:
         return parts.permute(0, 2, 1).reshape(-1, packed.shape[1])
     return parts.reshape(packed.shape[0], -1)
@@ -60,6 +66,8 @@ class Int4:
                                       "checkpoint has zero points (asymmetric)")
 
     def load_weights(self, tensors: dict) -> dict:
+        """Each quantized layer's tensors -> its levels, scales and zeros (or, for an
+        act-order GPTQ layer, its de-quantized weight)."""
         read = {"awq": _awq, "gptq": self._gptq, "compressed-tensors": _packed}[self.kind]
         out, layers = {}, {}
         for key, view in tensors.items():
@@ -70,17 +78,45 @@ class Int4:
             else:
                 out[key] = view[:]
         for layer, parts in layers.items():
-            out[layer + ".weight"] = read(parts)
+            got = read(parts)
+            if isinstance(got, torch.Tensor):
+                out[layer + ".weight"] = got
+            else:
+                out.update({f"{layer}.{p}": t for p, t in zip(PARTS, got)})
         return out
 
-    def _gptq(self, p: dict) -> torch.Tensor:
-        q = nibbles(p["qweight"], dim=0)                       # [K, N]
-        zeros = nibbles(p["qzeros"], dim=1)                     # [K / G, N]
-        if self.qc.get("checkpoint_format", "gptq") == "gptq":  # v1 stores zero - 1
+    def _gptq(self, p: dict):
+        q = nibbles(p["qweight"], dim=0).t()                       # [N, K]
+        zeros = nibbles(p["qzeros"], dim=1)[:, :q.shape[0]].t()    # [N, K / G]
+        if self.qc.get("checkpoint_format", "gptq") == "gptq":     # v1 stores zero - 1
             zeros = zeros + 1
-        g = p["g_idx"].long() if "g_idx" in p else torch.arange(q.shape[0]) // self.qc[
-            "group_size"]
-        return ((q - zeros[g]) * p["scales"][g].float()).t().contiguous()
+        scales = p["scales"].t()
+        group = q.shape[1] // scales.shape[1]
+        g = p["g_idx"].long() if "g_idx" in p else None
+        if g is not None and not torch.equal(g, torch.arange(q.shape[1]) // group):
+            # act-order: a column's group is its g_idx, not its place
+            return ((q.float() - zeros[:, g].float()) * scales[:, g].float()).contiguous()
+        return q.contiguous(), scales.contiguous(), zeros.contiguous()
+
+    def load_state(self, model, state: dict, device) -> dict:
+        """Make each linear with levels in ``state`` an Int4Linear (packed), or, where
+        it does not pack, give it the de-quantized weight; the state to load the rest."""
+        for key in [k for k in state if k.endswith(".levels")]:
+            layer = key.removesuffix(".levels")
+            levels, scales, zeros = (state.pop(f"{layer}.{p}") for p in PARTS)
+            linear = model.get_submodule(layer)
+            if self._packs(linear, levels.shape[1], levels.shape[1] // scales.shape[1]):
+                to_int4(linear, *(t.to(device) for t in (levels, scales, zeros)))
+                state.update({f"{layer}.{p}": getattr(linear, p)
+                              for p in ("qweight", "scales", "shifts")})
+            else:
+                state[f"{layer}.weight"] = dequantize(levels, scales, zeros)
+        return state
+
+    @staticmethod
+    def _packs(linear, k: int, group: int) -> bool:
+        w = linear.weight
+        return runs_here(w.device, w.dtype) and packs(k, group)
 
     def quantize(self, model) -> None:
         if self.qc is not None:
@@ -92,18 +128,17 @@ class Int4:
                 if group is None:
                     raise ConfigError(f"int4 at load needs input sizes that are multiples of "
                                       f"{GROUPS[-1]}; a linear has {k}")
-                if group == GROUP and runs_here(linear.weight.device, linear.weight.dtype):
-                    to_int4(linear)  # packed in memory, run by the int4 kernels
+                levels, scales = quantize(linear.weight, group)
+                if self._packs(linear, k, group):
+                    to_int4(linear, levels, scales)  # packed in memory, run by the kernels
                 else:
-                    linear.weight.copy_(dequantize(*quantize(linear.weight, group)))
+                    linear.weight.copy_(dequantize(levels, scales))
 
 
-def _awq(p: dict) -> torch.Tensor:
+def _awq(p: dict):
     q = nibbles(p["qweight"], dim=1)[:, _awq_columns(p["qweight"].shape[1])]   # [K, N]
     zeros = nibbles(p["qzeros"], dim=1)[:, _awq_columns(p["qzeros"].shape[1])]  # [K / G, N]
-    group = q.shape[0] // zeros.shape[0]
-    w = (q - zeros.repeat_interleave(group, 0)) * p["scales"].float().repeat_interleave(group, 0)
-    return w.t().contiguous()
+    return q.t().contiguous(), p["scales"].t().contiguous(), zeros.t().contiguous()
 
 
 def _awq_columns(words: int) -> torch.Tensor:
@@ -112,9 +147,9 @@ def _awq_columns(words: int) -> torch.Tensor:
     return c // 8 * 8 + torch.tensor(AWQ_NIBBLE)[c % 8]
 
 
-def _packed(p: dict) -> torch.Tensor:
+def _packed(p: dict):
+    """compressed-tensors: signed levels -8..7 (stored + 8), scale per group or channel."""
     rows, cols = (int(v) for v in p["weight_shape"])
-    q = nibbles(p["weight_packed"], dim=1)[:, :cols] - 8          # signed, [N, K]
-    scale = p["weight_scale"].float()
-    group = cols // scale.shape[1] if scale.shape[1] > 1 else cols
-    return q * scale.repeat_interleave(group, 1)[:, :cols]
+    q = nibbles(p["weight_packed"], dim=1)[:, :cols]                # [N, K], level + 8
+    scale = p["weight_scale"]
+    return q, scale, torch.full(scale.shape, 8, dtype=torch.uint8)
