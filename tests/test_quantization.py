@@ -252,12 +252,11 @@ def hf_names(model):
     return {name: m for name, m in linears(model)}
 
 
-@pytest.mark.parametrize("layout", ["awq", "gptq"])
-def test_awq_and_gptq_layouts_equal_their_values(hf, tmp_path, layout):
-    """Packed by hand from the formats' specs: AWQ's GEMM layout (qweight [in, out / 8]
-    with columns in nibble order 0 2 4 6 1 3 5 7, qzeros likewise, fp16 scales) and
-    GPTQ's v1 (qweight [in / 8, out] packed along the input, qzeros [groups, out / 8]
-    holding zero - 1, g_idx)."""
+def hand_packed(hf, path, layout):
+    """A checkpoint packed by hand from the formats' specs: AWQ's GEMM layout (qweight
+    [in, out / 8] with columns in nibble order 0 2 4 6 1 3 5 7, qzeros likewise, fp16
+    scales) or GPTQ's v1 (qweight [in / 8, out] packed along the input, qzeros [groups,
+    out / 8] holding zero - 1, g_idx); and each linear's de-quantized values."""
     tensors, values = {}, {}
     for name, m in hf_names(hf).items():
         q, zeros, scales = asymmetric_int4(m.weight.detach())
@@ -277,7 +276,35 @@ def test_awq_and_gptq_layouts_equal_their_values(hf, tmp_path, layout):
     config = {"quant_method": layout, "bits": 4, "group_size": 128}
     config.update({"version": "gemm", "zero_point": True} if layout == "awq" else
                   {"desc_act": False, "sym": False})
-    path = save(hf, tmp_path, tensors, config)
+    return save(hf, path, tensors, config), values
+
+
+@pytest.mark.parametrize("layout", ["awq", "gptq"])
+def test_awq_and_gptq_layouts_equal_their_values(hf, tmp_path, layout):
+    path, values = hand_packed(hf, tmp_path, layout)
+    assert ours(path) == reference(with_weights(hf, lambda name, _: values[name]))
+
+
+def test_gptq_act_order_equals_its_values(hf, tmp_path):
+    """desc_act: each input column's group is its g_idx, in no order (de-quantized at
+    load: its groups are not runs of the input)."""
+    tensors, values = {}, {}
+    gen = torch.Generator().manual_seed(5)
+    for name, m in hf_names(hf).items():
+        k = m.weight.shape[1]
+        g_idx = torch.randperm(k, generator=gen) // 128
+        q = torch.randint(0, 16, (k, m.weight.shape[0]), generator=gen, dtype=torch.int32)
+        zeros = torch.randint(4, 12, (k // 128, m.weight.shape[0]), generator=gen,
+                              dtype=torch.int32)
+        scales = (torch.rand(k // 128, m.weight.shape[0], generator=gen) / 50).half()
+        values[name] = ((q - zeros[g_idx]) * scales[g_idx].float()).t()
+        tensors.update({f"{name}.qweight": pack_rows(q), f"{name}.qzeros": pack_cols(zeros - 1),
+                        f"{name}.g_idx": g_idx.to(torch.int32), f"{name}.scales": scales})
+    for key, t in hf.state_dict().items():
+        if key.rpartition(".")[0] not in values:
+            tensors[key] = t.contiguous()
+    path = save(hf, tmp_path, tensors, {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                        "desc_act": True, "sym": False})
     assert ours(path) == reference(with_weights(hf, lambda name, _: values[name]))
 
 
@@ -412,9 +439,14 @@ def test_fp8_kv_cache_holds_more_blocks():
         LLM(hf, device="cpu", kv_cache_dtype="int8")
 
 
-def test_a_quantized_checkpoint_over_two_ranks_equals_one(hf, tmp_path):
-    """Each rank de-quantizes the checkpoint's tensors whole, then cuts its shard."""
-    path = compressed_tensors_checkpoint(
-        hf, tmp_path, "W4A16", "pack-quantized",
-        lambda w: w.view(w.shape[0], -1, 128).abs().amax(-1) / 7.5)
+@pytest.mark.parametrize("layout", ["compressed-tensors", "awq"])
+def test_a_quantized_checkpoint_over_two_ranks_equals_one(hf, tmp_path, layout):
+    """Each rank reads the checkpoint's levels, scales and zeros, and cuts them as the
+    weight: row-parallel layers' scales and zeros in whole groups of inputs."""
+    if layout == "awq":
+        path, _ = hand_packed(hf, tmp_path, "awq")
+    else:
+        path = compressed_tensors_checkpoint(
+            hf, tmp_path, "W4A16", "pack-quantized",
+            lambda w: w.view(w.shape[0], -1, 128).abs().amax(-1) / 7.5)
     assert ours(path, tensor_parallel_size=2) == ours(path)
