@@ -13,6 +13,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.plugins import PluginRegistry, UnknownPluginError
+from roseinfer.models.quantization import quantizable
 from tests.models import hf_greedy, tiny_family, tiny_llama
 
 FP8 = torch.float8_e4m3fn
@@ -355,8 +356,6 @@ class HalfWeights:
         assert qc is None
 
     def quantize(self, model):
-        from roseinfer.models.quantization import quantizable
-
         with torch.no_grad():
             for _, linear in quantizable(model):
                 linear.weight.copy_(linear.weight.bfloat16().float())
@@ -374,6 +373,44 @@ def test_an_outside_method_serves_a_model(hf, tmp_path):
     reg.register(HalfWeightsPlugin(), name="half-weights")
     got = ours(path, quantization="half_weights", plugins=reg)
     assert got == reference(with_weights(hf, lambda _, w: w.bfloat16().float()))
+
+
+def test_a_random_model_is_quantized_one_linear_at_a_time(monkeypatch):
+    """Built from a random-weights alias, each linear is quantized as soon as it is
+    drawn, before the next exists: the float model is never whole in memory. The
+    values are those of the float build, rounded."""
+    from roseinfer.models import loader
+
+    seen = []
+
+    class Recording(HalfWeights):
+        def quantize(self, module):
+            # the linears not yet drawn are still on the meta device
+            later = [m for m in pending if m.weight.device.type == "meta"]
+            seen.append((type(module).__name__, len(later)))
+            super().quantize(module)
+
+    class Plugin:
+        @hookimpl
+        def roseinfer_register_quantization_methods(self, register):
+            register("recording", Recording)
+
+    reg = PluginRegistry(load_entry_points=False)
+    reg.register(Plugin(), name="recording")
+    meta_module = loader._meta_module
+
+    def keep(hf_config, dtype, plugins):
+        model = meta_module(hf_config, dtype, plugins)
+        pending[:] = [m for _, m in quantizable(model)]
+        return model
+    pending = []
+    monkeypatch.setattr(loader, "_meta_module", keep)
+    model, _, _ = loader.load("smollm2-random", quantization="recording", plugins=reg)
+    monkeypatch.undo()
+    assert seen == [("Linear", n) for n in range(len(pending) - 1, -1, -1)]
+    float_model, _, _ = loader.load("smollm2-random")
+    for (name, a), (_, b) in zip(quantizable(model), quantizable(float_model)):
+        assert torch.equal(a.weight, b.weight.bfloat16().float()), name
 
 
 # ---------------------------------------------------------------- FP8 KV cache

@@ -18,9 +18,10 @@ from roseinfer.core import tp
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.triton_support import triton_usable
 from roseinfer.models import json_tokenizer, model_class, sharding
-from roseinfer.models.quantization import checkpoint_config, method_for
+from roseinfer.models.quantization import checkpoint_config, method_for, quantizable
 from roseinfer.layers.cpu_linear import choose_cpu_linears
 from roseinfer.layers.cpu_weights import round_linears
+from roseinfer.layers.moe import SparseMoE
 from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.layers.skinny_linear import measured_on, use_skinny_linears
 from roseinfer.models.tokenizers import gpt2_tokenizer, package_dir
@@ -149,8 +150,7 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
     if isinstance(spec, str) and spec in RANDOM:
         hf_config, tok = RANDOM[spec]()
         name, method = method_for(hf_config, quantization, plugins)
-        model = _empty_module(hf_config, dtype, device, plugins)
-        _random_init(model, seed)
+        model = _random_module(hf_config, dtype, device, plugins, seed, method)
     else:
         hf_config, tensors, tok = _resolve(spec)
         name, method = method_for(hf_config, quantization, plugins)
@@ -171,8 +171,8 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
         if hasattr(method, "load_state"):  # a method that keeps its own tensors
             state_dict = method.load_state(model, state_dict, device)
         model.load_state_dict(state_dict, strict=True, assign=assign)
-    if method is not None:
-        method.quantize(model)
+        if method is not None:
+            method.quantize(model)
     model.quantization = name
     if tokenizer is not None:
         tok = _load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -206,29 +206,53 @@ def _shards(cls, tensors: dict, hf_config) -> dict:
 
 
 def _empty_module(hf_config, dtype, device, plugins=None):
+    return _materialize(_meta_module(hf_config, dtype, plugins), device)
+
+
+def _meta_module(hf_config, dtype, plugins):
     with torch.device("meta"):  # no time spent on an init we overwrite
         model = model_class(hf_config, plugins)(hf_config)
-    # The dtype first: a 70B shard in float32 would not fit where its bf16 does. Then
-    # what to_empty() does, but through torch.empty: empty_like of a meta tensor goes
-    # through torch._refs, which imports sympy (0.46 s of a 2-core cold start).
-    return model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    # The dtype first: a 70B shard in float32 would not fit where its bf16 does.
+    return model.to(dtype)
 
 
-def _random_init(model, seed: int) -> None:
+def _materialize(model, device, fill=None):
+    """``model`` (on the meta device) on ``device``, its tensors uninitialized, made one
+    module at a time; ``fill(module)`` runs on each as soon as its own tensors exist.
+    What to_empty() does, but through torch.empty: empty_like of a meta tensor goes
+    through torch._refs, which imports sympy (0.46 s of a 2-core cold start)."""
+    for module in list(model.modules()):  # as listed now: fill may add submodules
+        module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device),
+                      recurse=False)
+        if fill is not None:
+            fill(module)
+    return model
+
+
+def _random_module(hf_config, dtype, device, plugins, seed: int, method):
     """GPT-2's init on the module's own device: weights N(0, 0.02), norms 1, biases 0. Each
     rank draws its own shards from ``seed + rank``; a ``router`` (layers/moe.py), which
-    every rank holds whole, draws from ``seed``, the same on every rank."""
-    device = next(model.parameters()).device
+    every rank holds whole, draws from ``seed``, the same on every rank.
+    A quantization method quantizes each linear (and each block of experts) as soon as
+    it is drawn, so the float model never exists whole: a 70B shape in 4 bits builds
+    where its bf16 would not fit."""
+    model = _meta_module(hf_config, dtype, plugins)
+    now = set() if method is None else {m for _, m in quantizable(model)} | {
+        m for m in model.modules() if isinstance(m, SparseMoE)}
     own = torch.Generator(device).manual_seed(seed + tp.group().rank)
     shared = torch.Generator(device).manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            gen = shared if getattr(module, "router", False) else own
+
+    def fill(module):
+        gen = shared if getattr(module, "router", False) else own
+        with torch.no_grad():
             for name, p in module.named_parameters(recurse=False):
                 if p.dim() > 1:
                     p.normal_(0.0, 0.02, generator=gen)
                 else:  # 1-D: a norm's scale, or a bias
                     p.fill_(1.0 if name.endswith("weight") else 0.0)
+        if module in now:
+            method.quantize(module)
+    return _materialize(model, device, fill)
 
 
 def _resolve(spec):
