@@ -114,3 +114,38 @@ def test_a_model_quantized_at_load_runs_packed_weights_as_the_dequantized_ones(m
     same = sum(a[0] == b[0] for a, b in zip(packed, floats))
     assert same >= 0.95 * len(floats)
     assert sum(abs(a[1] - b[1]) for a, b in zip(packed, floats)) / len(floats) < 0.05
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout", ["awq", "gptq"])
+def test_a_checkpoint_loads_packed_and_runs_as_its_dequantized_values(tmp_path, monkeypatch,
+                                                                      layout):
+    """An AWQ or GPTQ checkpoint (packed from the formats' specs, zero points per group)
+    loads packed on a GPU, and scores each prompt's tokens as its de-quantized values
+    do in bfloat16: the same most likely token at >= 95 % of the positions."""
+    from roseinfer import LLM, SamplingParams
+    from roseinfer.layers.int4_linear import Int4Linear
+    from roseinfer.plugins.quantization import int4
+    from tests.models import tiny_llama
+    from tests.test_quantization import hand_packed
+
+    hf = tiny_llama(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                    num_key_value_heads=2, initializer_range=0.05)
+    path, _ = hand_packed(hf, tmp_path, layout)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 512, (60,), generator=gen).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    config = dict(device="cuda", dtype="bfloat16", num_kv_blocks=64)
+
+    def top1(llm):
+        return [e.top[0][0] for o in llm.generate(prompts, params)
+                for e in o.prompt_logprobs[1:]]
+
+    with LLM(path, **config) as llm:
+        linears = [m for m in llm.engine.model.modules() if isinstance(m, Int4Linear)]
+        assert len(linears) == 4 * hf.config.num_hidden_layers
+        packed = top1(llm)
+    monkeypatch.setattr(int4, "runs_here", lambda device, dtype: False)
+    with LLM(path, **config) as llm:
+        floats = top1(llm)
+    assert sum(a == b for a, b in zip(packed, floats)) >= 0.95 * len(floats)

@@ -107,8 +107,8 @@ class Int4:
             linear = model.get_submodule(layer)
             if self._packs(linear, levels.shape[1], levels.shape[1] // scales.shape[1]):
                 to_int4(linear, *(t.to(device) for t in (levels, scales, zeros)))
-                state.update({f"{layer}.{p}": getattr(linear, p)
-                              for p in ("qweight", "scales", "shifts")})
+                # what the model's own loading then reads back into the packed linear
+                state.update(linear.kernel.state_dict(prefix=f"{layer}.kernel."))
             else:
                 state[f"{layer}.weight"] = dequantize(levels, scales, zeros)
         return state
