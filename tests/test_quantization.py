@@ -286,9 +286,9 @@ def test_awq_and_gptq_layouts_equal_their_values(hf, tmp_path, layout):
     assert ours(path) == reference(with_weights(hf, lambda name, _: values[name]))
 
 
-def test_gptq_act_order_equals_its_values(hf, tmp_path):
-    """desc_act: each input column's group is its g_idx, in no order (de-quantized at
-    load: its groups are not runs of the input)."""
+def act_order(hf, path):
+    """A GPTQ desc_act checkpoint: each input column's group is its g_idx, in no order;
+    and each linear's de-quantized values."""
     tensors, values = {}, {}
     gen = torch.Generator().manual_seed(5)
     for name, m in hf_names(hf).items():
@@ -304,9 +304,41 @@ def test_gptq_act_order_equals_its_values(hf, tmp_path):
     for key, t in hf.state_dict().items():
         if key.rpartition(".")[0] not in values:
             tensors[key] = t.contiguous()
-    path = save(hf, tmp_path, tensors, {"quant_method": "gptq", "bits": 4, "group_size": 128,
-                                        "desc_act": True, "sym": False})
+    return save(hf, path, tensors, {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                    "desc_act": True, "sym": False}), values
+
+
+def test_gptq_act_order_equals_its_values(hf, tmp_path):
+    """De-quantized at load: its groups are not runs of the input."""
+    path, values = act_order(hf, tmp_path)
     assert ours(path) == reference(with_weights(hf, lambda name, _: values[name]))
+
+
+def test_packed_parts_are_cut_as_their_layers_weight():
+    """A rank reads only its own words: the cut of a layer's weight [N, K], in outputs
+    (dim 0) or inputs (dim 1), is mapped to each format's packed parts."""
+    from roseinfer.models.sharding import Shard
+    from roseinfer.plugins.quantization.int4 import Int4
+
+    outputs, inputs = Shard(0, ((64, 128),)), Shard(1, ((256, 512),))
+    awq = Int4({"quant_method": "awq", "bits": 4, "group_size": 128})
+    assert awq.part_shard("l.qweight", outputs, {}) == Shard(1, ((8, 16),))
+    assert awq.part_shard("l.qweight", inputs, {}) == Shard(0, ((256, 512),))
+    assert awq.part_shard("l.qzeros", inputs, {}) == Shard(0, ((2, 4),))
+    assert awq.part_shard("l.scales", outputs, {}) == Shard(1, ((64, 128),))
+    assert awq.part_shard("l.bias", outputs, {}) == outputs  # not a packed part
+    gptq = Int4({"quant_method": "gptq", "bits": 4, "group_size": 128})
+    assert gptq.part_shard("l.qweight", inputs, {}) == Shard(0, ((32, 64),))
+    assert gptq.part_shard("l.g_idx", outputs, {}) is None
+    act = Int4({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True})
+    assert act.part_shard("l.scales", inputs, {}) is None  # any rank may use any group
+    channel = Int4({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                    "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
+                                                        "strategy": "channel"}}}})
+    assert channel.part_shard("l.weight_packed", inputs, {}) == Shard(1, ((32, 64),))
+    assert channel.part_shard("l.weight_scale", inputs, {}) is None
+    with pytest.raises(ConfigError, match="does not split evenly"):
+        awq.part_shard("l.qweight", Shard(0, ((0, 12),)), {})
 
 
 # ---------------------------------------------------------------- errors and plugins
@@ -476,12 +508,14 @@ def test_fp8_kv_cache_holds_more_blocks():
         LLM(hf, device="cpu", kv_cache_dtype="int8")
 
 
-@pytest.mark.parametrize("layout", ["compressed-tensors", "awq"])
+@pytest.mark.parametrize("layout", ["compressed-tensors", "awq", "gptq", "act-order"])
 def test_a_quantized_checkpoint_over_two_ranks_equals_one(hf, tmp_path, layout):
-    """Each rank reads the checkpoint's levels, scales and zeros, and cuts them as the
-    weight: row-parallel layers' scales and zeros in whole groups of inputs."""
-    if layout == "awq":
-        path, _ = hand_packed(hf, tmp_path, "awq")
+    """Each rank cuts the packed parts as the weight (row-parallel layers' scales and
+    zeros in whole groups of inputs; act-order's kept whole), then reads its own."""
+    if layout in ("awq", "gptq"):
+        path, _ = hand_packed(hf, tmp_path, layout)
+    elif layout == "act-order":
+        path, _ = act_order(hf, tmp_path)
     else:
         path = compressed_tensors_checkpoint(
             hf, tmp_path, "W4A16", "pack-quantized",

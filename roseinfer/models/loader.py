@@ -154,11 +154,18 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
     else:
         hf_config, tensors, tok = _resolve(spec)
         name, method = method_for(hf_config, quantization, plugins)
-        if checkpoint_config(hf_config) is not None:  # de-quantized whole, then cut
+        cls = model_class(hf_config, plugins)
+        quantized = checkpoint_config(hf_config) is not None
+        # A method that knows how its packed parts split cuts them as they are stored,
+        # then reads this rank's; another reads each tensor whole, then it is cut.
+        part_shard = getattr(method, "part_shard", None) if quantized else None
+        if quantized and part_shard is None:
+            tensors = method.load_weights(tensors)
+        tensors = _shards(cls, tensors, hf_config, part_shard)
+        if part_shard is not None:
             tensors = method.load_weights(tensors)
         model = _empty_module(hf_config, dtype, device, plugins)
-        state_dict = type(model).convert_hf_state_dict(_shards(type(model), tensors, hf_config),
-                                                       hf_config)
+        state_dict = cls.convert_hf_state_dict(tensors, hf_config)
         # On the CPU the module takes the tensors read from files as they are, cast where
         # its dtype differs: a float32 checkpoint is not copied again (0.16 s of the
         # default model's start), and the empty module's pages are never touched. On a
@@ -190,17 +197,20 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
     return model.eval().requires_grad_(False), hf_config, tok
 
 
-def _shards(cls, tensors: dict, hf_config) -> dict:
+def _shards(cls, tensors: dict, hf_config, part_shard=None) -> dict:
     """The checkpoint's tensors (whole tensors or safetensors slices), each cut
-    to this rank's shard by the family's ``shard_rule``."""
+    to this rank's shard by the family's ``shard_rule``; a quantization method's
+    ``part_shard(key, shard, tensors)`` turns the cut of a layer's weight into its
+    packed parts' (docs/plugins.md)."""
     if tp.group().size == 1:
         return {k: sharding.take(v, None) for k, v in tensors.items()}
     rule = getattr(cls, "shard_rule", None)
     if rule is None:
         raise ConfigError(f"{cls.__name__} does not support tensor parallelism: its class has "
                           "no shard_rule (docs/plugins.md); use tensor_parallel_size=1")
-    shards = ((k, v, sharding.per_group(rule(k, hf_config), k, v, tensors))
-              for k, v in tensors.items())
+    shards = ((k, v, rule(k, hf_config)) for k, v in tensors.items())
+    if part_shard is not None:
+        shards = ((k, v, part_shard(k, shard, tensors)) for k, v, shard in shards)
     return {k: sharding.take(v, shard) for k, v, shard in shards
             if shard is None or not shard.absent}
 

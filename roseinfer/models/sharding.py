@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from roseinfer.core import tp
-from roseinfer.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -67,23 +66,6 @@ def experts(count: int) -> range:
     """The experts of ``count`` this rank holds under expert parallelism."""
     n = tp.split(count, "experts")
     return range(tp.group().rank * n, (tp.group().rank + 1) * n)
-
-
-def per_group(shard: Shard | None, key: str, view, tensors: dict) -> Shard | None:
-    """A 4-bit layer's ``scales`` and ``zeros`` [N, K / group] (plugins/quantization/
-    int4.py) cut as its ``levels`` [N, K] are: ranges along the input in whole groups."""
-    layer, _, part = key.rpartition(".")
-    levels = tensors.get(layer + ".levels")
-    if shard is None or shard.dim != 1 or part not in ("scales", "zeros") or levels is None:
-        return shard
-    if _shape(view)[1] == 1:  # one scale per output: every rank's inputs share it
-        return None
-    group = _shape(levels)[1] // _shape(view)[1]
-    if any(a % group or b % group for a, b in shard.ranges):
-        raise ConfigError(f"{key}: groups of {group} inputs do not split evenly over "
-                          f"{tp.group().size} ranks; use fewer ranks")
-    return Shard(1, tuple((a // group, b // group) for a, b in shard.ranges), shard.once,
-                 shard.absent)
 
 
 def _shape(view) -> list[int]:

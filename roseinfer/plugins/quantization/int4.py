@@ -4,9 +4,11 @@ weight-only (W4A16). Reads AWQ (GEMM layout), GPTQ and compressed-tensors
 nearest level of each group (symmetric, no calibration): groups of 128, or of 64 or 32
 where 128 does not divide a linear's input size (SmolLM2's 576).
 
-A checkpoint's layers are read into one form, levels [N, K] with scales and zeros
-[N, K / group] (``<layer>.levels``, ``.scales``, ``.zeros``), which the family fuses and
-each rank cuts as it would the weight. On GPUs (bfloat16, layers/int4_linear.py) every
+Under tensor parallelism each rank cuts a checkpoint's packed parts as they are stored
+(``part_shard``: the cut of the layer's weight, in words, groups or rows), and reads
+only its own. A layer is read into one form, levels [N, K] with scales and zeros
+[N, K / group] (``<layer>.levels``, ``.scales``, ``.zeros``), which the family fuses as
+it fuses weights. On GPUs (bfloat16, layers/int4_linear.py) every
 linear whose input size is whole tiles of 128 stays packed, half a byte a weight: group
 sizes 32, 64, 128 and larger, and per-channel scales. What does not pack is
 de-quantized to the model's dtype at load, as on every CPU: input sizes that are not
@@ -18,9 +20,21 @@ import torch
 from roseinfer.core.errors import ConfigError
 from roseinfer.layers.int4_linear import dequantize, packs, quantize, runs_here, to_int4
 from roseinfer.models.quantization import quantizable
+from roseinfer.models.sharding import Shard
 
 GROUPS = (128, 64, 32)  # at load: the largest that divides the input size
 PARTS = ("levels", "scales", "zeros")
+# Where each format's packed parts hold a layer's outputs (N) and inputs (K):
+# part -> (dim of N, outputs per element, dim of K, inputs per element); None: kept whole
+# under such a cut. "group": one element per group of inputs.
+LAYOUTS = {
+    "awq": {"qweight": (1, 8, 0, 1), "qzeros": (1, 8, 0, "group"),
+            "scales": (1, 1, 0, "group")},
+    "gptq": {"qweight": (1, 1, 0, 8), "qzeros": (1, 8, 0, "group"),
+             "scales": (1, 1, 0, "group"), "g_idx": (None, 1, 0, 1)},
+    "compressed-tensors": {"weight_packed": (0, 1, 1, 8), "weight_scale": (0, 1, 1, "group"),
+                           "weight_shape": (None, 1, None, 1)},
+}
 # AWQ's GEMM kernels pack columns 0..7 of a word as nibbles 0, 2, 4, 6, 1, 3, 5, 7:
 # column c sits in nibble AWQ_NIBBLE[c].
 AWQ_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]
@@ -65,6 +79,34 @@ class Int4:
                     raise ConfigError("int4 reads symmetric compressed-tensors weights; this "
                                       "checkpoint has zero points (asymmetric)")
 
+    def part_shard(self, key: str, shard, tensors: dict):
+        """The cut of a packed part that matches ``shard``, the cut of its layer's
+        weight [N, K] (models/sharding.py): this rank reads only its own words."""
+        part = key.rpartition(".")[2]
+        layout = LAYOUTS[self.kind].get(part)
+        if shard is None or layout is None:
+            return shard  # whole, or not a packed part (a bias, a norm, the embeddings)
+        dim, per = layout[:2] if shard.dim == 0 else layout[2:]
+        if per == "group":
+            per = self._group()
+            if self.kind == "gptq" and self.qc.get("desc_act") and shard.dim == 1:
+                per = None  # act-order: a rank's inputs may use any group
+        if dim is None or per is None:
+            return None
+        if any(a % per or b % per for a, b in shard.ranges):
+            raise ConfigError(f"{key}: its packing ({per} per element) does not split evenly "
+                              f"over the ranks; use fewer ranks")
+        return Shard(dim, tuple((a // per, b // per) for a, b in shard.ranges), shard.once,
+                     shard.absent)
+
+    def _group(self) -> int | None:
+        """Inputs per scale; None for one scale per output (channel)."""
+        if self.kind == "compressed-tensors":
+            w = _compressed_tensors(self.qc)[0]
+            return w.get("group_size") if w.get("strategy") == "group" else None
+        group = self.qc.get("group_size", -1)
+        return None if group in (-1, None) else group
+
     def load_weights(self, tensors: dict) -> dict:
         """Each quantized layer's tensors -> its levels, scales and zeros (or, for an
         act-order GPTQ layer, its de-quantized weight)."""
@@ -91,11 +133,14 @@ class Int4:
         if self.qc.get("checkpoint_format", "gptq") == "gptq":     # v1 stores zero - 1
             zeros = zeros + 1
         scales = p["scales"].t()
-        group = q.shape[1] // scales.shape[1]
         g = p["g_idx"].long() if "g_idx" in p else None
-        if g is not None and not torch.equal(g, torch.arange(q.shape[1]) // group):
-            # act-order: a column's group is its g_idx, not its place
+        group = self._group() or q.shape[1]
+        if g is not None and not torch.equal(g - g[0], torch.arange(q.shape[1]) // group):
+            # act-order: a column's group is its g_idx, not its place (scales kept whole)
             return ((q.float() - zeros[:, g].float()) * scales[:, g].float()).contiguous()
+        if g is not None and scales.shape[1] > q.shape[1] // group:  # kept whole (desc_act)
+            first = int(g[0])
+            scales, zeros = (t[:, first:first + q.shape[1] // group] for t in (scales, zeros))
         return q.contiguous(), scales.contiguous(), zeros.contiguous()
 
     def load_state(self, model, state: dict, device) -> dict:
@@ -149,7 +194,8 @@ def _awq_columns(words: int) -> torch.Tensor:
 
 def _packed(p: dict):
     """compressed-tensors: signed levels -8..7 (stored + 8), scale per group or channel."""
-    rows, cols = (int(v) for v in p["weight_shape"])
+    # the stored shape is the whole layer's; a rank's cut of the inputs is its words'
+    cols = min(int(p["weight_shape"][1]), 8 * p["weight_packed"].shape[1])
     q = nibbles(p["weight_packed"], dim=1)[:, :cols]                # [N, K], level + 8
     scale = p["weight_scale"]
     return q, scale, torch.full(scale.shape, 8, dtype=torch.uint8)
