@@ -308,3 +308,24 @@ def test_resume_releases_text_the_first_owner_held_back():
     while eng.has_unfinished():
         rest += "".join(o.new_text for o in eng.step())
     assert handed_out + rest == whole.text
+
+
+def test_the_backlog_counts_prompt_tokens_ahead_and_steps_to_a_free_seat(gpt2_model):
+    """What a fleet's router predicts a request's wait from (frontends/redis_streams/
+    routing.py): prompt tokens not computed yet, and with every seat taken, the steps
+    until the nearest running sequence reaches its length limit."""
+    eng = llm_for(gpt2_model, max_num_seqs=2, decode_steps=1).engine
+    s = eng.scheduler
+    assert s.backlog() == (0, 0)
+    for rid, n, new in (("a", 7, 5), ("b", 5, 9), ("c", 9, 3)):
+        eng.add_request(rid, list(range(10, 10 + n)), SamplingParams(
+            max_tokens=new, temperature=0, ignore_eos=True))
+    assert s.backlog() == (21, 0)
+    before = s.num_prefilled
+    eng.step()  # a and b take both seats and compute their prompts; c waits
+    assert s.num_prefilled - before == 12
+    tokens, steps = s.backlog()
+    assert tokens == 9 and steps == 5 - 1  # a's first token is in flight
+    while eng.has_unfinished():
+        eng.step()
+    assert s.backlog() == (0, 0)

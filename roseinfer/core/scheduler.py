@@ -75,6 +75,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.aside: tuple = ()  # the queues only() set aside
         self.num_preemptions = 0
+        self.num_prefilled = 0  # prompt tokens scheduled, ever (a worker's prefill rate)
         self.prioritized = False  # some request had a priority: running is kept in its order
 
     def rank(self, seq: Sequence) -> float:
@@ -177,6 +178,7 @@ class Scheduler:
                 budget.tokens -= n
             else:
                 budget.spend_prefill(seq, n)
+                self.num_prefilled += n
             i += 1
 
     def _fit_draft(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
@@ -209,6 +211,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget.spend_prefill(seq, n)
+            self.num_prefilled += n
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_seq(seq)
@@ -253,3 +256,13 @@ class Scheduler:
 
     def num_unfinished(self) -> int:
         return len(self.running) + len(self.waiting)
+
+    def backlog(self) -> tuple[int, int]:
+        """What a request arriving now waits behind: (prompt tokens still to compute, and
+        when every seat is taken, the decode steps until the first running sequence
+        reaches its length limit, else 0)."""
+        tokens = sum(len(s.token_ids) - s.num_computed for s in self.waiting) + sum(
+            max(0, len(s.token_ids) + s.pending - s.num_computed - 1) for s in self.running)
+        if len(self.running) < self.max_num_seqs:
+            return tokens, 0
+        return tokens, min(s.max_len - len(s.token_ids) - s.pending for s in self.running)

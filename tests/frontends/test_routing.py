@@ -12,7 +12,9 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.core.blocks import prompt_hashes
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.protocol import Keys
-from roseinfer.frontends.redis_streams.routing import WATCH_EVERY_S, RouteConfig, Router
+from roseinfer.core.errors import ConfigError
+from roseinfer.frontends.redis_streams.routing import WATCH_EVERY_S, Forecast, RouteConfig, \
+    Router
 from roseinfer.frontends.redis_streams.worker import Worker
 
 from .conftest import TINY_ENGINE, WORDS, assert_well_formed, pending, raw_chunks, wait_until
@@ -30,14 +32,17 @@ def fleet(real_redis, prefix):
     """fleet(name, blocks held of PROMPT, unfinished, draining=False): a peer's keys."""
     keys = Keys(prefix)
 
-    def add(name, held, unfinished=0, draining=False, max_num_seqs=8):
+    def add(name, held, unfinished=0, draining=False, max_num_seqs=8, forecast=None,
+            age_s=0.0):
         real_redis.sadd(keys.fleet, name)
         if held:
             real_redis.sadd(keys.cached(name), *HASHES[:held])
         real_redis.lpush(keys.roots(name), 7, HASHES[0], 8)  # its prompt among others
-        real_redis.set(keys.load(name), msgpack.packb(
-            {"unfinished": unfinished, "draining": draining, "roots": 3,
-             "max_num_seqs": max_num_seqs}))
+        load = {"unfinished": unfinished, "draining": draining, "roots": 3,
+                "max_num_seqs": max_num_seqs}
+        if forecast is not None:  # a worker that reports what predicting its TTFT reads
+            load.update(forecast=forecast.body(), at=time.time() - age_s, heartbeat_s=1.0)
+        real_redis.set(keys.load(name), msgpack.packb(load))
     return add
 
 
@@ -45,12 +50,14 @@ PROMPT = list(range(1000, 1000 + 20 * BLOCK + 5))
 HASHES = prompt_hashes(PROMPT, BLOCK)
 
 
-def router(real_redis, prefix, own=0, min_gain_tokens=2 * BLOCK, own_load=0):
+def router(real_redis, prefix, own=0, min_gain_tokens=2 * BLOCK, own_load=0,
+           own_forecast=None, policy="ttft"):
     """A router whose mirror has looked three times: the names, their loads, the roots
     those list."""
     mine = set(HASHES[:own])
     r = Router(real_redis, Keys(prefix), "me", BLOCK, mine.__contains__, lambda: own_load,
-               RouteConfig(min_gain_tokens=min_gain_tokens))
+               RouteConfig(min_gain_tokens=min_gain_tokens, policy=policy),
+               lambda: own_forecast)
     for _ in range(3):
         look(r, real_redis)
     return r
@@ -93,6 +100,55 @@ def test_a_loaded_draining_or_dead_peer_gets_nothing(real_redis, prefix, fleet):
     assert r.place([("3-0", request(PROMPT))]) == {"3-0": "b"}
     look(r, real_redis)
     assert real_redis.smembers(keys.fleet) == {b"b", b"c"}  # a is dropped from the fleet
+
+
+# 2,000 prompt tokens a second and 10 ms steps everywhere; PROMPT is 325 tokens, 320 in
+# the 20 blocks a holder caches: 162.5 ms to compute it whole, 2.5 ms for its last 5.
+def forecast(running=0, backlog=0, free_in=0):
+    return Forecast(running, 8, backlog, free_in, step_s=0.010, prefill_tps=2000.0)
+
+
+def test_the_holder_busy_but_still_faster_gets_the_entry(real_redis, prefix, fleet):
+    """a runs 7 sequences (past the prefix rule's bound of 2 beyond this idle worker),
+    with 100 prompt tokens ahead: 50 + 2.5 ms there, plus the 20 ms hand-over, against
+    162.5 ms to compute the prompt here."""
+    fleet("a", 20, unfinished=7, forecast=forecast(running=7, backlog=100))
+    idle = forecast()
+    assert router(real_redis, prefix, own_forecast=idle).place(
+        [("1-0", request(PROMPT))]) == {"1-0": "a"}
+    assert router(real_redis, prefix, own_forecast=idle, policy="prefix").place(
+        [("1-0", request(PROMPT))]) == {}
+
+
+def test_a_holder_so_loaded_that_recomputing_wins_gets_nothing(real_redis, prefix, fleet):
+    """Every seat at a taken for 30 more steps (300 ms): computing the prompt here is
+    faster, though a holds it."""
+    fleet("a", 20, unfinished=8, forecast=forecast(running=8, free_in=30))
+    assert router(real_redis, prefix, own_forecast=forecast()).place(
+        [("1-0", request(PROMPT))]) == {}
+
+
+def test_entries_placed_since_a_report_count_as_that_workers_work(real_redis, prefix, fleet):
+    """a has two seats free: two entries take them; the third would wait 30 steps for a
+    seat there, and is computed here instead."""
+    fleet("a", 20, unfinished=6, forecast=forecast(running=6, free_in=30))
+    entries = [(f"{i}-0", request(PROMPT)) for i in range(3)]
+    assert router(real_redis, prefix, own_forecast=forecast()).place(entries) == {
+        "0-0": "a", "1-0": "a"}
+
+
+def test_a_stale_report_falls_back_to_the_prefix_rule(real_redis, prefix, fleet):
+    """a's report is 3 s old, past two of its 1 s heartbeats: the prefix rule decides,
+    and a runs too many sequences for it. So does a report without a forecast, and a
+    router that has not measured its own rates yet."""
+    fleet("a", 20, unfinished=7, forecast=forecast(running=7, backlog=100), age_s=3.0)
+    assert router(real_redis, prefix, own_forecast=forecast()).place(
+        [("1-0", request(PROMPT))]) == {}
+    fleet("a", 20, unfinished=7, forecast=forecast(running=7, backlog=100))
+    assert router(real_redis, prefix, own_forecast=None).place(
+        [("1-0", request(PROMPT))]) == {}
+    with pytest.raises(ConfigError, match="route_policy must be ttft or prefix"):
+        RouteConfig(policy="fastest")
 
 
 def test_a_prompt_no_peer_lists_costs_no_round_trip(real_redis, prefix, fleet, monkeypatch):

@@ -54,6 +54,9 @@ WORKER_SETTINGS = {
     "route_max_excess": (None, int, "hand no entry to a worker running more than this many "
                                     "sequences beyond this one's (default: its max_num_seqs/8, "
                                     "at least 2)"),
+    "route_policy": ("ttft", str, "where a prompt's prefix is cached elsewhere: ttft (to the "
+                                  "worker predicted to answer first) or prefix (to the holder "
+                                  "unless it is loaded past the bounds above)"),
 }
 
 
@@ -219,7 +222,7 @@ def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                         ack_timeout_ms=settings["ack_timeout_ms"],
                         route=None if settings["no_route"] else RouteConfig(
                             settings["route_min_gain_tokens"], settings["route_max_load"],
-                            settings["route_max_excess"]))
+                            settings["route_max_excess"], settings["route_policy"]))
         gateway = _start_gateway(args, settings, redis_url)
         if announce:
             print(f"roseinfer is serving {args.model} at {redis_url}; from another terminal:\n"

@@ -17,11 +17,19 @@ loads, and the roots listed since it last looked). A worker that reads an entry 
 shared stream places it (Router.place, on the reader thread, once the entry is tokenized).
 When no peer lists the prompt's first block, it stays here at once: nothing to share costs
 no round trip. Else one pipelined round trip asks those peers' sets how many of the
-prompt's leading blocks they hold (SMISMEMBER). The entry goes to the peer
-holding the most when that is at least ``min_gain_tokens`` more than this worker holds,
-unless that peer is loaded past a bound: it runs ``max_load`` x its max_num_seqs sequences
-or more, or more than ``max_excess`` (default: an eighth of its max_num_seqs, at least 2)
-beyond this worker's own (SGLang's router balances the same way). Else it stays here.
+prompt's leading blocks they hold (SMISMEMBER). Then, by predicted time to first token (policy ``ttft``, the default): for this
+worker and each holder, the work ahead of the entry there (its prompt tokens still to
+compute, and when every seat is taken, the decode steps until one frees), plus the
+entry's own uncached tokens, at that worker's measured prefill rate; a peer also costs
+the hand-over, a step of each worker. The entry goes where the sum is least. Entries
+this router placed since a peer's last report count as that peer's work. Each worker
+reports what this reads (``Forecast``) in its load. Where a holder's report is stale
+(older than two of its heartbeats) or lacks it, or this worker has not measured its own
+rates yet, the prefix rule decides (policy ``prefix``): the peer holding the most, when
+that is at least ``min_gain_tokens`` more than this worker holds, unless it is loaded
+past a bound: it runs ``max_load`` x its max_num_seqs sequences or more, or more than
+``max_excess`` (default: an eighth of its max_num_seqs, at least 2) beyond this worker's
+own (SGLang's router balances the same way). Else it stays here.
 
 Handing it over is inbox.py's.
 """
@@ -38,6 +46,7 @@ import msgpack
 from redis.exceptions import RedisError
 
 from roseinfer.core.blocks import prompt_hashes
+from roseinfer.core.errors import ConfigError
 from roseinfer.frontends.redis_streams.protocol import Keys
 
 log = logging.getLogger("roseinfer.worker")
@@ -47,11 +56,52 @@ WATCH_EVERY_S = 0.01       # at most this often a round trip carries the mirror'
 ROOTS_KEPT = 4096          # first blocks a worker lists, and a mirror keeps per peer
 MAX_LOOKUP_BLOCKS = 512    # prompt blocks looked up per entry (8,192 tokens of 16)
 
+RATE_WEIGHT = 0.2          # of each new measurement in a worker's running step and rate
+MIN_RATE_TOKENS = 32       # prompt tokens a step computes for its time to count as a rate
+
+
 @dataclass(frozen=True)
 class RouteConfig:
     min_gain_tokens: int = 128  # a peer must hold this many more prompt tokens than we do
     max_load: float = 1.0       # x max_num_seqs: a peer at or past it gets nothing
     max_excess: Optional[int] = None  # sequences a peer may run beyond ours; None: auto
+    policy: str = "ttft"        # or "prefix": the prefix rule alone
+
+    def __post_init__(self):
+        if self.policy not in ("ttft", "prefix"):
+            raise ConfigError(f"route_policy must be ttft or prefix, not {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """What predicting a request's time to first token at a worker reads."""
+    running: int          # sequences holding a seat
+    max_num_seqs: int
+    backlog_tokens: int   # prompt tokens still to compute, of every unfinished sequence
+    free_in_steps: int    # all seats taken: decode steps until one frees; else 0
+    step_s: float         # a decode step, as measured lately
+    prefill_tps: float    # prompt tokens a second, as measured lately
+
+    def ttft(self, tokens: int, more_seqs: int = 0, more_tokens: int = 0) -> float:
+        """Seconds until a request of ``tokens`` uncached prompt tokens, arriving behind
+        ``more_seqs`` sequences of ``more_tokens`` not in this forecast yet, has its
+        first token here."""
+        wait = (self.backlog_tokens + more_tokens + tokens) / self.prefill_tps
+        if self.running + more_seqs >= self.max_num_seqs:
+            wait += max(1, self.free_in_steps) * self.step_s
+        return wait
+
+    def body(self) -> list:
+        return [self.running, self.backlog_tokens, self.free_in_steps,
+                round(self.step_s, 5), round(self.prefill_tps)]
+
+    @staticmethod
+    def read(body: Optional[list], max_num_seqs: int) -> Optional["Forecast"]:
+        if not body:
+            return None
+        running, backlog, free_in, step_s, tps = body
+        return Forecast(running, max_num_seqs, backlog, free_in, step_s, tps) if tps > 0 \
+            else None
 
 
 class CacheReport:
@@ -68,6 +118,21 @@ class CacheReport:
             self.blocks.journal = []
         self._load: Optional[tuple] = None
         self._roots = 0  # first blocks listed since start
+        self.heartbeat_s = ttl_s / 3
+        self._step_s: Optional[float] = None
+        self._prefill_tps: Optional[float] = None
+        self._prefilled = engine.scheduler.num_prefilled
+        self.forecast: Optional[Forecast] = None  # read by this worker's router too
+
+    def observe(self, seconds: float) -> None:
+        """After each engine step (on the step loop): its time, and the prompt tokens it
+        scheduled, into the running step time and prefill rate."""
+        prefilled = self.engine.scheduler.num_prefilled
+        tokens, self._prefilled = prefilled - self._prefilled, prefilled
+        if tokens >= MIN_RATE_TOKENS:
+            self._prefill_tps = _running(self._prefill_tps, tokens / max(seconds, 1e-6))
+        elif seconds > 0:
+            self._step_s = _running(self._step_s, seconds)
 
     def join(self, pipe) -> None:
         """At start: a set of what the cache holds now (after a restart under the same
@@ -82,7 +147,15 @@ class CacheReport:
         self.refresh(pipe, self.load(False))
 
     def load(self, draining: bool) -> tuple:
-        self._load = (self.engine.num_unfinished(), draining, self._roots)
+        s = self.engine.scheduler
+        forecast = None
+        if self._step_s is not None and self._prefill_tps is not None:
+            backlog, free_in = s.backlog()
+            forecast = Forecast(len(s.running), self.max_num_seqs, backlog, free_in,
+                                self._step_s, self._prefill_tps)
+        self.forecast = forecast
+        self._load = (self.engine.num_unfinished(), draining, self._roots,
+                      forecast.body() if forecast is not None else None)
         return self._load
 
     def take(self, draining: bool) -> Optional[tuple]:
@@ -129,7 +202,8 @@ class CacheReport:
 
     def _write_load(self, pipe, load: tuple) -> None:
         body = {"unfinished": load[0], "draining": load[1], "roots": load[2],
-                "max_num_seqs": self.max_num_seqs}
+                "max_num_seqs": self.max_num_seqs, "forecast": load[3], "at": time.time(),
+                "heartbeat_s": self.heartbeat_s}
         pipe.set(self.keys.load(self.consumer), msgpack.packb(body), ex=self.ttl_s)
 
 
@@ -139,6 +213,9 @@ class _Peer:
     load: int      # unfinished sequences, plus entries routed to it since it said so
     capacity: float
     excess: int    # beyond the router's own load
+    forecast: Optional[Forecast] = None  # None: stale, or not reported
+    routed: int = 0          # entries routed to it since its report
+    routed_tokens: int = 0   # their uncached prompt tokens
 
 
 class Router:
@@ -147,15 +224,18 @@ class Router:
 
     def __init__(self, redis, keys: Keys, consumer: str, block_size: int,
                  holds: Callable[[int], bool], own_load: Callable[[], int],
-                 config: RouteConfig = RouteConfig()):
+                 config: RouteConfig = RouteConfig(),
+                 own_forecast: Callable[[], Optional[Forecast]] = lambda: None):
         self.redis, self.keys, self.consumer = redis, keys, consumer
         self.block_size, self.holds, self.own_load = block_size, holds, own_load
+        self.own_forecast = own_forecast if config.policy == "ttft" else lambda: None
         self.min_gain_blocks = max(1, math.ceil(config.min_gain_tokens / block_size))
         self.max_load, self.max_excess = config.max_load, config.max_excess
         self._names: list[str] = []
         self._names_at = self._watch_at = -math.inf
         self._loads: dict[str, dict] = {}        # peer: its load, as last read
         self._routed: dict[str, int] = {}        # peer: entries routed to it since then
+        self._routed_tokens: dict[str, int] = {}  # peer: their uncached prompt tokens
         self._roots: dict[str, tuple[int, OrderedDict]] = {}  # peer: (roots read, newest)
         self._gone: list[str] = []
         self._asked: list[tuple] = []
@@ -210,8 +290,9 @@ class Router:
             self._gone.append(name)
             return
         load = msgpack.unpackb(raw)
-        if load != self._loads.get(name):
-            self._routed[name] = 0  # a fresh report counts what was routed to it before
+        if {**load, "at": 0} != {**self._loads.get(name, {}), "at": 0}:
+            # a fresh report counts what was routed to it before
+            self._routed[name] = self._routed_tokens[name] = 0
         if load["roots"] < self._roots.get(name, (0, None))[0]:
             self._roots.pop(name, None)  # restarted under the same name
         self._loads[name] = load
@@ -235,27 +316,37 @@ class Router:
             hashes = self._hashes(req)
             holders = [p for p in peers if hashes and hashes[0] in self._roots[p.name][1]]
             if len(hashes) >= self.min_gain_blocks and holders:
-                wanted.append((entry_id, hashes, holders))
+                wanted.append((entry_id, hashes, holders, len(req.prompt)))
         if not wanted:
             return {}
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for _, hashes, holders in wanted:
+            for _, hashes, holders, _ in wanted:
                 for p in holders:
                     pipe.smismember(self.keys.cached(p.name), hashes)
             held = iter(pipe.execute())
         except RedisError as e:  # routing only saves work: the entries stay here
             log.debug("event=route_lookup_failed error=%s", e)
             return {}
-        own_load, places = self.own_load(), {}
-        for entry_id, hashes, holders in wanted:
-            peer = self._best([(p, next(held)) for p in holders], hashes, own_load)
-            if peer is None:
-                own_load += 1
+        own = _Peer(self.consumer, self.own_load(), math.inf, 0, self.own_forecast())
+        places = {}
+        for entry_id, hashes, holders, tokens in wanted:
+            held_here = [(p, next(held)) for p in holders]
+            mine = _leading(self.holds(h) for h in hashes) * self.block_size
+            if own.forecast is not None and all(p.forecast for p, _ in held_here):
+                peer, uncached = self._fastest(own, held_here, tokens, mine)
             else:
+                peer = self._best(held_here, mine // self.block_size, own.load)
+                uncached = tokens - (mine if peer is None else self.block_size * _leading(
+                    next(m for p, m in held_here if p is peer)))
+            taker = own if peer is None else peer
+            taker.load += 1
+            taker.routed += 1
+            taker.routed_tokens += uncached
+            if peer is not None:
                 places[entry_id] = peer.name
-                peer.load += 1
                 self._routed[peer.name] += 1
+                self._routed_tokens[peer.name] += uncached
         return places
 
     def _hashes(self, req) -> list[int]:
@@ -264,8 +355,22 @@ class Router:
             return []  # untokenized (no tokenizer here), or computed whole anyway
         return prompt_hashes(prompt[:MAX_LOOKUP_BLOCKS * self.block_size + 1], self.block_size)
 
-    def _best(self, held: list, hashes: list[int], own_load: int) -> Optional[_Peer]:
-        own = _leading(self.holds(h) for h in hashes)
+    def _fastest(self, own: _Peer, held: list, tokens: int,
+                 mine: int) -> tuple[Optional[_Peer], int]:
+        """(the holder with the least predicted TTFT, or None for here; the entry's
+        uncached tokens there)."""
+        def at(worker: _Peer, cached: int) -> float:
+            return worker.forecast.ttft(tokens - cached, worker.routed, worker.routed_tokens)
+        best, best_s, uncached = None, at(own, mine), tokens - mine
+        for peer, members in held:
+            cached = _leading(members) * self.block_size
+            seconds = at(peer, cached) + own.forecast.step_s + peer.forecast.step_s
+            if seconds < best_s:
+                best, best_s, uncached = peer, seconds, tokens - cached
+        return best, uncached
+
+    def _best(self, held: list, own: int, own_load: int) -> Optional[_Peer]:
+        """The prefix rule (module doc); ``own``: the prompt's leading blocks held here."""
         best, best_blocks = None, own + self.min_gain_blocks - 1
         for peer, members in held:
             if peer.load >= peer.capacity or peer.load > own_load + peer.excess:
@@ -285,8 +390,13 @@ class Router:
             excess = self.max_excess
             if excess is None:
                 excess = max(2, load["max_num_seqs"] // 8)
-            peers.append(_Peer(name, load["unfinished"] + self._routed.get(name, 0),
-                               load["max_num_seqs"] * self.max_load, excess))
+            forecast = None
+            if time.time() - load.get("at", 0) <= 2 * load.get("heartbeat_s", 0):
+                forecast = Forecast.read(load.get("forecast"), load["max_num_seqs"])
+            routed = self._routed.get(name, 0)
+            peers.append(_Peer(name, load["unfinished"] + routed,
+                               load["max_num_seqs"] * self.max_load, excess, forecast,
+                               routed, self._routed_tokens.get(name, 0)))
         return peers
 
 
@@ -297,3 +407,7 @@ def _leading(flags) -> int:
             break
         n += 1
     return n
+
+
+def _running(mean: Optional[float], sample: float) -> float:
+    return sample if mean is None else (1 - RATE_WEIGHT) * mean + RATE_WEIGHT * sample

@@ -141,9 +141,10 @@ class Worker:
         self.report = CacheReport(self.keys, self.consumer, engine, ttl_s)
         self.inbox = inbox.Inbox(redis, self.keys, self.group, self.consumer, ttl_s)
         if self.report.blocks:
+            report = self.report
             self.router = Router(redis, self.keys, self.consumer, engine.config.block_size,
-                                 self.report.blocks.cached.__contains__, engine.num_unfinished,
-                                 route)
+                                 report.blocks.cached.__contains__, engine.num_unfinished,
+                                 route, lambda: report.forecast)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -483,6 +484,8 @@ class Worker:
                     del self._inflight[f.rid]
             ours.append((f, out, last))
         self.outbox.later(lambda rnd: self.publisher.outputs(rnd, ours))
+        if self.report is not None:
+            self.report.observe(time.monotonic() - started)
         stats = self.engine.stats()
         self.metrics.engine_stats(stats)
         event("step", logging.DEBUG, outputs=len(outputs), running=stats.num_running,
