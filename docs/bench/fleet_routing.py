@@ -5,13 +5,17 @@ Workloads (token ids, so any model works, random weights included):
   message of U tokens (a range) and the answer of A tokens; a conversation sends its next
   turn when the previous one finished. Measures the fleet-wide prefix-cache hit rate
   (usage.cached_tokens / prompt tokens), TTFT and throughput.
+- burst: C conversations, each with its own opening of S tokens, T turns; every turn all
+  conversations submit at once and the next turn starts when all have answered. The hit
+  rate of turns 2.. (`hit_rate_later`) is what routing keeps of one worker's.
 - random: R prompts with nothing shared, P tokens each, sent at --rate per second.
 - priority: a low-priority batch (--batch requests, priority 10) submitted at once, and
   interactive requests (priority 0) at --rate per second; the interactive TTFT against the
   same requests on an idle fleet.
 
-Runs: `--runs 1:off 4:off 4:on` (workers:routing); each starts its workers, warms them up,
-runs the workload, stops them. Usage (the repository root on PYTHONPATH):
+Runs: `--runs 1:off 4:off 4:on 4:prefix` (workers:routing: off, on by predicted TTFT, or
+on by the prefix rule alone); each starts its workers, warms them up, runs the workload,
+stops them. Usage (the repository root on PYTHONPATH):
   python3 docs/bench/fleet_routing.py --workload chat --model gpt2-random --device cpu \
       --runs 1:off 2:off 2:on --out DIR
 """
@@ -35,9 +39,10 @@ from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=["chat", "random", "priority"], default="chat")
+    p.add_argument("--workload", choices=["chat", "burst", "random", "priority"],
+                   default="chat")
     p.add_argument("--runs", nargs="+", default=["1:off", "4:off", "4:on"],
-                   help="WORKERS:off|on, run in this order")
+                   help="WORKERS:off|on|prefix, run in this order")
     p.add_argument("--model", default="gpt2-random")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
@@ -62,7 +67,7 @@ def parse() -> argparse.Namespace:
 class Fleet:
     """Worker processes on one prefix; stopped (SIGTERM, then killed) on exit."""
 
-    def __init__(self, args, url: str, workers: int, route: bool):
+    def __init__(self, args, url: str, workers: int, route: str):
         self.prefix = f"fleet-{uuid.uuid4().hex[:6]}"
         self.procs, self.logs = [], []
         cpu = args.device == "cpu"
@@ -72,7 +77,8 @@ class Fleet:
                    "--prefix", self.prefix, "--consumer", f"w{i}", "--model", args.model,
                    "--device", args.device, "--raw", *args.worker_flags.split()]
             cmd += ["--dtype", args.dtype] if args.dtype else []
-            cmd += [] if route else ["--no-route"]
+            cmd += {"off": ["--no-route"], "on": [],
+                    "prefix": ["--route-policy", "prefix"]}[route]
             env = dict(os.environ)
             if cpu:
                 env["OMP_NUM_THREADS"] = str(threads)
@@ -153,6 +159,22 @@ async def chat(client: AsyncClient, args, rng: random.Random) -> list[dict]:
     return [r for conv in done for r in conv]
 
 
+async def burst(client: AsyncClient, args, rng: random.Random) -> list[dict]:
+    lo, hi = map(int, args.user_tokens.split("-"))
+    histories = [ids(rng, args.vocab, args.system_tokens) for _ in range(args.conversations)]
+    out = []
+    for t in range(args.turns):
+        for h in histories:
+            h += ids(rng, args.vocab, rng.randint(lo, hi))
+        done = await asyncio.gather(*(one(client, list(h), args.answer_tokens)
+                                      for h in histories))
+        for h, r in zip(histories, done):
+            h += r["ids"]
+            r["turn"] = t
+            out.append(r)
+    return out
+
+
 async def at_rate(client: AsyncClient, prompts: list[list[int]], rate: float,
                   max_tokens: int, **params) -> list[dict]:
     tasks = []
@@ -192,11 +214,18 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def hit_rate(results: list[dict]) -> float:
+    prompt = sum(r["prompt_tokens"] for r in results)
+    return sum(r["cached_tokens"] for r in results) / prompt if prompt else 0.0
+
+
 def summary(results: list[dict], wall: float, admissions: dict) -> dict:
     prompt = sum(r["prompt_tokens"] for r in results)
     cached = sum(r["cached_tokens"] for r in results)
     ttft = [r["ttft"] for r in results]
-    return {"requests": len(results), "hit_rate": cached / prompt if prompt else 0.0,
+    later = [r for r in results if r.get("turn", 0) >= 1]
+    return {"requests": len(results), "hit_rate": hit_rate(results),
+            "hit_rate_later": hit_rate(later),
             "prompt_tokens": prompt, "cached_tokens": cached,
             "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99),
             "req_per_s": len(results) / wall,
@@ -219,7 +248,7 @@ def ttft_parts(results: list[dict], admissions: dict) -> dict:
     return parts
 
 
-async def run(args, url: str, workers: int, route: bool) -> dict:
+async def run(args, url: str, workers: int, route: str) -> dict:
     fleet = Fleet(args, url, workers, route)
     try:
         fleet.wait_started()
@@ -229,18 +258,18 @@ async def run(args, url: str, workers: int, route: bool) -> dict:
                                    for _ in range(2 * workers)))
             rng = random.Random(args.seed)
             started = time.monotonic()
-            if args.workload == "chat":
-                results = await chat(client, args, rng)
+            if args.workload in ("chat", "burst"):
+                results = await (chat if args.workload == "chat" else burst)(client, args, rng)
             elif args.workload == "random":
                 results = await random_prompts(client, args, rng)
             else:
                 parts = await priority(client, args, rng)
                 wall = time.monotonic() - started
-                return {"workers": workers, "route": route, "routed": fleet.routed(),
+                return {"workers": workers, "route": route, "handed_over": fleet.routed(),
                         **{k: summary(v, wall, fleet.admissions()) if isinstance(v, list)
                            else v for k, v in parts.items()}}
             wall = time.monotonic() - started
-        return {"workers": workers, "route": route, "routed": fleet.routed(),
+        return {"workers": workers, "route": route, "handed_over": fleet.routed(),
                 **summary(results, wall, fleet.admissions())}
     finally:
         fleet.stop()
@@ -255,7 +284,7 @@ def main() -> None:
         rows = []
         for spec in args.runs:
             workers, mode = spec.split(":")
-            row = asyncio.run(run(args, server.url, int(workers), mode == "on"))
+            row = asyncio.run(run(args, server.url, int(workers), mode))
             rows.append(row)
             print(json.dumps(row), flush=True)
     tag = os.path.basename(args.model)
