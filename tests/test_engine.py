@@ -326,6 +326,11 @@ def test_the_backlog_counts_prompt_tokens_ahead_and_steps_to_a_free_seat(gpt2_mo
     assert s.num_prefilled - before == 12
     tokens, steps = s.backlog()
     assert tokens == 9 and steps == 5 - 1  # a's first token is in flight
+    done = {}
     while eng.has_unfinished():
-        eng.step()
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
     assert s.backlog() == (0, 0)
+    # a prompt whose first two blocks of 4 the prefix cache holds: 3 tokens to compute
+    history = list(range(10, 17)) + done["a"].token_ids
+    eng.add_request("d", history[:8] + [1, 2, 3], GREEDY)
+    assert s.backlog() == (3, 0)

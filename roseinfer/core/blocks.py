@@ -70,20 +70,32 @@ class BlockManager:
         """
         if not self.prefix_cache or seq.prompt_logprobs_due:  # every prompt token's logits
             return 0
-        bs, parent = self.block_size, NO_HASH
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(parent, tokens)
-            b = self.cached.get(h)
-            if b is None or list(self.store.tokens(b)) != tokens:
-                break
+        for i, (h, b) in enumerate(self._cached_blocks(seq.token_ids)):
             self._take(b)
             seq.block_table.append(b)
             seq.block_hashes.append(h)
             if i == 0 and self.journal is not None:  # a prompt in use: listed as recent again
                 self.journal.append((h, True, True))
+        return len(seq.block_table) * self.block_size
+
+    def cached_tokens(self, token_ids: Seq[int]) -> int:
+        """What match_prefix would cover now, taking nothing."""
+        if not self.prefix_cache:
+            return 0
+        return sum(1 for _ in self._cached_blocks(token_ids)) * self.block_size
+
+    def _cached_blocks(self, token_ids: Seq[int]):
+        """(hash, block) of the leading full blocks the cache holds, leaving at least one
+        token to compute."""
+        bs, parent = self.block_size, NO_HASH
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = token_ids[i * bs:(i + 1) * bs]
+            h = block_hash(parent, tokens)
+            b = self.cached.get(h)
+            if b is None or list(self.store.tokens(b)) != tokens:
+                return
+            yield h, b
             parent = h
-        return len(seq.block_table) * bs
 
     def reserve(self, seq, num_new_tokens: int) -> bool:
         """Make room for the next ``num_new_tokens`` KV rows; False if blocks ran out."""

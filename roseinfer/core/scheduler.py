@@ -76,6 +76,7 @@ class Scheduler:
         self.aside: tuple = ()  # the queues only() set aside
         self.num_preemptions = 0
         self.num_prefilled = 0  # prompt tokens scheduled, ever (a worker's prefill rate)
+        self._uncached: dict = {}  # waiting sequence: its prompt tokens not cached (backlog)
         self.prioritized = False  # some request had a priority: running is kept in its order
 
     def rank(self, seq: Sequence) -> float:
@@ -261,7 +262,11 @@ class Scheduler:
         """What a request arriving now waits behind: (prompt tokens still to compute, and
         when every seat is taken, the decode steps until the first running sequence
         reaches its length limit, else 0)."""
-        tokens = sum(len(s.token_ids) - s.num_computed for s in self.waiting) + sum(
+        # a waiting sequence's cached prefix, looked up once: a burst's queue is mostly
+        # histories its prefix cache holds
+        self._uncached = {s: self._uncached.get(s) or len(s.token_ids) - (
+            s.num_computed or self.blocks.cached_tokens(s.token_ids)) for s in self.waiting}
+        tokens = sum(self._uncached.values()) + sum(
             max(0, len(s.token_ids) + s.pending - s.num_computed - 1) for s in self.running)
         if len(self.running) < self.max_num_seqs:
             return tokens, 0
