@@ -121,13 +121,17 @@ class CacheReport:
         self.heartbeat_s = ttl_s / 3
         self._step_s: Optional[float] = None
         self._prefill_tps: Optional[float] = None
-        self._prefilled = engine.scheduler.num_prefilled
+        # what a forecast reads: an engine with a prefix cache (the one routing serves)
+        self.scheduler = engine.scheduler if self.blocks is not None else None
+        self._prefilled = self.scheduler.num_prefilled if self.scheduler else 0
         self.forecast: Optional[Forecast] = None  # read by this worker's router too
 
     def observe(self, seconds: float) -> None:
         """After each engine step (on the step loop): its time, and the prompt tokens it
         scheduled, into the running step time and prefill rate."""
-        prefilled = self.engine.scheduler.num_prefilled
+        if self.scheduler is None:
+            return
+        prefilled = self.scheduler.num_prefilled
         tokens, self._prefilled = prefilled - self._prefilled, prefilled
         if tokens >= MIN_RATE_TOKENS:
             self._prefill_tps = _running(self._prefill_tps, tokens / max(seconds, 1e-6))
@@ -147,9 +151,9 @@ class CacheReport:
         self.refresh(pipe, self.load(False))
 
     def load(self, draining: bool) -> tuple:
-        s = self.engine.scheduler
+        s = self.scheduler
         forecast = None
-        if self._step_s is not None and self._prefill_tps is not None:
+        if s is not None and self._step_s is not None and self._prefill_tps is not None:
             backlog, free_in = s.backlog()
             forecast = Forecast(len(s.running), self.max_num_seqs, backlog, free_in,
                                 self._step_s, self._prefill_tps)
