@@ -92,8 +92,11 @@ class Forecast:
         return wait
 
     def body(self) -> list:
-        return [self.running, self.backlog_tokens, self.free_in_steps,
-                round(self.step_s, 5), round(self.prefill_tps)]
+        """As reported: rounded to what moves a prediction (two significant figures, whole
+        blocks of 16 tokens), so that a busy worker rewrites its load only when it moves
+        by that much, not every round."""
+        return [self.running, _rounded(self.backlog_tokens, 16), self.free_in_steps,
+                float(f"{self.step_s:.2g}"), float(f"{self.prefill_tps:.2g}")]
 
     @staticmethod
     def read(body: Optional[list], max_num_seqs: int) -> Optional["Forecast"]:
@@ -415,3 +418,7 @@ def _leading(flags) -> int:
 
 def _running(mean: Optional[float], sample: float) -> float:
     return sample if mean is None else (1 - RATE_WEIGHT) * mean + RATE_WEIGHT * sample
+
+
+def _rounded(n: int, step: int) -> int:
+    return (n + step // 2) // step * step
