@@ -149,3 +149,53 @@ def test_a_checkpoint_loads_packed_and_runs_as_its_dequantized_values(tmp_path, 
     with LLM(path, **config) as llm:
         floats = top1(llm)
     assert sum(a == b for a, b in zip(packed, floats)) >= 0.95 * len(floats)
+
+
+class FakeGemLite(torch.nn.Module):
+    """GemLite's linear as Int4Linear holds it (``W_q`` in GPTQ's layout, ``scales``,
+    ``zeros`` holding the shifts), its kernels replaced by the product with the weight
+    ``unpack`` de-quantizes: so the rest of the packed path runs on the CPU."""
+
+    def __init__(self, levels, scales, zeros):
+        super().__init__()
+        shifts = (-zeros.float() * scales.float()).to(scales.dtype)
+        for name, t in (("W_q", pack_words(levels)), ("scales", scales.t().contiguous()),
+                        ("zeros", shifts.t().contiguous())):
+            setattr(self, name, torch.nn.Parameter(t, requires_grad=False))
+        self.kinds = []
+
+    def forward_manual(self, x, kind):
+        self.kinds.append(kind)
+        return x @ unpack(self.W_q, self.scales, self.zeros)
+
+
+@needs_triton
+def test_a_checkpoint_packs_through_the_loader_and_runs_its_values(tmp_path, monkeypatch):
+    """An AWQ checkpoint loads packed (the packed linear's own state through the model's
+    strict loading), and greedy tokens equal transformers' on its de-quantized values:
+    decode rows through the kernels' entry (one row, and several), a 100-token prompt
+    through the de-quantized buffer and a matmul."""
+    from roseinfer import LLM, SamplingParams
+    from roseinfer.layers import int4_linear
+    from roseinfer.layers.int4_linear import Int4Linear
+    from roseinfer.plugins.quantization import int4
+    from tests.models import hf_greedy, tiny_llama
+    from tests.test_quantization import SHAPE, hand_packed, with_weights
+
+    monkeypatch.setattr(int4, "runs_here", lambda device, dtype: True)
+    monkeypatch.setattr(int4_linear, "gemlite_linear", FakeGemLite)
+    hf = tiny_llama(**SHAPE)
+    path, values = hand_packed(hf, tmp_path, "awq")
+    prompts = [list(range(5, 105)), [5, 17, 99, 3], [7] * 9]
+    with LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, block_size=8,
+             cpu_compiled_step="off") as llm:
+        linears = [m for m in llm.engine.model.modules() if isinstance(m, Int4Linear)]
+        assert len(linears) == 4 * hf.config.num_hidden_layers
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        alone = llm.generate([prompts[1]], params)[0].token_ids  # one row a decode step
+    kinds = {k for m in linears for k in m.kernel.kinds}
+    assert kinds == {"GEMV_REVSPLITK", "GEMM_SPLITK"}  # one row, several (>64: no call)
+    assert alone == got[1]
+    reference = with_weights(hf, lambda name, _: values[name])
+    assert got == [hf_greedy(reference, p, 6) for p in prompts]

@@ -141,20 +141,27 @@ def to_int4(linear: nn.Linear, levels: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None = None) -> None:
     """Make ``linear`` (on CUDA) an Int4Linear in place, from levels [N, K], scales and
     zeros [N, K / group] (zeros default 8: symmetric), the float weight freed."""
-    TORCH_TO_DTYPE, GemLiteLinearTriton = _gemlite()
     n, k = levels.shape
     dtype = linear.weight.dtype
     if scales.shape[1] == 1:  # per channel: the same scale for every group of 128
         scales = scales.expand(n, k // 128)
         zeros = None if zeros is None else zeros.expand(n, k // 128)
     zeros = torch.full_like(scales, 8.0) if zeros is None else zeros
-    g = GemLiteLinearTriton(4, group_size=k // scales.shape[1], in_features=k,
-                            out_features=n, input_dtype=TORCH_TO_DTYPE[dtype],
-                            output_dtype=TORCH_TO_DTYPE[dtype])
-    # fma_mode: the kernels compute level * scale + zeros, zeros = -zero * scale (rounded
-    # to the dtype, as the scales are)
-    g.pack(levels.to(torch.uint8), scales.to(dtype), zeros.to(dtype), fma_mode=True)
+    g = gemlite_linear(levels, scales.to(dtype), zeros.to(dtype))
     del linear.weight
     linear.kernel = g.requires_grad_(False)
     linear.__class__ = Int4Linear
     _buffer(g)  # now, not first inside a CUDA graph's capture
+
+
+def gemlite_linear(levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+    """GemLite's linear of these levels, scales and zeros ([N, K / group], the dtype of
+    the activations): its ``W_q``, ``scales`` and ``zeros`` as the module doc says."""
+    TORCH_TO_DTYPE, GemLiteLinearTriton = _gemlite()
+    n, k = levels.shape
+    dtype = TORCH_TO_DTYPE[scales.dtype]
+    g = GemLiteLinearTriton(4, group_size=k // scales.shape[1], in_features=k,
+                            out_features=n, input_dtype=dtype, output_dtype=dtype)
+    # fma_mode: the kernels compute level * scale + zeros, zeros = -zero * scale (rounded
+    # to the dtype, as the scales are)
+    return g.pack(levels.to(torch.uint8), scales, zeros, fma_mode=True)
