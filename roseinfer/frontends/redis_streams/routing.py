@@ -338,14 +338,14 @@ class Router:
         own = _Peer(self.consumer, self.own_load(), math.inf, 0, self.own_forecast())
         places = {}
         for entry_id, hashes, holders, tokens in wanted:
-            held_here = [(p, next(held)) for p in holders]
+            # (holder, the prompt tokens it holds), and this worker's
+            held_here = [(p, _leading(next(held)) * self.block_size) for p in holders]
             mine = _leading(self.holds(h) for h in hashes) * self.block_size
             if own.forecast is not None and all(p.forecast for p, _ in held_here):
-                peer, uncached = self._fastest(own, held_here, tokens, mine)
+                peer, cached = self._fastest(own, held_here, tokens, mine)
             else:
-                peer = self._best(held_here, mine // self.block_size, own.load)
-                uncached = tokens - (mine if peer is None else self.block_size * _leading(
-                    next(m for p, m in held_here if p is peer)))
+                peer, cached = self._best(held_here, mine, own.load)
+            uncached = tokens - cached
             taker = own if peer is None else peer
             taker.load += 1
             taker.routed += 1
@@ -364,29 +364,27 @@ class Router:
 
     def _fastest(self, own: _Peer, held: list, tokens: int,
                  mine: int) -> tuple[Optional[_Peer], int]:
-        """(the holder with the least predicted TTFT, or None for here; the entry's
-        uncached tokens there)."""
+        """(the holder with the least predicted TTFT, or None for here; the prompt
+        tokens it holds). ``held``: (holder, tokens it holds); ``mine``: held here."""
         def at(worker: _Peer, cached: int) -> float:
             return worker.forecast.ttft(tokens - cached, worker.routed, worker.routed_tokens)
-        best, best_s, uncached = None, at(own, mine), tokens - mine
-        for peer, members in held:
-            cached = _leading(members) * self.block_size
+        best, best_s, best_cached = None, at(own, mine), mine
+        for peer, cached in held:
             seconds = at(peer, cached) + own.forecast.step_s + peer.forecast.step_s
             if seconds < best_s:
-                best, best_s, uncached = peer, seconds, tokens - cached
-        return best, uncached
+                best, best_s, best_cached = peer, seconds, cached
+        return best, best_cached
 
-    def _best(self, held: list, own: int, own_load: int) -> Optional[_Peer]:
-        """The prefix rule (module doc); ``own``: the prompt's leading blocks held here."""
-        best, best_blocks = None, own + self.min_gain_blocks - 1
-        for peer, members in held:
+    def _best(self, held: list, mine: int, own_load: int) -> tuple[Optional[_Peer], int]:
+        """The prefix rule (module doc), as ``_fastest`` answers."""
+        best, best_cached = None, mine + (self.min_gain_blocks - 1) * self.block_size
+        for peer, cached in held:
             if peer.load >= peer.capacity or peer.load > own_load + peer.excess:
                 continue
-            blocks = _leading(members)
-            if blocks > best_blocks or (best is not None and blocks == best_blocks
+            if cached > best_cached or (best is not None and cached == best_cached
                                         and peer.load < best.load):
-                best, best_blocks = peer, blocks
-        return best
+                best, best_cached = peer, cached
+        return best, best_cached if best is not None else mine
 
     def _peers(self) -> list[_Peer]:
         """The live peers that are not draining, as last read, with what was routed since."""
