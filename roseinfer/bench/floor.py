@@ -42,7 +42,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def kv_bytes_per_token(kv_cache) -> int:
     """K and V of one token, all layers: [blocks, kv_heads, block_size, head_dim] each."""
-    return sum(_layer_kv_bytes(k) for k in kv_cache.k)
+    return kv_cache.num_layers * _layer_kv_bytes(kv_cache.k[0])
 
 
 def _layer_kv_bytes(k: torch.Tensor) -> int:
@@ -65,9 +65,9 @@ def kv_bytes_read(engine, prompt_lens: list[int], output_lens: list[int]) -> int
     windows = {m.layer_idx: m.window for m in engine.model.modules()
                if isinstance(m, PagedAttention)}
     total = 0
-    for layer, k in enumerate(engine.kv_cache.k):
+    for layer in range(engine.kv_cache.num_layers):
         keys = sum(keys_read(p, n, windows.get(layer)) for p, n in zip(prompt_lens, output_lens))
-        total += keys * _layer_kv_bytes(k)
+        total += keys * _layer_kv_bytes(engine.kv_cache.k[0])
     return total
 
 

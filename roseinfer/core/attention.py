@@ -8,7 +8,7 @@ and including its own. K/V of the step are appended to the cache first.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Protocol
 
 import torch
@@ -48,8 +48,20 @@ class AttentionBackend(Protocol):
 class StepContext:
     kv_cache: KVCache
     attention: AttentionBackend
-    attn: AttnMetadata
+    attn: AttnMetadata                   # KV group 0's (core/kv_groups.py)
     slots: SlotBatch
+    groups: list[tuple[AttnMetadata, SlotBatch]] = field(default_factory=list)  # 1, 2, ...
+
+    def remap_groups(self, group_blocks: torch.Tensor) -> None:
+        """Each other group's tables and slots: its blocks for group 0's
+        (``group_blocks``, [groups - 1, blocks]), in one gather each."""
+        tables = group_blocks[:, self.attn.block_tables]
+        idx = group_blocks[:, self.slots.block_idx]
+        self.groups = [(replace(self.attn, block_tables=t, memo={}),
+                        replace(self.slots, block_idx=b, memo={})) for t, b in zip(tables, idx)]
+
+    def of_group(self, group: int) -> AttnMetadata:
+        return self.attn if group == 0 else self.groups[group - 1][0]
 
 
 # Per thread: a CPU step compiles on a background thread while the loop steps the engine

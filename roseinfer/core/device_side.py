@@ -14,6 +14,7 @@ from roseinfer.core.config import EngineConfig
 from roseinfer.core.cuda_graphs import Layout, padding_step
 from roseinfer.core.errors import ConfigError
 from roseinfer.core.kv_cache import KVCache
+from roseinfer.core.kv_groups import KVGroups
 from roseinfer.core.plugins import PluginRegistry
 from roseinfer.core.runner import ModelRunner
 from roseinfer.models import loader
@@ -36,7 +37,7 @@ def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: to
                    num_blocks: int | None = None) -> KVCache:
     """The model's paged KV cache: ``num_blocks`` (else config's num_kv_blocks) blocks, or
     as many as the memory left allows with ``step_peak`` bytes kept for a step."""
-    layers, kv_heads, head_dim = _kv_shape(model)
+    groups, kv_heads, head_dim = _kv_shape(model)
     names = plugins.names("kv_append")
     if cfg.kv_append_backend != "auto":
         plugins.get("kv_append", cfg.kv_append_backend)  # fail early, listing names
@@ -44,11 +45,11 @@ def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: to
     if cfg.kv_cache_dtype == "fp8":
         dtype = torch.float8_e4m3fn
     backends = {n: plugins.create("kv_append", n) for n in names}
-    per_block = 2 * layers * kv_heads * cfg.block_size * head_dim * dtype.itemsize
+    per_block = 2 * groups.size * kv_heads * cfg.block_size * head_dim * dtype.itemsize
     # every rank of a tensor-parallel group holds the same blocks
     num_blocks = num_blocks or cfg.num_kv_blocks or tp.smallest(
         _blocks_for_memory(cfg, device, per_block, step_peak))
-    return KVCache(layers, num_blocks, kv_heads, cfg.block_size, head_dim, dtype,
+    return KVCache(groups, num_blocks, kv_heads, cfg.block_size, head_dim, dtype,
                    device, backends, cfg.kv_append_backend)
 
 
@@ -94,7 +95,7 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
     if device.type == "cuda" and cfg.num_kv_blocks is None:
         peak = step_peak(model, hf_config, cfg, plugins, device, dtype)
     kv_cache = build_kv_cache(model, cfg, plugins, device, dtype, peak)
-    max_model_len = _max_model_len(cfg, hf_config, kv_cache.scratch_block)
+    max_model_len = _max_model_len(cfg, hf_config, kv_cache)
     runner = build_runner(model, kv_cache, cfg, plugins, device, max_model_len, peers)
     return DeviceSide(model, hf_config, tokenizer, dtype, kv_cache, runner, max_model_len)
 
@@ -113,7 +114,7 @@ def step_peak(model, hf_config, cfg: EngineConfig, plugins: PluginRegistry,
     before = torch.cuda.memory_allocated(device)
     cache = build_kv_cache(model, cfg, plugins, device, dtype, num_blocks=1)
     runner = build_runner(model, cache, cfg.replace(cuda_graphs=False), plugins, device,
-                          _max_model_len(cfg, hf_config, 1 << 30))
+                          _max_model_len(cfg, hf_config, None))
     tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
     runner.capture_mixed(*padding_step(runner, Layout(tokens, cfg.max_num_seqs + 1, True)))
     runner.capture_step(*padding_step(runner, Layout(cfg.max_num_seqs, cfg.max_num_seqs, False)))
@@ -133,8 +134,12 @@ def attention_name(cfg: EngineConfig, plugins: PluginRegistry, device: torch.dev
     return "triton_paged" if device.type == "cuda" else "torch_sdpa"
 
 
-def _max_model_len(cfg: EngineConfig, hf_config, num_blocks: int) -> int:
-    return min(cfg.max_model_len or _context_len(hf_config), num_blocks * cfg.block_size)
+def _max_model_len(cfg: EngineConfig, hf_config, kv_cache: KVCache | None) -> int:
+    """The config's or the model's context, at most what the cache holds for one sequence
+    (``kv_cache`` None: not bounded by one)."""
+    context = cfg.max_model_len or _context_len(hf_config)
+    held = kv_cache and kv_cache.groups.max_tokens(kv_cache.scratch_block, cfg.block_size)
+    return context if held is None else min(context, held)
 
 
 def settle_heap() -> None:
@@ -178,14 +183,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _kv_shape(model) -> tuple[int, int, int]:
-    """(layers, K/V heads, head dim) from the module's PagedAttention layers: any
-    family that attends through them gets its cache, whatever its config calls them."""
-    attn = [m for m in model.modules() if isinstance(m, PagedAttention)]
+def _kv_shape(model) -> tuple[KVGroups, int, int]:
+    """(KV groups of the layers, K/V heads, head dim) from the module's PagedAttention
+    layers: any family that attends through them gets its cache, whatever its config
+    calls them."""
+    attn = sorted((m for m in model.modules() if isinstance(m, PagedAttention)),
+                  key=lambda m: m.layer_idx)
     if not attn:
         raise ConfigError(f"{type(model).__name__} has no PagedAttention layer: a model "
                           "module must attend through roseinfer.layers.attention.PagedAttention")
-    return len(attn), attn[0].num_kv_heads, attn[0].head_dim
+    return KVGroups.of([m.window for m in attn]), attn[0].num_kv_heads, attn[0].head_dim
 
 
 def _context_len(hf) -> int:

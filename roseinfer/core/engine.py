@@ -84,7 +84,8 @@ class Engine:
         self._to_build = _build_wanted(self, model)
         store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, store,
-                                   config.enable_prefix_cache, self.runner.copy_block)
+                                   config.enable_prefix_cache, self.runner.copy_block,
+                                   self.kv_cache.groups.windows, self.runner.remap)
         mixed_prefill = config.max_mixed_prefill_tokens
         if mixed_prefill is None and self.device.type == "cpu":
             mixed_prefill = CPU_MIXED_PREFILL_TOKENS
@@ -452,14 +453,15 @@ class Engine:
 def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
     """The compiled one-sequence decode step (core/cpu_step.py), where it applies: a
     float32 model on the CPU, unquantized, on one process, through the CPU's own cache
-    and attention plugins."""
+    and attention plugins, its layers in one KV group (core/kv_groups.py)."""
     cfg = engine.config
     if not _compiled_step_applies(engine):
         if cfg.cpu_compiled_step == "build":
             raise ConfigError("cpu_compiled_step build applies to a float32 model on the CPU "
                               "with the default KV-append and attention plugins, "
                               "cpu_weight_dtype float32, no quantization, the model's KV "
-                              "cache dtype and no tensor parallelism")
+                              "cache dtype, no tensor parallelism, and no window layers "
+                              "beside full ones")
         return None
     return cpu_step.prepare(cfg.cpu_compiled_step, engine.model, engine.hf_config,
                             engine.kv_cache, engine.kv_cache.backends["torch_index"],
@@ -472,6 +474,7 @@ def _compiled_step_applies(engine: Engine) -> bool:
             and cfg.cpu_weight_dtype == "float32" and cfg.tensor_parallel_size == 1
             and engine.model.quantization is None and cfg.kv_cache_dtype == "auto"
             and cfg.kv_append_backend in ("auto", "torch_index")
+            and len(engine.kv_cache.groups) == 1
             and attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
 
 

@@ -1,6 +1,7 @@
 """Paged KV cache tensors; new rows are written through a KV-append backend.
 
-Layout per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+Layout per slot of a KV group (core/kv_groups.py; one group, one slot per layer, where
+no layer has a window): ``[num_blocks, num_kv_heads, block_size, head_dim]``.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from roseinfer.core.kv_groups import KVGroups
 
 @dataclass
 class SlotBatch:
@@ -45,31 +47,35 @@ AUTO_ORDER = ("triton_full_batch", "triton_identity_pos", "triton_generic", "tor
 
 
 class KVCache:
-    def __init__(self, num_layers, num_blocks, num_kv_heads, block_size, head_dim,
+    def __init__(self, groups: KVGroups, num_blocks, num_kv_heads, block_size, head_dim,
                  dtype, device, backends: dict[str, KVAppendBackend], choice: str = "auto"):
         # One block more than the block manager hands out: the scratch block that
-        # CUDA-graph padding rows write to.
+        # CUDA-graph padding rows write to, and window groups' tables read where their
+        # window let a block go.
         shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
         self.scratch_block = num_blocks
-        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.groups = groups
+        self.num_layers = len(groups.layer_slot)
+        self.k = [_zeros(shape, dtype, device) for _ in range(groups.size)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(groups.size)]
         self.device = torch.device(device)
         self.block_size = block_size
         self.backends = backends
         self.choice = choice
         self._active: KVAppendBackend | None = None
-        self._slots: SlotBatch | None = None
+        self._slots: tuple[SlotBatch, ...] = ()  # per group
         self.steps_by_backend: Counter[str] = Counter()
         self._forced: str | None = None
 
-    def begin_step(self, slots: SlotBatch) -> str:
-        """Pick the backend for this step's batch shape; returns its name.
+    def begin_step(self, slots: SlotBatch, group_slots: tuple[SlotBatch, ...] = ()) -> str:
+        """Pick the backend for this step's batch shape; returns its name. ``slots``:
+        group 0's, ``group_slots`` the other groups' (the same offsets, their blocks).
 
         A backend chosen by name serves every batch it supports; the others
         (e.g. prefill batches for the full-batch kernel) go the "auto" way.
         """
         name = self._forced or self.select(slots)
-        self._active, self._slots = self.backends[name], slots
+        self._active, self._slots = self.backends[name], (slots, *group_slots)
         self.steps_by_backend[name] += 1
         return name
 
@@ -92,11 +98,17 @@ class KVCache:
                 return name
         raise RuntimeError("no KV-append backend supports this batch")
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V tensors (its slot's in its group)."""
+        slot = self.groups.layer_slot[layer]
+        return self.k[slot], self.v[slot]
+
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        self._active.append(self.k[layer], self.v[layer], key, value, self._slots)
+        self._active.append(*self.layer(layer), key, value,
+                            self._slots[self.groups.layer_group[layer]])
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy-on-write: duplicate one block in every layer."""
+        """Copy-on-write: duplicate one block in every slot (a block is one group's)."""
         for k, v in zip(self.k, self.v):
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])

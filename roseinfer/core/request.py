@@ -18,7 +18,7 @@ class Status(enum.Enum):
 
 class Sequence:
     __slots__ = ("request_id", "params", "token_ids", "num_prompt_tokens", "num_computed",
-                 "block_table", "block_hashes", "status", "finish_reason", "generator",
+                 "block_table", "group_tables", "block_hashes", "status", "finish_reason", "generator",
                  "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
                  "row", "synced", "sample_words", "logprobs", "prompt_logprobs",
                  "constraints", "num_accepted", "index", "key", "error", "draft", "spec",
@@ -35,6 +35,7 @@ class Sequence:
         self.num_computed = 0          # tokens whose K/V are in the cache
         self.num_cached_tokens: Optional[int] = None  # prompt tokens the prefix cache held
         self.block_table: list[int] = []
+        self.group_tables: list[list[int]] = []  # KV groups 1.. (core/kv_groups.py)
         self.block_hashes: list[int] = []
         self.status = Status.WAITING
         self.finish_reason: Optional[str] = None

@@ -86,9 +86,18 @@ class ModelRunner:
         self.stager = InputStager(fixed_size(tokens, max_num_seqs + 1)
                                   + 2 * max_num_seqs * width, device)
         self.rows = TableRows(max_num_seqs, width, self.max_blocks)
-        self.seq_state = torch.zeros(max_num_seqs + 1, width, dtype=torch.int32, device=device)
+        # One buffer that step updates write into: the sequences' rows, then each KV group
+        # g >= 1's block for every block of group 0 (core/kv_groups.py; scratch: none).
+        rows_end = (max_num_seqs + 1) * width
+        blocks = kv_cache.scratch_block + 1
+        self.state = torch.full((rows_end + (len(kv_cache.groups) - 1) * blocks,),
+                                kv_cache.scratch_block, dtype=torch.int32, device=device)
+        self.seq_state = self.state[:rows_end].view(max_num_seqs + 1, width)
+        self.seq_state[:, self.max_blocks:] = 0
         self.tables = self.seq_state[:, :self.max_blocks]
-        self.tables.fill_(kv_cache.scratch_block)
+        self.group_blocks = self.state[rows_end:].view(-1, blocks) \
+            if len(kv_cache.groups) > 1 else None
+        self.remaps: tuple[list[int], list[int]] = ([], [])  # updates not yet sent
         self.sampler = Sampler()
         # Slots for every sequence of a mixed graph (one more than max_num_seqs).
         self.sampled = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
@@ -116,13 +125,22 @@ class ModelRunner:
                             max_query_len, max_context_len)
         return StepContext(self.kv_cache, self.attention, attn, slots)
 
+    def remap(self, group: int, block: int, to: int) -> None:
+        """KV group ``group``'s block for group 0's ``block`` is ``to`` from the next step
+        on (BlockManager.remap)."""
+        idx, val = self.remaps
+        idx.append(self.seq_state.numel() + (group - 1) * self.group_blocks.shape[1] + block)
+        val.append(to)
+
     def forward(self, ctx: StepContext, inp: PackedInputs, logits_rows=None) -> torch.Tensor:
         """Model forward under ``ctx``; logits of ``logits_rows`` (all rows if None)."""
         ctx.attn.block_tables = self.tables[inp.seq_rows]
         ctx.attn.memo.clear()  # a decode window runs several forwards under one context
         ctx.slots.memo.clear()
+        if self.group_blocks is not None:
+            ctx.remap_groups(self.group_blocks)
         ids = take_ids(inp.input_ids, inp.src_rows, self.sampled)
-        self.kv_cache.begin_step(ctx.slots)
+        self.kv_cache.begin_step(ctx.slots, tuple(slots for _, slots in ctx.groups))
         if self.compiled is not None and self.compiled.serves(ids.shape[0], ctx.attn):
             logits = self.compiled(ids, inp.positions, ctx.attn.block_tables,
                                    ctx.attn.max_context_len, ctx.slots)
@@ -156,6 +174,10 @@ class ModelRunner:
                                               self.rows, self.kv_cache.scratch_block, batch.steps)
         for seq in fresh:
             self.logits_work.start(seq)
+        if self.remaps[0]:
+            upd_idx += self.remaps[0]
+            upd_val += self.remaps[1]
+            self.remaps = ([], [])
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
         # A graph samples and advances its inputs itself (capture_step,
@@ -327,7 +349,7 @@ class ModelRunner:
         """Copy the packed inputs over and apply the block-table updates they carry."""
         inp = self.stager.to_device(host)
         if inp.n_upd:
-            self.seq_state.view(-1)[inp.table_idx.long()] = inp.table_val
+            self.state[inp.table_idx.long()] = inp.table_val
         return inp
 
     def _eager(self, host: PackedInputs, max_query_len: int, num_samples: int,

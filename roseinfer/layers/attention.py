@@ -31,10 +31,10 @@ class PagedAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        ctx.kv_cache.append(self.layer_idx, k, v)
         cache = ctx.kv_cache
+        cache.append(self.layer_idx, k, v)
         # the sinks read here: a load may have replaced the parameter
         extra = self._extra if self.sinks is None else {**self._extra, "sinks": self.sinks}
-        out = ctx.attention.forward(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                    ctx.attn, self.scale, **extra)
+        attn = ctx.of_group(cache.groups.layer_group[self.layer_idx])
+        out = ctx.attention.forward(q, *cache.layer(self.layer_idx), attn, self.scale, **extra)
         return out.reshape(-1, self.num_heads * self.head_dim)
