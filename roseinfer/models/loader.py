@@ -87,6 +87,13 @@ def _random_family(name: str, **shape):
     return config
 
 
+GEMMA3_12B = dict(
+    vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+    sliding_window=1024, max_position_embeddings=131072, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
 # Random-weight models have the real shapes: speed is the same as trained weights. They
 # are made on the target device in the target dtype (an 8B shape in seconds, not minutes).
 RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
@@ -124,13 +131,10 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
               num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
               query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
               final_logit_softcapping=30.0, max_position_embeddings=8192),
-          "gemma3-12b-random": _random_family(
-              "Gemma3Text", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
-              num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-              query_pre_attn_scalar=256, sliding_window=1024, max_position_embeddings=131072,
-              rope_parameters={
-                  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+          "gemma3-12b-random": _random_family("Gemma3Text", **GEMMA3_12B),
+          # every layer global: what Gemma 3's window layers are measured against
+          "gemma3-12b-full-random": _random_family(
+              "Gemma3Text", **GEMMA3_12B, layer_types=["full_attention"] * 48),
           "phi3-mini-random": _random_family(
               "Phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,

@@ -7,7 +7,12 @@
 # the Mixtral-8x7B shape at batch 1 (93 GB of bf16 weights: an H200, or TP 2); `gpt-oss`:
 # the gpt-oss-20b shape, experts in bf16.
 # `tp2` (two GPUs): tensor against expert parallelism, and Mixtral at TP 2.
-# Usage: OUT=dir bash docs/bench/moe_shapes.sh [layer] [offline] [fp8] [mixtral] [gpt-oss] [tp2]
+# `gemma`: the Gemma-3-12B shape (five 1,024-token window layers to each global one) at
+# batch 1 and 64 x (512 -> 256), the Gemma-2-9B shape at batch 1; `gemma-long`: Gemma-3-12B
+# at batch 1 after a 32k-token prompt, against the same shape with every layer global,
+# alternated, and the KV memory each holds there (window_memory.py).
+# Usage: OUT=dir bash docs/bench/family_shapes.sh [layer] [offline] [fp8] [mixtral] [gpt-oss]
+#   [tp2] [gemma] [gemma-long]
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   lscpu | grep -E "Model name|^CPU\(s\)"; git log -1 --format=%H 2>/dev/null; date -u; } \
@@ -44,6 +49,18 @@ mixtral)
 gpt-oss)
   run gpt-oss-20b-b1 --model gpt-oss-20b-random $(shape 1 128)
   run gpt-oss-20b-b64 --model gpt-oss-20b-random $(shape 64 256) ;;
+gemma)
+  run gemma3-12b-b1 --model gemma3-12b-random $(shape 1 128)
+  run gemma3-12b-b64 --model gemma3-12b-random $(shape 64 256)
+  run gemma2-9b-b1 --model gemma2-9b-random $(shape 1 128) ;;
+gemma-long)
+  long="--input-len 32768 --num-requests 1 --max-num-seqs 1 --max-new-tokens 128
+    --max-model-len 33024"
+  turn=0
+  for model in gemma3-12b gemma3-12b-full gemma3-12b gemma3-12b-full; do
+    run "$model-32k-$((++turn))" --model $model-random $long
+  done
+  python3 docs/bench/window_memory.py | tee "$OUT/window_memory.txt" ;;
 tp2)  # two GPUs: each expert's rows split (tensor parallel) or whole experts (expert
       # parallel), alternated; Mixtral at TP 2
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
