@@ -334,3 +334,21 @@ def test_the_backlog_counts_prompt_tokens_ahead_and_steps_to_a_free_seat(gpt2_mo
     history = list(range(10, 17)) + done["a"].token_ids
     eng.add_request("d", history[:8] + [1, 2, 3], GREEDY)
     assert s.backlog() == (3, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the host runs ahead of it")
+def test_a_prompt_of_many_chunks_while_the_gpu_lags(llama_model, monkeypatch):
+    """A prompt's chunks sample nothing, so nothing waits for them to land; each is still
+    waited for before the step after next refills its host input buffer. A sleep kernel
+    before every step makes the GPU lag, so the host runs as far ahead as it may."""
+    llm = LLM(llama_model, device="cuda", dtype="float32", block_size=4, num_kv_blocks=256,
+              max_num_batched_tokens=16, max_num_seqs=2)
+    launch = llm.engine.runner.launch
+
+    def lagging(*args, **kwargs):
+        torch.cuda._sleep(20_000_000)  # tens of milliseconds of GPU time
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(llm.engine.runner, "launch", lagging)
+    prompt = [(7 * i) % 500 + 2 for i in range(200)]  # 13 chunks of 16 tokens
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(llama_model, prompt, 8)

@@ -81,10 +81,13 @@ class ModelRunner:
         # A sequence's device row: its block table, then its sampling words
         # (the padding row's are zeros: greedy).
         width = self.max_blocks + WORDS
-        # Updates: at most every entry of every row, when all sequences are new.
+        # Updates: at most every entry of every row, when all sequences are new, and each
+        # other KV group's block for every block a step allocates: a block per block_size
+        # tokens, and per sequence its last one, a copied one and its decode window's.
         # Mixed graphs have one sequence more than max_num_seqs (StepGraphs).
-        self.stager = InputStager(fixed_size(tokens, max_num_seqs + 1)
-                                  + 2 * max_num_seqs * width, device)
+        new_blocks = tokens // self.block_size + max_num_seqs * (decode_steps // self.block_size + 3)
+        self.stager = InputStager(fixed_size(tokens, max_num_seqs + 1) + 2 * max_num_seqs * width
+                                  + 2 * (len(kv_cache.groups) - 1) * new_blocks, device)
         self.rows = TableRows(max_num_seqs, width, self.max_blocks)
         # One buffer that step updates write into: the sequences' rows, then each KV group
         # g >= 1's block for every block of group 0 (core/kv_groups.py; scratch: none).
@@ -333,12 +336,14 @@ class ModelRunner:
         self._record(0, sample(logits, inp, self.seq_state, self.max_blocks))
 
     def _land(self, batch, rows, logprobs=None, prompt=None, verify=None) -> LaunchedStep:
-        """Start the window's ids on their way to the host."""
+        """Start the window's ids on their way to the host. A step with none (a prompt's
+        chunk) is waited for too: its inputs are copied from the host buffer that the
+        step after next refills (InputStager), so that step may not be filled before
+        this one ran."""
         landing = self.landing[self.launches % 2]
         self.launches += 1
-        if not rows and prompt is None:
-            return LaunchedStep(batch, rows, landing, None)
-        landing[:batch.steps].copy_(self.window[:batch.steps], non_blocking=True)
+        if rows or prompt is not None:
+            landing[:batch.steps].copy_(self.window[:batch.steps], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()

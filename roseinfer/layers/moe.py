@@ -165,7 +165,7 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device).scatter_add_(
         0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    padded[num_experts:].zero_()  # not `= 0`: that copies a host scalar, which a graph cannot
     starts = torch.cumsum(padded, 0) - padded
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
