@@ -69,7 +69,9 @@ def tiny_family(family, vocab=512, **overrides):
         base.update(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                     query_pre_attn_scalar=16, pad_token_id=0)
     if family == "gemma2":
-        base.update(attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
+        # eager: transformers' SDPA path (its default in some versions) drops the cap
+        base.update(attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                    attn_implementation="eager")
     model = getattr(transformers, f"{names}ForCausalLM")(config(**{**base, **overrides})).eval()
     if family in ("qwen2", "qwen2_moe"):  # q/k/v biases start at 0: make them matter
         for layer in model.model.layers:

@@ -122,6 +122,28 @@ def test_gemma_rms_norm(gen, with_residual, dtype):
 
 
 @dtypes
+def test_gemma_post_norm_then_add_then_norm(gen, dtype):
+    """A block's output through its post-norm, added to the residual stream, then the next
+    norm: Gemma's three steps in one kernel, against transformers' two norms and the add."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    hidden = 72
+    block, residual, _ = norm_inputs(gen, hidden, True, dtype)
+    post, pre = (Gemma3RMSNorm(hidden, eps=EPS).to(DEVICE, dtype) for _ in range(2))
+    with torch.no_grad():
+        for norm in (post, pre):
+            norm.weight.copy_(0.2 * randn(gen, hidden, dtype=dtype))
+        summed = post(block) + residual
+        expected = pre(summed)
+    for use_triton in (True, False):
+        normed, residual_out = add_rms_norm(block, residual, pre.weight.detach(), EPS,
+                                            use_triton=use_triton, unit_offset=True,
+                                            x_weight=post.weight.detach())
+        assert_close(residual_out, summed, dtype)
+        assert_close(normed, expected, dtype)
+
+
+@dtypes
 @pytest.mark.parametrize("intermediate", INTERMEDIATE)
 def test_gelu_tanh_and_mul(gen, intermediate, dtype):
     """Close, not bit-equal: the kernel's x * sigmoid(2u) and torch's 0.5 x (1 + tanh(u))

@@ -44,17 +44,21 @@ def _warps(block: int) -> int:
 
 @_kernel
 def _add_norm_kernel(
-    x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, xw_ptr,
     s_x, s_res, s_out, s_res_out,                # row strides
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, IS_RMS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr = False,
+    UNIT_OFFSET: tl.constexpr = False, NORM_X: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 on long prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     h = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
+    if NORM_X:  # Gemma's post-norm of a block's output, rounded once, before the add
+        hx = h.to(tl.float32)
+        xw = tl.load(xw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (hx * tl.rsqrt(tl.sum(hx * hx, axis=0) / n_cols + eps) * (1.0 + xw)).to(h.dtype)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * s_res + cols, mask=mask, other=0.0)
         # The unfused model stores x + residual in the activation dtype and
@@ -80,7 +84,8 @@ def _add_norm_kernel(
     tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _add_norm_triton(x, residual, weight, bias, eps, is_rms, unit_offset=False):
+def _add_norm_triton(x, residual, weight, bias, eps, is_rms, unit_offset=False,
+                     x_weight=None):
     """Returns (normed, x + residual), or (normed, x) itself when residual is None."""
     rows = _rows(x)
     n_rows, n_cols = rows.shape
@@ -94,10 +99,12 @@ def _add_norm_triton(x, residual, weight, bias, eps, is_rms, unit_offset=False):
     pdl = dependent_launch(x.device, n_rows)
     _add_norm_kernel[(n_rows,)](
         rows, res, weight, weight if bias is None else bias, out, res_out,
+        weight if x_weight is None else x_weight,
         rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         n_cols, eps,
         HAS_RESIDUAL=residual is not None, IS_RMS=is_rms, BLOCK=block, PDL=pdl,
-        UNIT_OFFSET=unit_offset, num_warps=_warps(block), launch_pdl=pdl,
+        UNIT_OFFSET=unit_offset, NORM_X=x_weight is not None, num_warps=_warps(block),
+        launch_pdl=pdl,
     )
     return out.view(x.shape), x if residual is None else res_out.view(x.shape)
 
@@ -119,17 +126,20 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, use_triton: bool | None = None, unit_offset: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, use_triton: bool | None = None, unit_offset: bool = False,
+                 x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual`` (``x`` when residual is None), then ``(rms_norm(h), h)``.
 
     Rounds like transformers' LlamaRMSNorm: float32 variance of ``h``, then
     ``weight * (h * rsqrt(var + eps)).to(x.dtype)``; the result is ``x.dtype``.
     ``unit_offset``: Gemma's, ``(h * rsqrt(var + eps) * (1 + weight)).to(x.dtype)``.
-    With ``residual=None`` the second result is ``x`` itself.
+    ``x_weight``: ``x`` is first normed by it, Gemma's way (a block's post-norm), in the
+    same kernel. With ``residual=None`` the second result is ``x`` itself.
     """
     if _use_triton(use_triton, x):
-        return _add_norm_triton(x, residual, weight, None, eps, True, unit_offset)
+        return _add_norm_triton(x, residual, weight, None, eps, True, unit_offset, x_weight)
+    if x_weight is not None:
+        x = add_rms_norm(x, None, x_weight, eps, False, unit_offset=True)[0]
     h = x if residual is None else x + residual
     if unit_offset:
         normed = F.rms_norm(h.float(), (h.shape[-1],), eps=eps) * (1.0 + weight.float())

@@ -21,10 +21,13 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scaled by 1 + weight (its weights are offsets from one), in
-    float32, rounded once."""
+    float32, rounded once. ``first``: a norm ``x`` goes through before the add (a block's
+    post-norm), in the same kernel."""
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return add_rms_norm(x, residual, self.weight, self.eps, unit_offset=True)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                first: "GemmaRMSNorm | None" = None):
+        return add_rms_norm(x, residual, self.weight, self.eps, unit_offset=True,
+                            x_weight=None if first is None else first.weight)
 
 
 class ShardedRMSNorm(RMSNorm):

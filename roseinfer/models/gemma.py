@@ -47,14 +47,15 @@ class GemmaLayer(nn.Module):
         self.down_proj = nn.Linear(inter, e, bias=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
-        """(this layer's output, the residual stream before it), as Llama's layers: the
+        """(this layer's MLP output, the residual stream before it), as Llama's layers: the
         next norm adds the two. Attention's and the MLP's outputs are normed before they
-        join the stream."""
-        h, residual = self.input_layernorm(x, residual)
-        attn = self.post_attention_layernorm(self_attention(self, h, positions))[0]
-        h, residual = self.pre_feedforward_layernorm(attn, residual)
-        mlp = tp.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(h))))
-        return self.post_feedforward_layernorm(mlp)[0], residual
+        join the stream, each by the kernel that adds it: the MLP's by the next layer's
+        input norm (``incoming``, the layer before's post-norm) or the final norm."""
+        h, residual = self.input_layernorm(x, residual, first=self.incoming)
+        attn = self_attention(self, h, positions)
+        h, residual = self.pre_feedforward_layernorm(attn, residual,
+                                                     first=self.post_attention_layernorm)
+        return tp.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(h)))), residual
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -66,6 +67,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.scale = cfg.hidden_size ** 0.5
         self.logit_cap = getattr(cfg, "final_logit_softcapping", None)
+        # each layer's input norm applies the post-norm of the layer before (a plain
+        # attribute: the norm's weights stay the earlier layer's, listed once)
+        for layer, before in zip(self.layers, [None, *self.layers[:-1]]):
+            layer.__dict__["incoming"] = before and before.post_feedforward_layernorm
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm(x, residual, first=self.layers[-1].post_feedforward_layernorm)[0]
 
     @staticmethod
     def rotaries(cfg) -> list[RotaryEmbedding]:

@@ -101,8 +101,9 @@ def self_attention(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor) -
 
 class LlamaForCausalLM(nn.Module):
     """A family that is Llama's shape with other parts sets them here: its layer, its
-    final norm, whether its LM head is the embedding unless the config says, its RoPE
-    tables per layer (``rotaries``) and its embedding's output (``embed``)."""
+    final norm (``norm_class``, and how it is applied: ``final_norm``), whether its LM
+    head is the embedding unless the config says, its RoPE tables per layer
+    (``rotaries``) and its embedding's output (``embed``)."""
     layer_class = LlamaLayer
     norm_class = RMSNorm
     tied_by_default = False
@@ -136,6 +137,9 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions)
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
