@@ -211,31 +211,6 @@ def test_apply_rope(gen, head_dim, rotary, fused, dtype):
         assert torch.equal(work[:, q_size + kv_size:], qkv[:, q_size + kv_size:])
 
 
-@dtypes
-@pytest.mark.parametrize("unit_offset", [False, True], ids=["qwen3", "gemma3"])
-def test_apply_rope_after_per_head_norms(gen, unit_offset, dtype):
-    """Qwen3's and Gemma 3's q/k norms in the RoPE kernel, against the two norms as their
-    own ops (as transformers applies them) and then the rotation."""
-    head_dim = 64
-    q_size, kv_size = H * head_dim, HKV * head_dim
-    qkv = randn(gen, ROWS, q_size + 2 * kv_size, dtype=dtype)
-    positions = torch.randperm(MAX_POS, generator=gen)[:ROWS].to(torch.int32).to(DEVICE)
-    cos, sin = rope_tables(head_dim)
-    qw, kw = (0.3 * randn(gen, head_dim, dtype=dtype) + (0 if unit_offset else 1)
-              for _ in range(2))
-    normed = [add_rms_norm(t.reshape(-1, head_dim), None, w, EPS, False, unit_offset)[0]
-              .view(ROWS, -1) for t, w in ((qkv[:, :q_size], qw), (qkv[:, q_size:-kv_size], kw))]
-    expected_q = rope_reference(normed[0], H, positions, cos, sin)
-    expected_k = rope_reference(normed[1], HKV, positions, cos, sin)
-    for use_triton in (True, False):
-        work = qkv.clone()
-        q, k = apply_rope(work[:, :q_size], work[:, q_size:q_size + kv_size], positions, cos,
-                          sin, H, HKV, use_triton=use_triton, norms=(qw, kw, EPS, unit_offset))
-        assert_close(q, expected_q, dtype)
-        assert_close(k, expected_k, dtype)
-        assert torch.equal(work[:, q_size + kv_size:], qkv[:, q_size + kv_size:])
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay():

@@ -205,46 +205,26 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> 
 # ---------------------------------------------------------------- RoPE
 
 @_kernel
-def _head_norm(x1, x2, w_ptr, j, half, eps, dt, UNIT_OFFSET: tl.constexpr):
-    """Each head's RMSNorm over both halves (the whole head), rounded to ``dt`` as the
-    unfused norm stores it: Llama's (normalised, rounded, times the weight) or Gemma's
-    (times 1 + weight)."""
-    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * half) + eps)[:, None]
-    w1 = tl.load(w_ptr + j, mask=j < half, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + half + j, mask=j < half, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        return ((x1 * rstd * (1.0 + w1)).to(dt).to(tl.float32),
-                (x2 * rstd * (1.0 + w2)).to(dt).to(tl.float32))
-    return (((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32),
-            ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32))
-
-
-@_kernel
-def _rotate_heads(ptr, row_offset, num_heads, head_dim, cos, sin, half, w_ptr, eps,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
-                  UNIT_OFFSET: tl.constexpr):
+def _rotate_heads(ptr, row_offset, num_heads, head_dim, cos, sin, half,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Rotate-half RoPE of one token's heads, in place: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
-    over each head's first ``2 * half`` dims (partial rotary leaves the rest); with
-    ``NORM``, each head is first normed by ``w_ptr`` (Qwen3's and Gemma 3's q/k norms)."""
+    over each head's first ``2 * half`` dims (partial rotary leaves the rest)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (j < half)
     first = ptr + row_offset + h * head_dim + j
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        x1, x2 = _head_norm(x1, x2, w_ptr, j, half, eps, ptr.dtype.element_ty, UNIT_OFFSET)
     tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
     tl.store(first + half, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
 
 
 @_kernel
 def _rope_kernel(
-    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
+    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
     s_q, s_k, s_pos, s_table,                    # row strides (q/k may be slices of qkv)
     num_heads, num_kv_heads, head_dim, half,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
-    NORM: tl.constexpr = False, UNIT_OFFSET: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     # One program per token: its cos/sin row is gathered once for all q and k heads.
@@ -253,10 +233,8 @@ def _rope_kernel(
     j = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + pos * s_table + j, mask=j < half, other=0.0)
     sin = tl.load(sin_ptr + pos * s_table + j, mask=j < half, other=0.0)
-    _rotate_heads(q_ptr, row * s_q, num_heads, head_dim, cos, sin, half, qw_ptr, eps,
-                  BLOCK_HQ, BLOCK_HALF, NORM, UNIT_OFFSET)
-    _rotate_heads(k_ptr, row * s_k, num_kv_heads, head_dim, cos, sin, half, kw_ptr, eps,
-                  BLOCK_HK, BLOCK_HALF, NORM, UNIT_OFFSET)
+    _rotate_heads(q_ptr, row * s_q, num_heads, head_dim, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, row * s_k, num_kv_heads, head_dim, cos, sin, half, BLOCK_HK, BLOCK_HALF)
 
 
 def rope_rows(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -300,36 +278,27 @@ def rotate_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-               use_triton: bool | None = None, norms: tuple | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE, IN PLACE: overwrites ``q`` [N, H*D] and ``k`` [N, Hkv*D] and returns them.
 
     ``q`` and ``k`` need unit column stride only (column slices of a fused qkv
     tensor are fine); ``positions`` [N] must index rows of the float32
     ``cos``/``sin`` tables [max_pos, R/2] (not bounds-checked on the Triton path); the
     first R dims of each head rotate (R < D: partial rotary, as Phi-4-mini's).
-    ``norms``: (q's weight, k's weight, eps, unit offset): each head is first RMS-normed
-    as ``add_rms_norm`` does (whole-head rotary only).
     """
     half, head_dim = cos.shape[1], q.shape[1] // num_heads
     assert k.shape[1] == num_kv_heads * head_dim and 2 * half <= head_dim
     if not _use_triton(use_triton, q):
-        if norms is not None:
-            qw, kw, eps, unit = norms
-            q, k = (add_rms_norm(t.reshape(-1, head_dim), None, w, eps, False, unit)[0]
-                    .view(t.shape[0], -1) for t, w in ((q, qw), (k, kw)))
         return rotate_qk_(q, k, *rope_rows(positions, cos, sin), num_heads, num_kv_heads)
     assert q.stride(1) == k.stride(1) == cos.stride(1) == 1 and sin.stride() == cos.stride()
-    assert norms is None or 2 * half == head_dim, "q/k norms fuse with whole-head rotary only"
-    qw, kw, eps, unit = norms or (cos, cos, 0.0, False)  # weights unread without NORM
     block_half = triton.next_power_of_2(half)
     pdl = dependent_launch(q.device, q.shape[0])
     _rope_kernel[(q.shape[0],)](
-        q, k, positions, cos, sin, qw, kw, eps,
+        q, k, positions, cos, sin,
         q.stride(0), k.stride(0), positions.stride(0), cos.stride(0),
         num_heads, num_kv_heads, head_dim, half,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=block_half, PDL=pdl, NORM=norms is not None, UNIT_OFFSET=unit,
+        BLOCK_HALF=block_half, PDL=pdl,
         num_warps=_warps(triton.next_power_of_2(num_heads + num_kv_heads) * block_half),
         launch_pdl=pdl,
     )

@@ -47,19 +47,10 @@ class RotaryEmbedding(nn.Module):
         self.cos = (freqs.cos() * scaling).to(device)
         self.sin = (freqs.sin() * scaling).to(device)
 
-    def forward(self, positions, q, k, num_heads, num_kv_heads, norms=None):
-        """Rotates q and k in place (they may be column slices of a fused qkv); ``norms``:
-        q's and k's per-head RMSNorms, applied first (in the same kernel on CUDA)."""
-        if norms is not None:
-            q_norm, k_norm = norms
-            norms = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset)
-        whole = 2 * self.cos.shape[1] * num_heads == q.shape[1]  # every dim rotates
-        if q.is_cuda and (norms is None or whole):  # one kernel gathers (norms) and rotates
-            return apply_rope(q, k, positions, self.cos, self.sin, num_heads, num_kv_heads,
-                              norms=norms)
-        if norms is not None:  # the plain path's norms, new tensors then rotated in place
-            return apply_rope(q, k, positions, self.cos, self.sin, num_heads, num_kv_heads,
-                              use_triton=False, norms=norms)
+    def forward(self, positions, q, k, num_heads, num_kv_heads):
+        """Rotates q and k in place (they may be column slices of a fused qkv)."""
+        if q.is_cuda:  # one kernel gathers and rotates
+            return apply_rope(q, k, positions, self.cos, self.sin, num_heads, num_kv_heads)
         memo = get_context().attn.memo
         if self not in memo:  # the first layer gathers the step's rows for all
             memo[self] = rope_rows(positions, self.cos, self.sin)

@@ -90,16 +90,12 @@ def self_attention(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor) -
     """The attention block of a layer built as LlamaLayer's (``qkv_proj``, q/k norms where
     ``qk_norm``, ``clip_qkv``, ``rotary``, ``attn``, ``o_proj``), summed over the ranks."""
     q, k, v = layer.qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-    # per-head q/k norms go with the rotation (one kernel on CUDA); OLMoE's span all heads
-    per_head = layer.qk_norm and layer.clip_qkv is None and \
-        layer.q_norm.weight.numel() * layer.h == layer.q_size
-    if layer.qk_norm and not per_head:
+    if layer.qk_norm:
         q = layer.q_norm(q.reshape(-1, layer.q_norm.weight.numel()))[0].view(-1, layer.q_size)
         k = layer.k_norm(k.reshape(-1, layer.k_norm.weight.numel()))[0].view(-1, layer.kv_size)
     if layer.clip_qkv is not None:
         q, k, v = (t.clamp(-layer.clip_qkv, layer.clip_qkv) for t in (q, k, v))
-    norms = (layer.q_norm, layer.k_norm) if per_head else None
-    q, k = layer.rotary(positions, q, k, layer.h, layer.hkv, norms)  # in place, inside qkv
+    q, k = layer.rotary(positions, q, k, layer.h, layer.hkv)  # in place, inside qkv
     return tp.all_reduce(layer.o_proj(layer.attn(q, k, v)))
 
 
