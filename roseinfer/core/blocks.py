@@ -162,22 +162,23 @@ class BlockManager:
         """Make room for the next ``num_new_tokens`` KV rows; False if blocks ran out.
         First, window groups give back the blocks no query from now on sees."""
         bs, table = self.block_size, seq.block_table
-        tables = self.tables(seq) if len(self.windows) > 1 else [table]
+        need = -(-(seq.num_computed + num_new_tokens) // bs) - len(table)
+        # a partial last block shared with another sequence (n samples)
+        shared = seq.num_computed % bs and self.store.ref(table[-1]) > 1
+        if need <= 0 and not shared and not self.windowed:
+            return True  # most decode steps: kept to this
+        tables = self.tables(seq)
         for g in self.windowed:
             self._let_go(tables[g], self._first(g, seq.num_computed))
-        need = -(-(seq.num_computed + num_new_tokens) // bs) - len(table)
-        # a partial last block shared with another sequence (n samples): each group's
         shared = [t for t in tables if t[-1] != self.null and self.store.ref(t[-1]) > 1] \
-            if seq.num_computed % bs and self.store.ref(table[-1]) > 1 else ()
-        if need <= 0 and not shared:
-            return True
+            if shared else ()
         if need * len(tables) + len(shared) > len(self.free):
             return False
         if shared:
             self._copy_last_blocks(seq, tables, shared)
         for _ in range(need):
-            for g, table in enumerate(tables):
-                table.append(self._allocate(g))
+            for g, t in enumerate(tables):
+                t.append(self._allocate(g))
             self._map_last(tables)
         return True
 
@@ -214,8 +215,11 @@ class BlockManager:
         """Publish hashes of blocks that became full and computed in this step."""
         if not self.prefix_cache:
             return
-        bs, tables = self.block_size, self.tables(seq)
+        bs = self.block_size
         known = min(seq.num_computed, seq.num_tokens)  # ids of the step in flight are unknown
+        if len(seq.block_hashes) >= known // bs:
+            return  # no block became full: most steps
+        tables = self.tables(seq)
         for i in range(len(seq.block_hashes), known // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else NO_HASH
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
