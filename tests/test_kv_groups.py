@@ -21,7 +21,9 @@ def test_groups_put_each_window_apart_widest_first():
     assert [g.layer_group[i] for i in (5, 11, 0, 1, 47)] == [0, 0, 1, 1, 0]
     assert sorted(zip(g.layer_group, g.layer_slot)) == [(k, s) for k in range(6)
                                                          for s in range(8)]
+    assert "6 KV groups of 8 layers" in g.describe()
     assert KVGroups.of([None] * 4) == KVGroups.single(4)
+    assert KVGroups.single(4).describe() == ""
     assert KVGroups.of([16, 4, 16, 4]).windows == (16, 4)
     # one window layer in 28 would make 28 groups: one table instead
     assert KVGroups.of([None] * 27 + [4]) == KVGroups.single(28)

@@ -106,9 +106,9 @@ class Engine:
         self._in_flight = None
         self._stepping = threading.Lock()
         settle_heap()
-        log.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d%s",
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d%s%s",
                  type(self.model).__name__, self.device, self.dtype, num_blocks,
-                 config.block_size, self.max_model_len,
+                 config.block_size, self.max_model_len, self.kv_cache.groups.describe(),
                  f", tensor parallel over {config.tensor_parallel_size}" if self.peers else "")
 
     def close(self) -> None:

@@ -48,6 +48,14 @@ class KVGroups:
     def __len__(self) -> int:
         return len(self.windows)
 
+    def describe(self) -> str:
+        """For the start log: what a block holds, where window layers keep their own."""
+        if len(self) == 1:
+            return ""
+        windows = ", ".join(f"{w}" if w else "all" for w in self.windows)
+        return (f", {len(self)} KV groups of {self.size} layers a block (tokens kept: "
+                f"{windows})")
+
     def max_tokens(self, num_blocks: int, block_size: int) -> int | None:
         """The longest sequence ``num_blocks`` hold (None: any length, every group has a
         window): full groups take a block per ``block_size`` tokens, each window group
