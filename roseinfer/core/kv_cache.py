@@ -14,6 +14,7 @@ import torch
 
 from roseinfer.core.kv_groups import KVGroups
 
+
 @dataclass
 class SlotBatch:
     """Where each new K/V row goes, built once per step and shared by all layers.

@@ -85,7 +85,8 @@ class ModelRunner:
         # other KV group's block for every block a step allocates: a block per block_size
         # tokens, and per sequence its last one, a copied one and its decode window's.
         # Mixed graphs have one sequence more than max_num_seqs (StepGraphs).
-        new_blocks = tokens // self.block_size + max_num_seqs * (decode_steps // self.block_size + 3)
+        new_blocks = tokens // self.block_size \
+            + max_num_seqs * (decode_steps // self.block_size + 3)
         self.stager = InputStager(fixed_size(tokens, max_num_seqs + 1) + 2 * max_num_seqs * width
                                   + 2 * (len(kv_cache.groups) - 1) * new_blocks, device)
         self.rows = TableRows(max_num_seqs, width, self.max_blocks)
