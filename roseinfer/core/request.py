@@ -19,8 +19,8 @@ class Status(enum.Enum):
 class Sequence:
     __slots__ = ("request_id", "params", "token_ids", "num_prompt_tokens", "num_computed",
                  "block_table", "group_tables", "block_hashes", "status", "finish_reason",
-                 "generator",
-                 "detok", "num_emitted", "arrival_time", "max_len", "pending", "sample_slot",
+                 "generator", "detok", "num_emitted", "arrival_time", "max_len", "pending",
+                 "sample_slot",
                  "row", "synced", "sample_words", "logprobs", "prompt_logprobs",
                  "constraints", "num_accepted", "index", "key", "error", "draft", "spec",
                  "num_cached_tokens")
