@@ -51,7 +51,7 @@ _TC = {"block_n": 64, "num_warps": 4, "num_stages": 2, "dot": True, "programs_pe
 DECODE_TUNING: dict[tuple[int, int], dict] = {
     (64, 4): _TC, (64, 8): _TC, (128, 4): _TC, (128, 8): dict(_TC, num_stages=3),
     (128, 6): _TC,  # Qwen2.5-1.5B: 1.2-1.3x its decode (docs/kernels.md)
-    # Gemma 2 and 3: 1.5-5.7x the default, most at batch 1 and long contexts (H200)
+    # Gemma 2 and 3: 1.5-5.7x faster than the default, most at batch 1 and long contexts (H200)
     (256, 2): dict(_TC, block_n=32),
 }
 # Over an FP8 cache a tensor-core tile takes 128 keys, half a 16-bit tile's bytes a key:
