@@ -42,7 +42,6 @@ from torch import nn
 
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
 from roseinfer.core.kv_cache import SlotBatch
-from roseinfer.core.kv_groups import KVGroups
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +55,9 @@ class _InputCache:
 
     def __init__(self, k, v, append, slots: SlotBatch):
         self.k, self.v, self._append, self._slots = k, v, append, slots
-        self.groups = KVGroups.single(len(k))  # the step serves caches of one group only
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer]
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.k[layer], self.v[layer], 0  # the step serves caches of one group only
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         self._append.append(self.k[layer], self.v[layer], key, value, self._slots)

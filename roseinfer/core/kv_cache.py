@@ -59,6 +59,9 @@ class KVCache:
         self.num_layers = len(groups.layer_slot)
         self.k = [_zeros(shape, dtype, device) for _ in range(groups.size)]
         self.v = [_zeros(shape, dtype, device) for _ in range(groups.size)]
+        # per layer, looked up once: (its K, its V, its group)
+        self._layers = [(self.k[s], self.v[s], g)
+                        for s, g in zip(groups.layer_slot, groups.layer_group)]
         self.device = torch.device(device)
         self.block_size = block_size
         self.backends = backends
@@ -99,14 +102,13 @@ class KVCache:
                 return name
         raise RuntimeError("no KV-append backend supports this batch")
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V tensors (its slot's in its group)."""
-        slot = self.groups.layer_slot[layer]
-        return self.k[slot], self.v[slot]
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The layer's K and V tensors (its slot's in its group), and its group."""
+        return self._layers[layer]
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        self._active.append(*self.layer(layer), key, value,
-                            self._slots[self.groups.layer_group[layer]])
+        k, v, group = self._layers[layer]
+        self._active.append(k, v, key, value, self._slots[group])
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: duplicate one block in every slot (a block is one group's)."""

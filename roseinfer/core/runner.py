@@ -136,6 +136,13 @@ class ModelRunner:
         idx.append(self.seq_state.numel() + (group - 1) * self.group_blocks.shape[1] + block)
         val.append(to)
 
+    def _add_remaps(self, upd_idx: list[int], upd_val: list[int]) -> None:
+        """The remaps made since the last step join its table updates."""
+        if self.remaps[0]:
+            upd_idx += self.remaps[0]
+            upd_val += self.remaps[1]
+            self.remaps = ([], [])
+
     def forward(self, ctx: StepContext, inp: PackedInputs, logits_rows=None) -> torch.Tensor:
         """Model forward under ``ctx``; logits of ``logits_rows`` (all rows if None)."""
         ctx.attn.block_tables = self.tables[inp.seq_rows]
@@ -178,10 +185,7 @@ class ModelRunner:
                                               self.rows, self.kv_cache.scratch_block, batch.steps)
         for seq in fresh:
             self.logits_work.start(seq)
-        if self.remaps[0]:
-            upd_idx += self.remaps[0]
-            upd_val += self.remaps[1]
-            self.remaps = ([], [])
+        self._add_remaps(upd_idx, upd_val)
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
         # A graph samples and advances its inputs itself (capture_step,

@@ -35,6 +35,7 @@ class PagedAttention(nn.Module):
         cache.append(self.layer_idx, k, v)
         # the sinks read here: a load may have replaced the parameter
         extra = self._extra if self.sinks is None else {**self._extra, "sinks": self.sinks}
-        attn = ctx.of_group(cache.groups.layer_group[self.layer_idx])
-        out = ctx.attention.forward(q, *cache.layer(self.layer_idx), attn, self.scale, **extra)
+        k_cache, v_cache, group = cache.layer(self.layer_idx)
+        out = ctx.attention.forward(q, k_cache, v_cache, ctx.of_group(group), self.scale,
+                                    **extra)
         return out.reshape(-1, self.num_heads * self.head_dim)
