@@ -8,6 +8,7 @@ no hash go to the front.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Callable, Optional, Protocol, Sequence as Seq
 
@@ -30,10 +31,21 @@ def block_hash(parent: int, tokens: Seq[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
-def prompt_hashes(token_ids: Seq[int], block_size: int) -> list[int]:
+def root_hash(lora: Optional[str]) -> int:
+    """Where a sequence's block hashes chain from: K/V computed under one LoRA adapter
+    (core/lora.py) are another adapter's, or the base model's, never. The adapter's name
+    is hashed with a digest, stable across the processes of a fleet as Python's hash of a
+    string is not."""
+    if lora is None:
+        return NO_HASH
+    return int.from_bytes(hashlib.blake2b(lora.encode(), digest_size=8).digest(), "little",
+                          signed=True)
+
+
+def prompt_hashes(token_ids: Seq[int], block_size: int, root: int = NO_HASH) -> list[int]:
     """The hashes match_prefix looks up for a prompt: of each full block but the one
     holding its last token."""
-    hashes, parent = [], NO_HASH
+    hashes, parent = [], root
     for i in range((len(token_ids) - 1) // block_size):
         parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)
@@ -105,7 +117,7 @@ class BlockManager:
         """
         if not self.prefix_cache or seq.prompt_logprobs_due:  # every prompt token's logits
             return 0
-        hashes, rows, k = self._prefix(seq.token_ids)
+        hashes, rows, k = self._prefix(seq.token_ids, seq.hash_root)
         tables = self.tables(seq)
         for g, table in enumerate(tables):
             first = self._first(g, k * self.block_size)
@@ -118,18 +130,18 @@ class BlockManager:
             self.journal.append((hashes[0], True, True))  # a prompt in use: listed as recent
         return k * self.block_size
 
-    def cached_tokens(self, token_ids: Seq[int]) -> int:
+    def cached_tokens(self, token_ids: Seq[int], root: int = NO_HASH) -> int:
         """What match_prefix would cover now, taking nothing."""
         if not self.prefix_cache:
             return 0
-        return self._prefix(token_ids)[2] * self.block_size
+        return self._prefix(token_ids, root)[2] * self.block_size
 
-    def _prefix(self, token_ids: Seq[int]) -> tuple[list[int], list[list], int]:
+    def _prefix(self, token_ids: Seq[int], root: int) -> tuple[list[int], list[list], int]:
         """(hashes, each group's cached block of each (None if not held), k): the longest
         cached prefix of k full blocks, at least one token left to compute, for which every
         group holds the blocks its queries from there on see (a window group only its
         window's; a prefix longer than a window is reusable only where they are held)."""
-        bs, parent, groups = self.block_size, NO_HASH, range(len(self.windows))
+        bs, parent, groups = self.block_size, root, range(len(self.windows))
         hashes, rows, runs, k = [], [], [0] * len(self.windows), 0
         for i in range((len(token_ids) - 1) // bs):
             tokens = token_ids[i * bs:(i + 1) * bs]
@@ -221,7 +233,7 @@ class BlockManager:
             return  # no block became full: most steps
         tables = self.tables(seq)
         for i in range(len(seq.block_hashes), known // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else NO_HASH
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = block_hash(parent, tokens)
             for g, table in enumerate(tables):

@@ -94,6 +94,13 @@ class EngineConfig:
     num_speculative_tokens: Optional[int] = None
     draft_model: Optional[str] = None
     speculative_disable_by_batch_size: int = 8
+    # LoRA adapters (core/lora.py): requests may name one of the adapters loaded; up to
+    # max_loras of them sit in the GPU's slots at once, up to max_cpu_loras (default: as
+    # many) stay in host memory, the others are read from disk again when needed.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
     seed: Optional[int] = None
 
     def __post_init__(self):
@@ -101,7 +108,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "decode_steps",
-                    "decode_steps_min_seqs", "speculative_disable_by_batch_size")
+                    "decode_steps_min_seqs", "speculative_disable_by_batch_size", "max_loras",
+                    "max_lora_rank")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -117,6 +125,10 @@ class EngineConfig:
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ConfigError(f"num_speculative_tokens must be a positive integer or unset, "
                               f"got {v!r}")
+        v = self.max_cpu_loras
+        if v is not None and (not isinstance(v, int) or v < self.max_loras):
+            raise ConfigError(f"max_cpu_loras must be an integer >= max_loras "
+                              f"({self.max_loras}) or unset, got {v!r}")
         for name in ("num_kv_blocks", "max_model_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 2):

@@ -30,6 +30,7 @@ class DeviceSide:
     kv_cache: KVCache
     runner: ModelRunner
     max_model_len: int
+    loras: Any = None  # core/lora.py's Loras, with enable_lora
 
 
 def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: torch.device,
@@ -91,13 +92,33 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
     model, hf_config, tokenizer = loader.load(
         spec, tokenizer, dtype, device, seed=cfg.seed or 0, plugins=plugins,
         cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype), quantization=cfg.quantization)
+    loras = _loras(model, hf_config, cfg, device, dtype) if cfg.enable_lora else None
     peak = 0
     if device.type == "cuda" and cfg.num_kv_blocks is None:
         peak = step_peak(model, hf_config, cfg, plugins, device, dtype)
     kv_cache = build_kv_cache(model, cfg, plugins, device, dtype, peak)
     max_model_len = _max_model_len(cfg, hf_config, kv_cache)
     runner = build_runner(model, kv_cache, cfg, plugins, device, max_model_len, peers)
-    return DeviceSide(model, hf_config, tokenizer, dtype, kv_cache, runner, max_model_len)
+    return DeviceSide(model, hf_config, tokenizer, dtype, kv_cache, runner, max_model_len,
+                      loras)
+
+
+def _loras(model, hf_config, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+    """The model's projections in LoRA slots, and the adapters' bookkeeping over them."""
+    from roseinfer.core.lora import Loras
+    from roseinfer.layers import lora
+    from roseinfer.models import lora_adapter
+
+    modules = lora.attach(model, cfg.max_loras, cfg.max_lora_rank, dtype)
+
+    def read(name: str, path: str):
+        adapter = lora_adapter.read(name, path, hf_config, type(model).shard_rule,
+                                    cfg.max_lora_rank, set(modules), dtype)
+        if device.type == "cuda":  # pinned: a slot fills without stalling the host
+            adapter.weights = {k: [p and (p[0].pin_memory(), p[1].pin_memory()) for p in v]
+                               for k, v in adapter.weights.items()}
+        return adapter
+    return Loras(modules, read, cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras)
 
 
 @torch.inference_mode()

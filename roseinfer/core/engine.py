@@ -75,6 +75,7 @@ class Engine:
         side = device_side.build(model, tokenizer, config, plugins, self.device, self.peers)
         self.dtype, self.model, self.hf_config = side.dtype, side.model, side.hf_config
         self.tokenizer, self.kv_cache, self.runner = side.tokenizer, side.kv_cache, side.runner
+        self.loras = side.loras
         self.max_model_len = side.max_model_len
         self.vocab_size = self.hf_config.vocab_size
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
@@ -93,6 +94,8 @@ class Engine:
                                    config.decode_steps, config.decode_steps_min_seqs, mixed_prefill,
                                    config.priority_aging_s)
         self.blocks.on_free_seq = self.runner.rows.release
+        if self.loras is not None:
+            self._serve_loras()
         plugins.get("logits_processor", config.structured_output)  # fail early, listing names
         self.processors = Processors(plugins, ProcessorContext(
             self.tokenizer, self.model.head.vocab_size, frozenset(self.eos_ids), self.device),
@@ -110,6 +113,38 @@ class Engine:
                  type(self.model).__name__, self.device, self.dtype, num_blocks,
                  config.block_size, self.max_model_len, self.kv_cache.groups.describe(),
                  f", tensor parallel over {config.tensor_parallel_size}" if self.peers else "")
+
+    def _serve_loras(self) -> None:
+        """A request's adapter takes a slot when it is admitted and gives it back with its
+        blocks; the other ranks fill the slots rank 0 fills."""
+        loras, free_rows = self.loras, self.runner.rows.release
+        self.scheduler.admits = lambda seq: seq.lora is None or loras.acquire(seq)
+        self.blocks.on_free_seq = lambda seq: (free_rows(seq), loras.release(seq))
+        if self.peers is not None:
+            loras.announce = self.peers.send_lora
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter at ``path`` as ``name`` (read and checked now):
+        requests then name it (``add_request(..., lora=name)``)."""
+        if self.loras is None:
+            raise ConfigError("this engine serves no LoRA adapters: start it with "
+                              "enable_lora=True (worker: --lora-modules name=path)")
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; its requests must have ended."""
+        if self.loras is None:
+            raise ConfigError("this engine serves no LoRA adapters")
+        users = [s.key for s in self.seqs.values() if s.lora == name]
+        if users:
+            raise ConfigError(f"adapter {name!r} still serves {len(users)} request(s) "
+                              f"({users[:3]}): remove it once they end")
+        self.loras.remove(name)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The adapters requests may name."""
+        return [] if self.loras is None else self.loras.names
 
     def close(self) -> None:
         """Release the model, its KV cache and CUDA graphs, and stop the other ranks of a
@@ -136,7 +171,7 @@ class Engine:
         return as_chat(self.tokenizer, text)
 
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    emitted_ids=None, emitted_text=None, indexes=None):
+                    emitted_ids=None, emitted_text=None, indexes=None, lora: Optional[str] = None):
         """Queue a request. ``emitted_ids`` resumes one whose first tokens were
         already handed out elsewhere: they are recomputed as context, count
         against ``max_tokens``, and are not emitted again. ``emitted_text`` is
@@ -146,19 +181,21 @@ class Engine:
         output carrying its ``index``; ``indexes`` picks the ones to run (a
         resumed request's unfinished ones) and ``emitted_ids`` / ``emitted_text``
         map an index to its own. The samples after the first share its prompt's
-        full KV blocks once computed (_share_prompts)."""
+        full KV blocks once computed (_share_prompts). ``lora``: the name of an adapter
+        the request runs with (add_lora), None for the base model."""
         params = params or SamplingParams()
         if self.closed:
             raise RuntimeError("this engine is closed; make a new one")
         if request_id in self.seqs or request_id in self.groups:
             raise InvalidRequestError("rid", f"request id {request_id!r} is already in use")
+        self._check_lora(lora)
         ids = self._prompt_ids(prompt)
         too_big = [t for t in params.logit_bias if t >= self.vocab_size]
         if too_big:
             raise InvalidRequestError("logit_bias", f"token ids must be below the vocabulary "
                                       f"size {self.vocab_size}; got {too_big[:5]}")
         if params.n == 1:
-            seq = self._sequence(request_id, 0, ids, params, emitted_ids, emitted_text)
+            seq = self._sequence(request_id, 0, ids, params, emitted_ids, emitted_text, lora)
             self._queue([seq])
             return
         indexes = range(params.n) if indexes is None else indexes
@@ -166,11 +203,19 @@ class Engine:
             raise InvalidRequestError("indexes", f"must name samples in [0, {params.n})")
         emitted_ids, emitted_text = emitted_ids or {}, emitted_text or {}
         self._queue([self._sequence(request_id, i, ids, params.sample(i), emitted_ids.get(i),
-                                    emitted_text.get(i)) for i in sorted(set(indexes))])
+                                    emitted_text.get(i), lora) for i in sorted(set(indexes))])
         self.groups[request_id] = params.n
 
+    def _check_lora(self, lora: Optional[str]) -> None:
+        if lora is None:
+            return
+        if self.loras is None:
+            raise InvalidRequestError("lora", f"this engine serves no adapters, so not "
+                                      f"{lora!r}; ask for the base model (no lora)")
+        self.loras.check(lora)
+
     def _sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
-                  emitted_ids, emitted_text) -> Sequence:
+                  emitted_ids, emitted_text, lora: Optional[str] = None) -> Sequence:
         emitted = self._token_ids(emitted_ids or [], "emitted_ids")
         if len(emitted) >= params.max_tokens:
             raise InvalidRequestError("emitted_ids", "the request already has all its tokens")
@@ -182,7 +227,7 @@ class Engine:
         if params.seed is not None and self.device.type != "cuda":
             gen = torch.Generator(self.device).manual_seed(params.seed)
         max_len = min(self.max_model_len, len(ids) + params.max_tokens)
-        seq = Sequence(request_id, ids, params, max_len, time.monotonic(), gen)
+        seq = Sequence(request_id, ids, params, max_len, time.monotonic(), gen, lora)
         seq.index = index
         seq.key = request_id if params.n == 1 else f"{request_id}#{index}"
         if params.constrained:
@@ -460,8 +505,8 @@ def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
             raise ConfigError("cpu_compiled_step build applies to a float32 model on the CPU "
                               "with the default KV-append and attention plugins, "
                               "cpu_weight_dtype float32, no quantization, the model's KV "
-                              "cache dtype, no tensor parallelism, and no window layers "
-                              "beside full ones")
+                              "cache dtype, no tensor parallelism, no window layers "
+                              "beside full ones, and no LoRA adapters")
         return None
     return cpu_step.prepare(cfg.cpu_compiled_step, engine.model, engine.hf_config,
                             engine.kv_cache, engine.kv_cache.backends["torch_index"],
@@ -473,6 +518,7 @@ def _compiled_step_applies(engine: Engine) -> bool:
     return (engine.device.type == "cpu" and engine.dtype == torch.float32
             and cfg.cpu_weight_dtype == "float32" and cfg.tensor_parallel_size == 1
             and engine.model.quantization is None and cfg.kv_cache_dtype == "auto"
+            and not cfg.enable_lora
             and cfg.kv_append_backend in ("auto", "torch_index")
             and len(engine.kv_cache.groups) == 1
             and attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 from roseinfer.core.config import EngineConfig, config_from_args
 from roseinfer.core.engine import Engine, Prompt
@@ -38,21 +38,34 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter saved at ``path`` as ``name`` (the LLM must be made
+        with ``enable_lora=True``); ``generate(..., lora=name)`` then runs with it."""
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
     def generate(self, prompts: list[Prompt],
                  params: Union[SamplingParams, list[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora: Union[str, list[Optional[str]], None] = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. A prompt whose
-        params ask for n > 1 samples gets the list of its n outputs, by index."""
+        params ask for n > 1 samples gets the list of its n outputs, by index. ``lora``:
+        the adapter every prompt runs with, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list: [\"text\", ...] or [[ids], ...]")
         params = params or SamplingParams()
         per = params if isinstance(params, list) else [params] * len(prompts)
         if len(per) != len(prompts):
             raise ValueError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} adapters for {len(prompts)} prompts")
         ids = [f"gen-{i}" for i in range(len(prompts))]
         try:
-            for rid, prompt, p in zip(ids, prompts, per):
-                self.engine.add_request(rid, prompt, p)
+            for rid, prompt, p, adapter in zip(ids, prompts, per, loras):
+                self.engine.add_request(rid, prompt, p, lora=adapter)
         except BaseException:  # a refused prompt: the ones added before it leave too
             for rid in ids:
                 self.engine.abort(rid)

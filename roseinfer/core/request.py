@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from roseinfer.core.blocks import root_hash
 from roseinfer.core.sample_kernel import words
 from roseinfer.core.sampling import SamplingParams
 
@@ -23,10 +24,11 @@ class Sequence:
                  "sample_slot",
                  "row", "synced", "sample_words", "logprobs", "prompt_logprobs",
                  "constraints", "num_accepted", "index", "key", "error", "draft", "spec",
-                 "num_cached_tokens")
+                 "num_cached_tokens", "lora", "lora_slot", "hash_root")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None):
+                 max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None,
+                 lora: Optional[str] = None):
         self.request_id = request_id
         self.index = 0                 # of the request's n samples
         self.key = request_id          # in Engine.seqs: request_id#index when n > 1
@@ -66,6 +68,9 @@ class Sequence:
         # of its drafts so far (None until it drafts).
         self.draft = None
         self.spec = None
+        self.lora = lora               # the adapter's name (core/lora.py), None: the base model
+        self.lora_slot = -1            # its adapter's slot while running
+        self.hash_root = root_hash(lora)  # its blocks' hashes chain from here (core/blocks.py)
 
     @property
     def num_tokens(self) -> int:

@@ -127,7 +127,7 @@ class ModelRunner:
         slots = SlotBatch(inp.block_idx, offsets, shared_offset=offsets[:1])
         attn = AttnMetadata(None, inp.context_lens, inp.query_start,
                             max_query_len, max_context_len)
-        return StepContext(self.kv_cache, self.attention, attn, slots)
+        return StepContext(self.kv_cache, self.attention, attn, slots, lora_slots=inp.lora_slots)
 
     def remap(self, group: int, block: int, to: int) -> None:
         """KV group ``group``'s block for group 0's ``block`` is ``to`` from the next step

@@ -17,6 +17,8 @@ which keeps a prefill from slowing the sequences that decode beside it, does not
 prefill more urgent (a lower priority value) than every one of them. With every priority
 equal, all of this is the order above (arrival). Starvation is bounded: a request waits
 behind later arrivals of a lower priority value q for at most (p - q) x priority_aging_s.
+A request whose LoRA adapter finds no free slot (core/lora.py) waits where it is, and
+the requests behind it are admitted.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import math
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.request import Sequence, Status
@@ -78,6 +81,9 @@ class Scheduler:
         self.num_prefilled = 0  # prompt tokens scheduled, ever (a worker's prefill rate)
         self._uncached: dict = {}  # waiting sequence: its prompt tokens not cached (backlog)
         self.prioritized = False  # some request had a priority: running is kept in its order
+        # Whether a waiting sequence may start now (core/lora.py: a slot for its adapter);
+        # one that may not waits, and the ones behind it go ahead.
+        self.admits: Callable[[Sequence], bool] = lambda seq: True
 
     def rank(self, seq: Sequence) -> float:
         """Lower runs first: the arrival, later by priority_aging_s per priority unit."""
@@ -193,11 +199,15 @@ class Scheduler:
         return 1
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: StepBudget) -> None:
+        passed: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             room = budget.prefill_room(seq)
             if seq.pending or room <= 0:  # its last token in flight (preempted), or no budget
                 break
+            if not self.admits(seq):
+                passed.append(self.waiting.popleft())
+                continue
             if not seq.block_table:  # else it holds blocks shared with it (Engine._queue)
                 seq.num_computed = self.blocks.match_prefix(seq)
                 if seq.num_cached_tokens is None:  # what the cache saved it, first time in
@@ -213,6 +223,7 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget.spend_prefill(seq, n)
             self.num_prefilled += n
+        self.waiting.extendleft(reversed(passed))
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_seq(seq)
@@ -265,7 +276,8 @@ class Scheduler:
         # a waiting sequence's cached prefix, looked up once: a burst's queue is mostly
         # histories its prefix cache holds
         self._uncached = {s: self._uncached.get(s) or len(s.token_ids) - (
-            s.num_computed or self.blocks.cached_tokens(s.token_ids)) for s in self.waiting}
+            s.num_computed or self.blocks.cached_tokens(s.token_ids, s.hash_root))
+            for s in self.waiting}
         tokens = sum(self._uncached.values()) + sum(
             max(0, len(s.token_ids) + s.pending - s.num_computed - 1) for s in self.running)
         if len(self.running) < self.max_num_seqs:

@@ -19,15 +19,17 @@ import torch
 # sample_idx[k]: the token whose logits the k-th sampling sequence samples from.
 # sample_seq_rows[k]: the device row of the k-th sampling sequence (its sampling words).
 # seq_rows[s]: the device block-table row of sequence s.
+# lora_slots[i]: the LoRA adapter slot token i's sequence runs with (core/lora.py), -1: none.
 # window_step[0]: the window step a CUDA graph records its tokens at (it counts
 # up on the device; each launch's copy resets it to 0).
-FIELDS = ("input_ids", "src_rows", "positions", "block_idx", "offsets", "context_lens",
-          "query_start", "sample_idx", "sample_seq_rows", "seq_rows", "window_step")
+FIELDS = ("input_ids", "src_rows", "positions", "block_idx", "offsets", "lora_slots",
+          "context_lens", "query_start", "sample_idx", "sample_seq_rows", "seq_rows",
+          "window_step")
 
 
 def _sizes(n_tok: int, n_seq: int, n_upd: int) -> tuple[int, ...]:
     """Lengths of FIELDS, then of the block-table updates (indices, values)."""
-    return (n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq, n_seq, 1,
+    return (n_tok, n_tok, n_tok, n_tok, n_tok, n_tok, n_seq, n_seq + 1, n_seq, n_seq, n_seq, 1,
             n_upd, n_upd)
 
 
@@ -98,7 +100,7 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
     from the last.
     The loop only appends to Python lists (cheap); numpy takes them in bulk.
     """
-    ids, src, pos, bidx, ctx, seq_rows, sample_rows = [], [], [], [], [], [], []
+    ids, src, pos, bidx, ctx, seq_rows, sample_rows, lora = [], [], [], [], [], [], [], []
     upd_idx, upd_val = [], []
     greedy = True
     for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
@@ -113,12 +115,14 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
             src.append(seq.sample_slot if pending else -1)
             pos.append(start)
             bidx.append(table[start // block_size])
+            lora.append(seq.lora_slot)
         else:
             ids += seq.token_ids[start:end] if seq.draft is None else \
                 seq.token_ids[start:] + seq.draft.tokens
             src += [-1] * n
             pos += range(start, end)
             bidx += [table[p // block_size] for p in range(start, end)]
+            lora += [seq.lora_slot] * n
         ctx.append(end)
         seq_rows.append(seq.row)
         if end == len(seq.token_ids) + seq.pending or seq.draft is not None:
@@ -130,6 +134,7 @@ def fill(host: PackedInputs, seqs, num_tokens, block_size: int, rows: TableRows,
     f = host.fields
     f["input_ids"][:t], f["src_rows"][:t], f["positions"][:t] = ids, src, pos
     f["block_idx"][:t], f["context_lens"][:s], f["seq_rows"][:s] = bidx, ctx, seq_rows
+    f["lora_slots"][:t] = lora
     qs = f["query_start"]
     qs[0] = 0
     np.cumsum(num_tokens, out=qs[1:s + 1])
@@ -175,6 +180,7 @@ def _pad(host: PackedInputs, t: int, s: int, pad_row: int, scratch_block: int) -
     host.src_rows[t:] = -1
     host.positions[t:] = 0
     host.block_idx[t:] = scratch_block
+    host.lora_slots[t:] = -1
     host.seq_rows[s:] = pad_row
     pad_tokens, pad_seqs = host.n_tok - t, host.n_seq - s
     if pad_seqs:

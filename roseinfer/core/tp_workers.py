@@ -32,6 +32,8 @@ from roseinfer.core.errors import ConfigError
 from roseinfer.core.step_order import STOP, StepOrder, decode
 
 EXIT_S = 10.0  # for a rank to exit after it was told to stop
+# Starts a message that fills a LoRA slot; an order starts with its token count, never -1.
+LORA_TAG = np.int32(-1).tobytes()
 
 
 def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -82,6 +84,13 @@ class Peers:
 
     def send(self, order: StepOrder) -> None:
         msg = order.encode()
+        for conn in self.conns:
+            conn.send_bytes(msg)
+
+    def send_lora(self, slot: int, name: str, path: str) -> None:
+        """Fill adapter slot ``slot`` with ``name`` (each rank reads its own shard), before
+        the next order, which may use it."""
+        msg = LORA_TAG + json.dumps({"slot": slot, "name": name, "path": path}).encode()
         for conn in self.conns:
             conn.send_bytes(msg)
 
@@ -167,18 +176,24 @@ def main(argv=None) -> None:
     config = EngineConfig(**json.loads(args.config))
     device = rank_device(torch.device(args.device), args.rank, args.size)
     tp.init(args.rank, args.size, args.port, device, config.enable_expert_parallel)
-    runner = device_side.build(args.model, None, config, default_registry(), device).runner
+    side = device_side.build(args.model, None, config, default_registry(), device)
+    runner, loras = side.runner, side.loras
+    del side
     device_side.settle_heap()  # as rank 0 does: no full collection between steps walks the model's objects
     conn = Connection(args.fd, writable=False)
     while True:
         try:
-            order = decode(np.frombuffer(conn.recv_bytes(), dtype=np.int32))
+            msg = conn.recv_bytes()
         except EOFError:  # rank 0 is gone
             break
+        if msg.startswith(LORA_TAG):
+            loras.load(**json.loads(msg[len(LORA_TAG):]))
+            continue
+        order = decode(np.frombuffer(msg, dtype=np.int32))
         if order is None:
             break
         runner.follow(order)
-    del runner
+    del runner, loras
     device_side.release()  # its CUDA graphs before the group they captured collectives of
     tp.destroy()
     sys.stdout.flush()

@@ -1,0 +1,87 @@
+"""LoRA on a model's projections, many adapters in one batch.
+
+Each adapted projection becomes a ``LoraLinear``: the base projection, plus a fixed
+table of adapter slots, A and B of every slot, filled and emptied as adapters come and
+go (core/lora.py). A step's tokens name their slot (-1: none) and each projection adds
+its slots' products to the base output in two launches (layers/lora_kernels.py). The
+tables' addresses never change, so the steps' CUDA graphs hold these launches.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from roseinfer.core.attention import get_context
+from roseinfer.core.errors import ConfigError
+from roseinfer.layers.lora_kernels import LoraBatch, add_lora
+from roseinfer.models.lora_adapter import SLICES
+
+
+class LoraLinear(nn.Module):
+    """``base`` and ``slots`` adapter slots of up to ``rank``; ``widths``: the outputs of
+    each slice (q, k and v of a fused qkv projection) on this rank."""
+
+    def __init__(self, base: nn.Module, widths: list[int], slots: int, rank: int,
+                 dtype: torch.dtype):
+        super().__init__()
+        device = next(base.parameters()).device
+        self.base, self.slots = base, slots
+        self.offsets = tuple(itertools.accumulate(widths, initial=0))
+        self.register_buffer("ends", torch.tensor(self.offsets, dtype=torch.int32, device=device))
+        self.register_buffer("lora_a", torch.zeros(len(widths), slots, rank, base.in_features,
+                                                   dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(len(widths), slots, max(widths), rank,
+                                                   dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.base(x, *args, **kwargs)
+        add_lora(y, x, self.lora_a, self.lora_b, self.offsets, self.ends, step_batch(self.slots))
+        return y
+
+    def load(self, slot: int, parts: list | None) -> None:
+        """Slot ``slot`` holds ``parts`` (per slice: (A, B), or None for no product)."""
+        for s in range(self.lora_a.shape[0]):
+            pair = parts[s] if parts is not None else None
+            self.lora_a[s, slot].zero_()
+            self.lora_b[s, slot].zero_()
+            if pair is not None:
+                a, b = pair
+                self.lora_a[s, slot, :a.shape[0]].copy_(a, non_blocking=True)
+                self.lora_b[s, slot, :b.shape[0], :b.shape[1]].copy_(b, non_blocking=True)
+
+
+def step_batch(slots: int) -> LoraBatch:
+    """The running step's tokens grouped by slot: the first adapted projection of each
+    forward groups them, the others reuse it."""
+    ctx = get_context()
+    memo = ctx.attn.memo
+    batch = memo.get("lora")
+    if batch is None:
+        batch = memo["lora"] = LoraBatch.of(ctx.lora_slots, slots)
+    return batch
+
+
+def attach(model: nn.Module, slots: int, rank: int, dtype: torch.dtype
+           ) -> dict[tuple[int, str], LoraLinear]:
+    """Wrap every projection adapters may change (q/k/v, o, gate/up, down of each layer
+    that has them: a mixture of experts' MLP has none) in a LoraLinear; returns them by
+    (layer, projection name)."""
+    found = {}
+    for i, layer in enumerate(getattr(model, "layers", ())):
+        for name, n in SLICES.items():
+            base = getattr(layer, name, None)
+            if not isinstance(base, nn.Linear) and not hasattr(base, "in_features"):
+                continue
+            out = base.out_features
+            widths = [layer.q_size, layer.kv_size, layer.kv_size] if name == "qkv_proj" \
+                else [out // n] * n
+            found[i, name] = LoraLinear(base, widths, slots, rank, dtype)
+            setattr(layer, name, found[i, name])
+    if not found:
+        raise ConfigError(f"enable_lora: {type(model).__name__} has no projections LoRA "
+                          "adapters apply to here; adapters serve the Llama-family models "
+                          "(Llama, Mistral, Qwen, Gemma, and the attention of the mixtures "
+                          "of experts)")
+    return found

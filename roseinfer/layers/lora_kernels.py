@@ -1,0 +1,179 @@
+"""Batched LoRA products, in the Punica/S-LoRA design: one step's rows may each use a
+different adapter (or none), and every adapter's product for a projection is one shrink
+launch and one expand launch.
+
+The adapters live in a fixed table of slots (layers/lora.py): ``a`` is [slices, slots,
+rank, in], ``b`` is [slices, slots, out, rank], the scaling folded into ``b``. A fused
+projection (q/k/v, gate/up) has a slice per part, each with its own A and B, so its
+parts' products still take one launch each way.
+
+Tokens are grouped by slot once per forward (``LoraBatch``): a stable sort of the
+tokens by slot, each slot's count and first index. A program takes a tile of one slot's
+tokens, so each adapter's weights are read once per tile of its tokens, and a tile's
+product runs on tensor cores. Slots with no tokens, and tiles past a slot's count, exit
+at once: the grid is fixed by the token count, so a CUDA graph holds it.
+
+The shrink splits its inner dimension (``split_k``) at decode sizes: one slot's A is a
+few hundred KB, too much for one program at batch 1. Its partial products are summed by
+the expand, which reads them anyway: no atomics and no zeroing launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roseinfer.core.triton_support import dependent_launch, kernel, tl, triton, wait_for_inputs
+
+SPLIT_K_MAX_TOKENS = 64  # above this many tokens a shrink has tiles enough without a split
+
+
+@dataclass
+class LoraBatch:
+    """The step's tokens grouped by adapter slot: ``slots`` [tokens] (-1: none),
+    ``order`` the tokens sorted by slot, ``counts`` and ``starts`` per slot (the last
+    entry: the tokens with none)."""
+    slots: torch.Tensor
+    order: torch.Tensor
+    counts: torch.Tensor
+    starts: torch.Tensor
+    _rows: list | None = None
+
+    def rows(self) -> list[tuple[int, torch.Tensor]]:
+        """(slot, its tokens) of each slot in use, read on the host (the torch path)."""
+        if self._rows is None:
+            self._rows = [(slot, (self.slots == slot).nonzero().squeeze(1))
+                          for slot in self.slots.unique().tolist() if slot >= 0]
+        return self._rows
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, num_slots: int) -> "LoraBatch":
+        key = torch.where(slots < 0, num_slots, slots).long()
+        order = torch.argsort(key, stable=True).to(torch.int32)
+        # scatter-add, not bincount: bincount reads its maximum back to the host
+        counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=slots.device)
+        counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+        starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
+        return cls(slots, order, counts, starts)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             offsets: tuple[int, ...], ends: torch.Tensor, batch: LoraBatch,
+             use_triton: bool | None = None) -> None:
+    """``y[t, offsets[s]:offsets[s + 1]] += x[t] @ a[s, slot]^T @ b[s, slot]^T`` for every
+    token t whose slot is not -1, in place. ``x`` [tokens, in], ``y`` [tokens, out];
+    ``ends``: ``offsets`` as an int32 tensor on their device."""
+    if use_triton is None:
+        use_triton = x.is_cuda and triton is not None
+    if use_triton:
+        _add_triton(y, x, a, b, offsets, ends, batch)
+    else:
+        _add_torch(y, x, a, b, offsets, batch)
+
+
+def _add_torch(y, x, a, b, offsets, batch: LoraBatch) -> None:
+    """One slot at a time: on the CPU the host may read which slots the step uses."""
+    for slot, rows in batch.rows():
+        xs = x[rows]
+        for s in range(a.shape[0]):
+            lo, hi = offsets[s], offsets[s + 1]
+            y[rows, lo:hi] += (xs @ a[s, slot].T) @ b[s, slot, :hi - lo].T
+
+
+def _block_m(tokens: int) -> int:
+    return 16 if tokens <= SPLIT_K_MAX_TOKENS else 64
+
+
+def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
+    x = x.reshape(-1, x.shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tokens, n_in = x.shape
+    slices, slots, rank = a.shape[:3]
+    block_m, block_r = _block_m(tokens), max(16, triton.next_power_of_2(rank))
+    split = 1 if tokens > SPLIT_K_MAX_TOKENS else min(8, triton.cdiv(n_in, 512))
+    block_k = 32 if tokens > SPLIT_K_MAX_TOKENS else \
+        min(128, triton.next_power_of_2(triton.cdiv(n_in, split)))
+    part = torch.empty(split, slices, tokens, block_r, dtype=torch.float32, device=x.device)
+    pdl = dependent_launch(x.device, tokens)
+    m_tiles = triton.cdiv(tokens, block_m)
+    _shrink_kernel[(m_tiles * split, slices, slots)](
+        x, a, part, batch.order, batch.counts, batch.starts,
+        n_in, rank, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
+        part.stride(0), part.stride(1), part.stride(2), triton.cdiv(n_in, split),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=split, PDL=pdl,
+        launch_pdl=pdl)
+    widths = [offsets[s + 1] - offsets[s] for s in range(slices)]
+    block_n = 64 if tokens <= SPLIT_K_MAX_TOKENS else 128
+    y2 = y.view(-1, y.shape[-1])
+    _expand_kernel[(m_tiles, triton.cdiv(max(widths), block_n), slices * slots)](
+        part, b, y2, ends, batch.order, batch.counts, batch.starts,
+        rank, slots, part.stride(0), part.stride(1), part.stride(2),
+        b.stride(0), b.stride(1), b.stride(2), y2.stride(0),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, SPLIT=split, PDL=pdl,
+        launch_pdl=pdl)
+
+
+@kernel
+def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, count_ptr, start_ptr,
+                   n_in, rank, s_x, s_a_slice, s_a_slot, s_a_r,
+                   s_p_split, s_p_slice, s_p_tok, k_per_split,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """part[split, slice, token, :] = x[token, split's K range] @ a[slice, slot]^T."""
+    wait_for_inputs(PDL)
+    pid, s, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, split = pid // SPLIT, pid % SPLIT
+    count = tl.load(count_ptr + slot)
+    if tile * BLOCK_M < count:
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < count
+        tok = tl.load(order_ptr + tl.load(start_ptr + slot) + m, mask=m_ok, other=0).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        a_base = a_ptr + s * s_a_slice + slot.to(tl.int64) * s_a_slot
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, n_in)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < k_hi
+            xt = tl.load(x_ptr + tok[:, None] * s_x + k[None, :],
+                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            at = tl.load(a_base + r[None, :] * s_a_r + k[:, None],
+                         mask=k_ok[:, None] & (r < rank)[None, :], other=0.0)
+            acc += tl.dot(xt, at)
+        tl.store(part_ptr + split * s_p_split + s * s_p_slice + tok[:, None] * s_p_tok
+                 + r[None, :], acc, mask=m_ok[:, None])
+
+
+@kernel
+def _expand_kernel(part_ptr, b_ptr, y_ptr, ends_ptr, order_ptr, count_ptr, start_ptr,
+                   rank, slots, s_p_split, s_p_slice, s_p_tok,
+                   s_b_slice, s_b_slot, s_b_n, s_y,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """y[token, slice's columns] += (sum of the shrink's splits) @ b[slice, slot]^T."""
+    wait_for_inputs(PDL)
+    tile, n_tile, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, slot = pid // slots, pid % slots
+    count = tl.load(count_ptr + slot)
+    lo = tl.load(ends_ptr + s)
+    width = tl.load(ends_ptr + s + 1) - lo
+    if tile * BLOCK_M < count and n_tile * BLOCK_N < width:
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < count
+        tok = tl.load(order_ptr + tl.load(start_ptr + slot) + m, mask=m_ok, other=0).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < width
+        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for split in range(SPLIT):
+            h += tl.load(part_ptr + split * s_p_split + s * s_p_slice + tok[:, None] * s_p_tok
+                         + r[None, :], mask=m_ok[:, None], other=0.0)
+        bt = tl.load(b_ptr + s * s_b_slice + slot.to(tl.int64) * s_b_slot + n[None, :] * s_b_n
+                     + r[:, None], mask=n_ok[None, :] & (r < rank)[:, None], other=0.0)
+        delta = tl.dot(h.to(bt.dtype), bt)
+        ptrs = y_ptr + tok[:, None] * s_y + lo + n[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
