@@ -180,6 +180,9 @@ def engine_args_parser() -> argparse.ArgumentParser:
                    help="model dir, .gguf file, hub id, or alias (default: %(default)s)")
     g.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id (default: the model's)")
     g.add_argument("--config", default=None, help="roseinfer.toml with an [engine] section")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   type=lora_module, help="LoRA adapters (PEFT folders) requests may name; "
+                   "implies --enable-lora")
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
@@ -190,10 +193,19 @@ def engine_args_parser() -> argparse.ArgumentParser:
     return p
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return name, path
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Flags given on the command line override the TOML file, which overrides defaults."""
     given = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
              if getattr(args, f.name, None) is not None}
+    if getattr(args, "lora_modules", None):
+        given.setdefault("enable_lora", True)
     if getattr(args, "config", None):
         return EngineConfig.from_toml(args.config, **given)
     return EngineConfig.from_kwargs(**given)

@@ -128,4 +128,7 @@ def llm_from_args(args) -> LLM:
     import dataclasses
 
     config = config_from_args(args)
-    return LLM(args.model, tokenizer=args.tokenizer, **dataclasses.asdict(config))
+    llm = LLM(args.model, tokenizer=args.tokenizer, **dataclasses.asdict(config))
+    for name, path in getattr(args, "lora_modules", None) or ():
+        llm.add_lora(name, path)
+    return llm

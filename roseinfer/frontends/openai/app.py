@@ -24,8 +24,10 @@ from starlette.routing import Route
 from roseinfer.frontends.openai import mapping
 from roseinfer.frontends.openai.mapping import APIError, Call
 from roseinfer.frontends.openai.metrics import GatewayMetrics
+from roseinfer.frontends.redis_streams import adapters
 from roseinfer.frontends.redis_streams.client import AsyncClient
-from roseinfer.frontends.redis_streams.protocol import RID_PATTERN, ChunkOrder
+from roseinfer.frontends.redis_streams.heartbeat import read_heartbeats
+from roseinfer.frontends.redis_streams.protocol import RID_PATTERN, ChunkOrder, Keys
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class Gateway:
         self.config = config
         self.client: AsyncClient | None = None
         self.metrics = GatewayMetrics()
+        self._keys = Keys(config.prefix)
+        self._redis: redis.Redis | None = None  # for the adapters' waits, in threads
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -53,6 +57,8 @@ class Gateway:
             yield
         finally:
             await self.client.close()
+            if self._redis is not None:
+                self._redis.close()
 
     # --- routes ---------------------------------------------------------------------------
 
@@ -63,10 +69,49 @@ class Gateway:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> Response:
+        """The model, then the LoRA adapters any live worker serves (vLLM lists them so,
+        each with its base as ``parent``)."""
         self._authorize(request)
+        name = self.config.model_name
+        beats = await asyncio.to_thread(read_heartbeats, self._sync_redis(), self._keys)
+        adapters = sorted({a for beat in beats for a in beat.get("adapters", ())})
         return JSONResponse({"object": "list", "data": [
-            {"id": self.config.model_name, "object": "model", "created": 0,
-             "owned_by": "roseinfer"}]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "roseinfer"},
+            *({"id": a, "object": "model", "created": 0, "owned_by": "roseinfer",
+               "parent": name} for a in adapters)]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await self._adapter(request, "load")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await self._adapter(request, "unload")
+
+    async def _adapter(self, request: Request, op: str) -> Response:
+        """vLLM's endpoints: ``{"lora_name", "lora_path"}``; every worker serving adapters
+        loads (or unloads) it through P:adapters, and the answer waits for them."""
+        self._authorize(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        name, path = body.get("lora_name"), body.get("lora_path", "")
+        if not isinstance(name, str) or not name or (op == "load" and not path):
+            raise APIError(400, "give lora_name" + (" and lora_path" if op == "load" else ""))
+        results = await asyncio.to_thread(adapters.request, self._sync_redis(), self._keys,
+                                          op, name, str(path))
+        if not results:
+            raise APIError(503, "no live worker serves adapters: start workers with "
+                           "--enable-lora", kind="server_error")
+        failed = {w: r for w, r in results.items() if r != "ok"}
+        if failed:
+            raise APIError(400, f"{op} {name!r} failed on {len(failed)} of {len(results)} "
+                           f"workers: {failed}")
+        return Response(f"Success: LoRA adapter {name!r} {op}ed on {len(results)} workers.")
+
+    def _sync_redis(self) -> redis.Redis:
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(self.config.redis_url)
+        return self._redis
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, mapping.completion_call)
@@ -104,6 +149,9 @@ class Gateway:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         call = make_call(body)
+        model = body.get("model")
+        if isinstance(model, str) and model and model != self.config.model_name:
+            call.params["lora"] = model  # vLLM's convention: an adapter by its name
         rid = request.headers.get("x-request-id") or f"oai-{uuid.uuid4().hex}"
         if not RID_PATTERN.fullmatch(rid):
             raise APIError(400, "X-Request-Id must be 1-128 characters of [A-Za-z0-9_.:-]")
@@ -115,7 +163,8 @@ class Gateway:
             await chunks.aclose()
             raise
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - start)
-        head = mapping.envelope(call, rid, self.config.model_name, int(time.time()))
+        head = mapping.envelope(call, rid, call.params.get("lora") or self.config.model_name,
+                                int(time.time()))
         if call.stream:
             return EventSourceResponse(self._events(call, head, first, chunks, ended))
         return await self._whole(request, call, rid, first, chunks)
@@ -188,7 +237,8 @@ class Gateway:
             samples[first.index or 0].add(first)
             async for chunk in chunks:
                 samples[chunk.index or 0].add(chunk)
-            return mapping.whole(call, rid, self.config.model_name, samples)
+            return mapping.whole(call, rid, call.params.get("lora") or self.config.model_name,
+                                 samples)
 
         task = asyncio.create_task(collect())
         while not task.done():
@@ -223,6 +273,8 @@ def create_app(config: GatewayConfig) -> Starlette:
     gw = Gateway(config)
     routes = [Route("/health", gw.health), Route("/metrics", gw.prometheus),
               Route("/v1/models", gw.models),
+              Route("/v1/load_lora_adapter", gw.load_lora_adapter, methods=["POST"]),
+              Route("/v1/unload_lora_adapter", gw.unload_lora_adapter, methods=["POST"]),
               Route("/v1/completions", gw.completions, methods=["POST"]),
               Route("/v1/chat/completions", gw.chat_completions, methods=["POST"])]
     return Starlette(routes=routes, lifespan=gw.lifespan,

@@ -89,6 +89,19 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     _add_submit_flags(submit)
     submit.set_defaults(func=submit_command)
 
+    lora = subparsers.add_parser("lora", help="load or unload a LoRA adapter on every worker "
+                                 "started with --enable-lora, and wait until they have")
+    lora.add_argument("op", choices=("load", "unload"))
+    lora.add_argument("name", help="the name requests give as their lora")
+    lora.add_argument("path", nargs="?", default="",
+                      help="with load: the adapter's folder (PEFT's save_pretrained), as the "
+                           "workers' hosts see it")
+    lora.add_argument("--redis-url", default=DEFAULT_URL, help="(default: %(default)s)")
+    lora.add_argument("--prefix", default=DEFAULT_PREFIX, type=prefix_arg, help="(default: %(default)s)")
+    lora.add_argument("--timeout", type=float, default=30.0,
+                      help="seconds to wait for the workers (default: %(default)s)")
+    lora.set_defaults(func=lora_command)
+
 
 def _add_submit_flags(submit: argparse.ArgumentParser) -> None:
     submit.add_argument("prompt", nargs="?", help="the prompt text (or give --messages-file)")
@@ -136,6 +149,8 @@ def _add_submit_flags(submit: argparse.ArgumentParser) -> None:
                         help="none, auto (default), required, or a function's name")
     submit.add_argument("--no-parallel-tool-calls", dest="parallel_tool_calls",
                         action="store_false", help="at most one call")
+    submit.add_argument("--lora", default=None, metavar="NAME",
+                        help="run with this LoRA adapter of the workers' (default: none)")
     submit.add_argument("--rid", default=None, help="request id (default: the entry ID)")
     submit.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print the text once it is complete")
@@ -331,7 +346,7 @@ def submit_command(args: argparse.Namespace) -> int:
                                              "seed", "stop", "ignore_eos", "stream_interval",
                                              "logprobs", "prompt_logprobs", "repetition_penalty",
                                              "frequency_penalty", "presence_penalty",
-                                             "response_format", "priority")}
+                                             "response_format", "priority", "lora")}
     params["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     client = Client(prefix=args.prefix, redis_client=_connect(args.redis_url))
     rid = client.submit(_submitted_prompt(args), rid=args.rid, **params)
@@ -427,6 +442,22 @@ def _follow(client: Client, rid: str, timeout: float, n: int, take) -> int:
         print(f"\n{e}", file=sys.stderr)
         return 1
     return 0
+
+
+def lora_command(args: argparse.Namespace) -> int:
+    from roseinfer.frontends.redis_streams.adapters import request
+
+    if args.op == "load" and not args.path:
+        sys.exit("roseinfer lora load NAME PATH: give the adapter's folder")
+    results = request(_connect(args.redis_url), Keys(args.prefix), args.op, args.name,
+                      args.path, args.timeout)
+    if not results:
+        print("no live worker serves adapters: start workers with --enable-lora "
+              "(the entry stays, and workers that start later apply it)", file=sys.stderr)
+        return 1
+    for worker, result in sorted(results.items()):
+        print(f"{worker}: {result}")
+    return 0 if all(r == "ok" for r in results.values()) else 1
 
 
 def status_command(args: argparse.Namespace) -> int:

@@ -32,6 +32,10 @@ class Heartbeat:
         self._next = now + self.interval_s
         return True
 
+    def soon(self) -> None:
+        """Write at the next chance, not at the next interval."""
+        self._next = 0.0
+
     def write(self, pipe, status: str, **live) -> None:
         value = {**self.static, "status": status, "at": time.time(), **live}
         pipe.set(self.key, json.dumps(value), ex=self.ttl_s)

@@ -26,7 +26,7 @@ SAMPLING_KEYS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "s
                  "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs",
                  "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
                  "response_format", "logits_processors", "speculative", "priority")
-PARAM_KEYS = SAMPLING_KEYS + ("stream_interval", "raw")
+PARAM_KEYS = SAMPLING_KEYS + ("stream_interval", "raw", "lora")
 ROLES = ("system", "user", "assistant", "tool")
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 
@@ -60,6 +60,11 @@ class Keys:
     @property
     def cancel(self) -> str:
         return f"{self.prefix}:cancel"
+
+    @property
+    def adapters(self) -> str:
+        """Every worker's LoRA adapters to load and unload (adapters.py)."""
+        return f"{self.prefix}:adapters"
 
     @property
     def dead(self) -> str:
@@ -173,6 +178,7 @@ class Request:
     stream_interval: int = 1
     raw: bool = False        # a text prompt skips the worker's chat template
     tools: Optional[Tools] = None
+    lora: Optional[str] = None  # the LoRA adapter it runs with, None: the base model
 
 
 @dataclass

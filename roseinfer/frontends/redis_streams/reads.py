@@ -36,6 +36,7 @@ class RoundReads:
     decoded: list = field(default_factory=list)     # [(entry ID, fields, Request or error)]
     inbox_ids: list = field(default_factory=list)   # entries read from this worker's inbox
     places: dict = field(default_factory=dict)      # {entry ID: peer} handed over
+    adapters: list = field(default_factory=list)    # [(ID, fields)] of new adapter entries
 
 
 class Reads:
@@ -45,10 +46,13 @@ class Reads:
         self.ownership, self.backlog, self.admission = ownership, backlog, admission
         self.router, self.inbox = router, inbox_
         self.cancel_cursor = "0-0"  # the last cancel entry read
+        self.adapter_cursor: Optional[str] = None  # the last adapter entry; None: not read
 
     def add(self, pipe, plan: ReadPlan) -> None:
         """Queue the round's reads on ``pipe`` (when the round is sent)."""
         pipe.xread({self.keys.cancel: self.cancel_cursor}, count=1000)
+        if self.adapter_cursor is not None:  # its own command: another Cluster slot
+            pipe.xread({self.keys.adapters: self.adapter_cursor}, count=100)
         now = time.monotonic()  # when the round is sent: ages as Redis will see them
         self.ownership.refresh(pipe, [(o.entry_id, now - o.refreshed_at) for o in plan.owned])
         if not plan.open:
@@ -68,13 +72,15 @@ class Reads:
         """Decode the entries read, and hand those a peer should serve to it; on the
         reader thread."""
         cancel_read, *reads = replies
+        adapter_read = reads.pop(0) if self.adapter_cursor is not None else None
         at = len(plan.owned)
         if plan.promote:
             self.backlog.moved(reads[at])
         if plan.watch:
             self.router.watched(reads[at + plan.promote:at + plan.promote + plan.watch])
         parsed = RoundReads(cancel_read[0][1] if cancel_read else [], reads[:at],
-                            reads[at + plan.promote + plan.watch:])
+                            reads[at + plan.promote + plan.watch:],
+                            adapters=adapter_read[0][1] if adapter_read else [])
         read = parsed.request_read
         if not (read and read[0] and not isinstance(read[0], Exception)):
             return parsed
@@ -90,9 +96,11 @@ class Reads:
             parsed.places = self._hand_over(shared)
         return parsed
 
-    def advance(self, cancels: list) -> None:
+    def advance(self, cancels: list, adapters: list = ()) -> None:
         if cancels:
             self.cancel_cursor = cancels[-1][0]
+        if adapters:
+            self.adapter_cursor = adapters[-1][0]
 
     def _hand_over(self, shared: list) -> dict[str, str]:
         """Hand the entries a peer should serve (routing.py) to it, here on the reader

@@ -73,6 +73,10 @@ def decode_request(entry_id: str, fields: dict, limits: Limits = Limits()) -> Re
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise InvalidRequestError("raw", f"must be true or false, got {_short(raw)}")
+    lora = body.get("lora")
+    if lora is not None and (not isinstance(lora, str) or not 0 < len(lora) <= 256):
+        raise InvalidRequestError("lora", f"must be an adapter's name (a string of 1-256 "
+                                  f"characters) or nil, got {_short(lora)}")
     sampling = {k: body[k] for k in SAMPLING_KEYS if k in body}
     tools = _tools(body, prompt)
     if tools is not None and tools.forced:
@@ -81,7 +85,7 @@ def decode_request(entry_id: str, fields: dict, limits: Limits = Limits()) -> Re
                                       "or a named function: the tools' schemas constrain the "
                                       "output")
         sampling["response_format"] = tools.constraint()
-    return Request(rid, prompt, SamplingParams(**sampling), stream_interval, raw, tools)
+    return Request(rid, prompt, SamplingParams(**sampling), stream_interval, raw, tools, lora)
 
 
 def _tools(body: dict, prompt: Prompt) -> Optional[Tools]:
@@ -248,7 +252,7 @@ _SHELL_PARSERS = {
     "prompt": str, "prompt_token_ids": _ids, "n": int, "max_tokens": int, "temperature": float,
     "top_p": float, "top_k": int, "min_p": float, "seed": int, "stop": lambda s: [s],
     "stop_token_ids": _ids, "ignore_eos": _bool, "stream_interval": int, "raw": _bool,
-    "speculative": _bool, "priority": int,
+    "speculative": _bool, "priority": int, "lora": str,
     "logprobs": int, "prompt_logprobs": int, "repetition_penalty": float, "frequency_penalty": float,
     "presence_penalty": float, "logit_bias": _bias, "response_format": _json_map,
     "logits_processors": _json_map,

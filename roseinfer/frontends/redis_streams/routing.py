@@ -45,7 +45,7 @@ from typing import Callable, Optional
 import msgpack
 from redis.exceptions import RedisError
 
-from roseinfer.core.blocks import prompt_hashes
+from roseinfer.core.blocks import prompt_hashes, root_hash
 from roseinfer.core.errors import ConfigError
 from roseinfer.frontends.redis_streams.protocol import Keys
 
@@ -360,7 +360,9 @@ class Router:
         prompt = req.prompt
         if not isinstance(prompt, list) or req.params.prompt_logprobs is not None:
             return []  # untokenized (no tokenizer here), or computed whole anyway
-        return prompt_hashes(prompt[:MAX_LOOKUP_BLOCKS * self.block_size + 1], self.block_size)
+        # an adapter's blocks are its own (core/blocks.py): a holder of them holds it too
+        return prompt_hashes(prompt[:MAX_LOOKUP_BLOCKS * self.block_size + 1], self.block_size,
+                             root_hash(req.lora))
 
     def _fastest(self, own: _Peer, held: list, tokens: int,
                  mine: int) -> tuple[Optional[_Peer], int]:

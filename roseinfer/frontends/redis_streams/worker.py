@@ -33,6 +33,7 @@ from roseinfer.frontends.redis_streams import engine_health
 from roseinfer.frontends.redis_streams.admission import Admission
 from roseinfer.frontends.redis_streams.connection import follow_slots, is_cluster
 from roseinfer.frontends.redis_streams.events import event, log
+from roseinfer.frontends.redis_streams.adapters import Adapters
 from roseinfer.frontends.redis_streams.heartbeat import Heartbeat
 from roseinfer.frontends.redis_streams import inbox
 from roseinfer.frontends.redis_streams.inflight import RUN_ALONE_FROM_DELIVERY, InFlight
@@ -132,6 +133,8 @@ class Worker:
             self._route(route)
         self.reads = Reads(self.keys, group, self.consumer, self.ownership, self.backlog,
                            self.admission, self.router, self.inbox)
+        # LoRA adapters loaded and unloaded while it runs (adapters.py)
+        self.adapters = Adapters(engine) if getattr(engine, "loras", None) is not None else None
 
     def _route(self, route: RouteConfig) -> None:
         """The cache report, the inbox and (with a prefix cache) the router."""
@@ -158,6 +161,10 @@ class Worker:
                   note="from the backlog's old key: clients should add to " + self.keys.backlog)
         if self.report is not None:
             self.outage.call(lambda: self.outbox.send(self.report.join))
+        if self.adapters is not None:  # what was loaded before this worker came
+            loaded = self.outage.call(lambda: self.redis.xrange(self.keys.adapters))
+            self.adapters.apply(loaded)
+            self.reads.adapter_cursor = loaded[-1][0] if loaded else "0-0"
         event("started", consumer=self.consumer, stream=self.keys.requests, group=self.group,
               max_num_seqs=self.engine.config.max_num_seqs,
               claim_idle_ms=self.ownership.claim_idle_ms, max_deliveries=self.max_deliveries)
@@ -263,7 +270,10 @@ class Worker:
     def _on_reads(self, plan: ReadPlan, reads: RoundReads, confirmed_at: float) -> None:
         """Cancels first, then new entries; ownership lost or kept."""
         self._keep_or_drop(plan.owned, reads.refreshed, confirmed_at)
-        self.reads.advance(reads.cancels)
+        self.reads.advance(reads.cancels, reads.adapters)
+        if reads.adapters:
+            self.adapters.apply(reads.adapters)
+            self.heartbeat.soon()  # whoever asked waits for it to say so
         for _, f in reads.cancels:
             if b"rid" in f:
                 self._cancel(f[b"rid"].decode(errors="replace"))
@@ -352,7 +362,8 @@ class Worker:
         return {"in_flight": len(self._inflight), "suspects": len(self._suspects),
                 "running": s.num_running, "waiting": s.num_waiting,
                 "kv_cache_usage": s.kv_cache_usage, "generated_tokens": self._totals["tokens"],
-                "finished": self._totals["finished"], "step": self.engine.step_kind}
+                "finished": self._totals["finished"], "step": self.engine.step_kind,
+                **(self.adapters.status() if self.adapters is not None else {})}
 
     def _forget_consumer_if_idle(self) -> None:
         # Keeps XINFO CONSUMERS to the workers that matter; never while entries are ours.
@@ -562,14 +573,14 @@ class Worker:
         """The request into the engine, a resumed one from where its reply stream stops;
         returns how many of its samples run."""
         if resume is None:
-            self.engine.add_request(req.rid, req.prompt, req.params)
+            self.engine.add_request(req.rid, req.prompt, req.params, lora=req.lora)
             return req.params.n
         if req.params.n == 1:
-            self.engine.add_request(req.rid, req.prompt, req.params,
+            self.engine.add_request(req.rid, req.prompt, req.params, lora=req.lora,
                                     emitted_ids=resume.emitted_ids(), emitted_text=resume.text())
             return 1
         left = [i for i in range(req.params.n) if i not in resume.finished_indexes]
-        self.engine.add_request(req.rid, req.prompt, req.params, indexes=left,
+        self.engine.add_request(req.rid, req.prompt, req.params, indexes=left, lora=req.lora,
                                 emitted_ids={i: resume.emitted_ids(i) for i in left},
                                 emitted_text={i: resume.text(i) for i in left})
         return len(left)
