@@ -218,3 +218,19 @@ def test_an_adapter_in_use_is_not_removed(adapters):
     assert llm.engine.lora_names == []
     with pytest.raises(InvalidRequestError, match="unknown adapter"):
         llm.generate([[3]], GREEDY, lora="all")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_in_cuda_graphs(adapters):
+    """Mixed adapters through CUDA graphs (decode windows, mixed steps) and the Triton
+    kernels equal transformers' PeftModel."""
+    base, found = adapters
+    prompts = mixed_prompts(8, seed=12)
+    names = ["all", None, "attn", "rs"] * 2
+    llm = LLM(base, **{**CPU, "device": "cuda", "max_loras": 2, "decode_steps_min_seqs": 1})
+    for name, (path, _) in found.items():
+        llm.add_lora(name, path)
+    outs = llm.generate(prompts, GREEDY, lora=names)
+    assert llm.engine.runner.graphs is not None
+    assert [o.token_ids for o in outs] == \
+        [hf_greedy(found[n][1] if n else base, p, 10) for p, n in zip(prompts, names)]
