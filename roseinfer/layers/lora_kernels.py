@@ -13,6 +13,10 @@ tokens, so each adapter's weights are read once per tile of its tokens, and a ti
 product runs on tensor cores. Slots with no tokens, and tiles past a slot's count, exit
 at once: the grid is fixed by the token count, so a CUDA graph holds it.
 
+Up to ``ROW_MAX_TOKENS`` tokens (small decode batches) a program takes one token
+instead (Punica's BGMV): no grouping at all, and a grid of a few programs where a
+grid over every slot is mostly programs that exit.
+
 The shrink splits its inner dimension (``split_k``) at decode sizes: one slot's A is a
 few hundred KB, too much for one program at batch 1. Its partial products are summed by
 the expand, which reads them anyway: no atomics and no zeroing launch.
@@ -26,18 +30,34 @@ import torch
 from roseinfer.core.triton_support import dependent_launch, kernel, tl, triton, wait_for_inputs
 
 SPLIT_K_MAX_TOKENS = 64  # above this many tokens a shrink has tiles enough without a split
+ROW_MAX_TOKENS = 16  # up to this many tokens a program takes one token
 
 
 @dataclass
 class LoraBatch:
-    """The step's tokens grouped by adapter slot: ``slots`` [tokens] (-1: none),
-    ``order`` the tokens sorted by slot, ``counts`` and ``starts`` per slot (the last
-    entry: the tokens with none)."""
+    """The step's tokens by adapter slot: ``slots`` [tokens] (-1: none); grouped (on
+    first use): ``order`` the tokens sorted by slot, ``counts`` and ``starts`` per slot
+    (the last entry: the tokens with none)."""
     slots: torch.Tensor
-    order: torch.Tensor
-    counts: torch.Tensor
-    starts: torch.Tensor
+    num_slots: int
+    _grouped: tuple | None = None
     _rows: list | None = None
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, num_slots: int) -> "LoraBatch":
+        return cls(slots, num_slots)
+
+    def grouped(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(order, counts, starts), computed on the device once per forward."""
+        if self._grouped is None:
+            key = torch.where(self.slots < 0, self.num_slots, self.slots).long()
+            order = torch.argsort(key, stable=True).to(torch.int32)
+            # scatter-add, not bincount: bincount reads its maximum back to the host
+            counts = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=key.device)
+            counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+            starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
+            self._grouped = order, counts, starts
+        return self._grouped
 
     def rows(self) -> list[tuple[int, torch.Tensor]]:
         """(slot, its tokens) of each slot in use, read on the host (the torch path)."""
@@ -45,16 +65,6 @@ class LoraBatch:
             self._rows = [(slot, (self.slots == slot).nonzero().squeeze(1))
                           for slot in self.slots.unique().tolist() if slot >= 0]
         return self._rows
-
-    @classmethod
-    def of(cls, slots: torch.Tensor, num_slots: int) -> "LoraBatch":
-        key = torch.where(slots < 0, num_slots, slots).long()
-        order = torch.argsort(key, stable=True).to(torch.int32)
-        # scatter-add, not bincount: bincount reads its maximum back to the host
-        counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=slots.device)
-        counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-        starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
-        return cls(slots, order, counts, starts)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -90,28 +100,93 @@ def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
         x = x.contiguous()
     tokens, n_in = x.shape
     slices, slots, rank = a.shape[:3]
+    rows = tokens <= ROW_MAX_TOKENS
     block_m, block_r = _block_m(tokens), max(16, triton.next_power_of_2(rank))
     split = 1 if tokens > SPLIT_K_MAX_TOKENS else min(8, triton.cdiv(n_in, 512))
     block_k = 32 if tokens > SPLIT_K_MAX_TOKENS else \
         min(128, triton.next_power_of_2(triton.cdiv(n_in, split)))
     part = torch.empty(split, slices, tokens, block_r, dtype=torch.float32, device=x.device)
     pdl = dependent_launch(x.device, tokens)
+    ieee = x.dtype == torch.float32  # no TF32: float32 models are the exact ones
+    y2 = y.view(-1, y.shape[-1])
+    block_n = 128 if rows else 64 if tokens <= SPLIT_K_MAX_TOKENS else 128
+    n_tiles = triton.cdiv(max(offsets[i + 1] - offsets[i] for i in range(slices)), block_n)
+    shared = dict(BLOCK_R=block_r, SPLIT=split, PDL=pdl, launch_pdl=pdl)
+    if rows:
+        _shrink_rows_kernel[(tokens, split, slices)](
+            x, a, part, batch.slots, n_in, rank, x.stride(0), a.stride(0), a.stride(1),
+            a.stride(2), part.stride(0), part.stride(1), part.stride(2),
+            triton.cdiv(n_in, split), BLOCK_K=block_k, **shared)
+        _expand_rows_kernel[(tokens, n_tiles, slices)](
+            part, b, y2, ends, batch.slots, rank, part.stride(0), part.stride(1),
+            part.stride(2), b.stride(0), b.stride(1), b.stride(2), y2.stride(0),
+            BLOCK_N=block_n, **shared)
+        return
+    order, counts, starts = batch.grouped()
     m_tiles = triton.cdiv(tokens, block_m)
     _shrink_kernel[(m_tiles * split, slices, slots)](
-        x, a, part, batch.order, batch.counts, batch.starts,
+        x, a, part, order, counts, starts,
         n_in, rank, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
         part.stride(0), part.stride(1), part.stride(2), triton.cdiv(n_in, split),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=split, PDL=pdl,
-        launch_pdl=pdl)
-    widths = [offsets[s + 1] - offsets[s] for s in range(slices)]
-    block_n = 64 if tokens <= SPLIT_K_MAX_TOKENS else 128
-    y2 = y.view(-1, y.shape[-1])
-    _expand_kernel[(m_tiles, triton.cdiv(max(widths), block_n), slices * slots)](
-        part, b, y2, ends, batch.order, batch.counts, batch.starts,
+        BLOCK_M=block_m, BLOCK_K=block_k, IEEE=ieee, **shared)
+    _expand_kernel[(m_tiles, n_tiles, slices * slots)](
+        part, b, y2, ends, order, counts, starts,
         rank, slots, part.stride(0), part.stride(1), part.stride(2),
         b.stride(0), b.stride(1), b.stride(2), y2.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, SPLIT=split, PDL=pdl,
-        launch_pdl=pdl)
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, **shared)
+
+
+@kernel
+def _shrink_rows_kernel(x_ptr, a_ptr, part_ptr, slots_ptr, n_in, rank, s_x, s_a_slice,
+                        s_a_slot, s_a_r, s_p_split, s_p_slice, s_p_tok, k_per_split,
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                        PDL: tl.constexpr):
+    """part[split, slice, token, :] = x[token, split's K range] @ a[slice, its slot]^T."""
+    wait_for_inputs(PDL)
+    tok, split, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + tok)
+    if slot >= 0:
+        r = tl.arange(0, BLOCK_R)
+        a_base = a_ptr + s * s_a_slice + slot.to(tl.int64) * s_a_slot
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, n_in)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < k_hi
+            xv = tl.load(x_ptr + tok * s_x + k, mask=k_ok, other=0.0).to(tl.float32)
+            at = tl.load(a_base + r[:, None] * s_a_r + k[None, :],
+                         mask=(r < rank)[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(at * xv[None, :], axis=1)
+        tl.store(part_ptr + split * s_p_split + s * s_p_slice + tok * s_p_tok + r, acc)
+
+
+@kernel
+def _expand_rows_kernel(part_ptr, b_ptr, y_ptr, ends_ptr, slots_ptr, rank,
+                        s_p_split, s_p_slice, s_p_tok, s_b_slice, s_b_slot, s_b_n, s_y,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                        PDL: tl.constexpr):
+    """y[token, slice's columns] += (sum of the shrink's splits) @ b[slice, its slot]^T."""
+    wait_for_inputs(PDL)
+    tok, n_tile, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + tok)
+    lo = tl.load(ends_ptr + s)
+    width = tl.load(ends_ptr + s + 1) - lo
+    if slot >= 0 and n_tile * BLOCK_N < width:
+        r = tl.arange(0, BLOCK_R)
+        h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for split in range(SPLIT):
+            h += tl.load(part_ptr + split * s_p_split + s * s_p_slice + tok * s_p_tok + r)
+        n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < width
+        bt = tl.load(b_ptr + s * s_b_slice + slot.to(tl.int64) * s_b_slot + n[:, None] * s_b_n
+                     + r[None, :], mask=n_ok[:, None] & (r < rank)[None, :], other=0.0)
+        # rounded as the tiled path rounds it, before the product
+        h = h.to(bt.dtype).to(tl.float32)
+        delta = tl.sum(bt.to(tl.float32) * h[None, :], axis=1)
+        ptrs = y_ptr + tok * s_y + lo + n
+        yv = tl.load(ptrs, mask=n_ok, other=0.0)
+        tl.store(ptrs, (yv.to(tl.float32) + delta).to(yv.dtype), mask=n_ok)
 
 
 @kernel
@@ -119,7 +194,7 @@ def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, count_ptr, start_ptr,
                    n_in, rank, s_x, s_a_slice, s_a_slot, s_a_r,
                    s_p_split, s_p_slice, s_p_tok, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT: tl.constexpr, PDL: tl.constexpr):
+                   SPLIT: tl.constexpr, PDL: tl.constexpr, IEEE: tl.constexpr):
     """part[split, slice, token, :] = x[token, split's K range] @ a[slice, slot]^T."""
     wait_for_inputs(PDL)
     pid, s, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -141,7 +216,7 @@ def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, count_ptr, start_ptr,
                          mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(a_base + r[None, :] * s_a_r + k[:, None],
                          mask=k_ok[:, None] & (r < rank)[None, :], other=0.0)
-            acc += tl.dot(xt, at)
+            acc += tl.dot(xt, at, input_precision="ieee" if IEEE else None)
         tl.store(part_ptr + split * s_p_split + s * s_p_slice + tok[:, None] * s_p_tok
                  + r[None, :], acc, mask=m_ok[:, None])
 
@@ -151,7 +226,7 @@ def _expand_kernel(part_ptr, b_ptr, y_ptr, ends_ptr, order_ptr, count_ptr, start
                    rank, slots, s_p_split, s_p_slice, s_p_tok,
                    s_b_slice, s_b_slot, s_b_n, s_y,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, PDL: tl.constexpr):
+                   SPLIT: tl.constexpr, PDL: tl.constexpr, IEEE: tl.constexpr):
     """y[token, slice's columns] += (sum of the shrink's splits) @ b[slice, slot]^T."""
     wait_for_inputs(PDL)
     tile, n_tile, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -172,7 +247,7 @@ def _expand_kernel(part_ptr, b_ptr, y_ptr, ends_ptr, order_ptr, count_ptr, start
                          + r[None, :], mask=m_ok[:, None], other=0.0)
         bt = tl.load(b_ptr + s * s_b_slice + slot.to(tl.int64) * s_b_slot + n[None, :] * s_b_n
                      + r[:, None], mask=n_ok[None, :] & (r < rank)[:, None], other=0.0)
-        delta = tl.dot(h.to(bt.dtype), bt)
+        delta = tl.dot(h.to(bt.dtype), bt, input_precision="ieee" if IEEE else None)
         ptrs = y_ptr + tok[:, None] * s_y + lo + n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         y = tl.load(ptrs, mask=mask, other=0.0)
