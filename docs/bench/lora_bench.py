@@ -10,7 +10,7 @@ Parts (each prints one JSON line; all go to --output-json):
   with the slots' swaps and the host time they took.
 
 Usage: PYTHONPATH=. python3 docs/bench/lora_bench.py [--model llama3-8b-random] [--rank 16]
-  [--parts b1,b64-8,b64-64] [--row-max-tokens N] [--output-json out.json]
+  [--parts b1,b64-8,b64-64] [--output-json out.json]
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import time
 import torch
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.layers import lora_kernels
 
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -90,17 +89,12 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--parts", default="b1,b64-8,b64-64")
     p.add_argument("--output-json", default=None)
-    p.add_argument("--row-max-tokens", type=int, default=None,
-                   help="override layers/lora_kernels.py's ROW_MAX_TOKENS (0: tiles only)")
     args = p.parse_args()
-    if args.row_max_tokens is not None:
-        lora_kernels.ROW_MAX_TOKENS = args.row_max_tokens
     parts = args.parts.split(",")
     rows = []
 
     def report(**row):
-        row.update(model=args.model, rank=args.rank, gpu=torch.cuda.get_device_name(),
-                   row_max_tokens=lora_kernels.ROW_MAX_TOKENS)
+        row.update(model=args.model, rank=args.rank, gpu=torch.cuda.get_device_name())
         print(json.dumps(row), flush=True)
         rows.append(row)
 

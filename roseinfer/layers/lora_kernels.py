@@ -13,10 +13,6 @@ tokens, so each adapter's weights are read once per tile of its tokens, and a ti
 product runs on tensor cores. Slots with no tokens, and tiles past a slot's count, exit
 at once: the grid is fixed by the token count, so a CUDA graph holds it.
 
-Up to ``ROW_MAX_TOKENS`` tokens (small decode batches) a program takes one token
-instead (Punica's BGMV): no grouping at all, and a grid of a few programs where a
-grid over every slot is mostly programs that exit.
-
 The shrink splits its inner dimension (``split_k``) at decode sizes: one slot's A is a
 few hundred KB, too much for one program at batch 1. Its partial products are summed by
 the expand, which reads them anyway: no atomics and no zeroing launch.
@@ -30,7 +26,6 @@ import torch
 from roseinfer.core.triton_support import dependent_launch, kernel, tl, triton, wait_for_inputs
 
 SPLIT_K_MAX_TOKENS = 64  # above this many tokens a shrink has tiles enough without a split
-ROW_MAX_TOKENS = 16  # up to this many tokens a program takes one token
 
 
 @dataclass
@@ -100,7 +95,6 @@ def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
         x = x.contiguous()
     tokens, n_in = x.shape
     slices, slots, rank = a.shape[:3]
-    rows = tokens <= ROW_MAX_TOKENS
     block_m, block_r = _block_m(tokens), max(16, triton.next_power_of_2(rank))
     split = 1 if tokens > SPLIT_K_MAX_TOKENS else min(8, triton.cdiv(n_in, 512))
     block_k = 32 if tokens > SPLIT_K_MAX_TOKENS else \
@@ -109,19 +103,9 @@ def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
     pdl = dependent_launch(x.device, tokens)
     ieee = x.dtype == torch.float32  # no TF32: float32 models are the exact ones
     y2 = y.view(-1, y.shape[-1])
-    block_n = 128 if rows else 64 if tokens <= SPLIT_K_MAX_TOKENS else 128
+    block_n = 64 if tokens <= SPLIT_K_MAX_TOKENS else 128
     n_tiles = triton.cdiv(max(offsets[i + 1] - offsets[i] for i in range(slices)), block_n)
     shared = dict(BLOCK_R=block_r, SPLIT=split, PDL=pdl, launch_pdl=pdl)
-    if rows:
-        _shrink_rows_kernel[(tokens, split, slices)](
-            x, a, part, batch.slots, n_in, rank, x.stride(0), a.stride(0), a.stride(1),
-            a.stride(2), part.stride(0), part.stride(1), part.stride(2),
-            triton.cdiv(n_in, split), BLOCK_K=block_k, **shared)
-        _expand_rows_kernel[(tokens, n_tiles, slices)](
-            part, b, y2, ends, batch.slots, rank, part.stride(0), part.stride(1),
-            part.stride(2), b.stride(0), b.stride(1), b.stride(2), y2.stride(0),
-            BLOCK_N=block_n, **shared)
-        return
     order, counts, starts = batch.grouped()
     m_tiles = triton.cdiv(tokens, block_m)
     _shrink_kernel[(m_tiles * split, slices, slots)](
@@ -134,59 +118,6 @@ def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
         rank, slots, part.stride(0), part.stride(1), part.stride(2),
         b.stride(0), b.stride(1), b.stride(2), y2.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, **shared)
-
-
-@kernel
-def _shrink_rows_kernel(x_ptr, a_ptr, part_ptr, slots_ptr, n_in, rank, s_x, s_a_slice,
-                        s_a_slot, s_a_r, s_p_split, s_p_slice, s_p_tok, k_per_split,
-                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                        PDL: tl.constexpr):
-    """part[split, slice, token, :] = x[token, split's K range] @ a[slice, its slot]^T."""
-    wait_for_inputs(PDL)
-    tok, split, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots_ptr + tok)
-    if slot >= 0:
-        r = tl.arange(0, BLOCK_R)
-        a_base = a_ptr + s * s_a_slice + slot.to(tl.int64) * s_a_slot
-        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        k_lo = split * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, n_in)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < k_hi
-            xv = tl.load(x_ptr + tok * s_x + k, mask=k_ok, other=0.0).to(tl.float32)
-            at = tl.load(a_base + r[:, None] * s_a_r + k[None, :],
-                         mask=(r < rank)[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(at * xv[None, :], axis=1)
-        tl.store(part_ptr + split * s_p_split + s * s_p_slice + tok * s_p_tok + r, acc)
-
-
-@kernel
-def _expand_rows_kernel(part_ptr, b_ptr, y_ptr, ends_ptr, slots_ptr, rank,
-                        s_p_split, s_p_slice, s_p_tok, s_b_slice, s_b_slot, s_b_n, s_y,
-                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                        PDL: tl.constexpr):
-    """y[token, slice's columns] += (sum of the shrink's splits) @ b[slice, its slot]^T."""
-    wait_for_inputs(PDL)
-    tok, n_tile, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots_ptr + tok)
-    lo = tl.load(ends_ptr + s)
-    width = tl.load(ends_ptr + s + 1) - lo
-    if slot >= 0 and n_tile * BLOCK_N < width:
-        r = tl.arange(0, BLOCK_R)
-        h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for split in range(SPLIT):
-            h += tl.load(part_ptr + split * s_p_split + s * s_p_slice + tok * s_p_tok + r)
-        n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < width
-        bt = tl.load(b_ptr + s * s_b_slice + slot.to(tl.int64) * s_b_slot + n[:, None] * s_b_n
-                     + r[None, :], mask=n_ok[:, None] & (r < rank)[None, :], other=0.0)
-        # rounded as the tiled path rounds it, before the product
-        h = h.to(bt.dtype).to(tl.float32)
-        delta = tl.sum(bt.to(tl.float32) * h[None, :], axis=1)
-        ptrs = y_ptr + tok * s_y + lo + n
-        yv = tl.load(ptrs, mask=n_ok, other=0.0)
-        tl.store(ptrs, (yv.to(tl.float32) + delta).to(yv.dtype), mask=n_ok)
 
 
 @kernel
