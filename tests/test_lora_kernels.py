@@ -92,3 +92,15 @@ def test_bf16_on_the_gpu_inside_a_graph(tokens):
     graph.replay()
     want = _reference(x.cpu(), y.cpu(), a.cpu(), b.cpu(), offsets, new_slots.cpu())
     assert torch.allclose(out.double().cpu(), want, atol=0.05, rtol=0.02)
+
+
+@needs_triton
+@pytest.mark.parametrize("fill", [-1, 2])
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_triton_with_one_run(tokens, fill):
+    """Every token of one adapter, or of none: one run of the sorted tokens."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    case = list(_case(tokens, 64, [32, 16], device=device))
+    case[5] = torch.full_like(case[5], fill)
+    want = _reference(*(t.cpu() if torch.is_tensor(t) else t for t in case[:-1]))
+    assert torch.allclose(_run(case, True).double().cpu(), want, atol=1e-4, rtol=1e-4)

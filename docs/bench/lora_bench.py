@@ -11,6 +11,8 @@ Parts (each prints one JSON line; all go to --output-json):
 
 Usage: PYTHONPATH=. python3 docs/bench/lora_bench.py [--model llama3-8b-random] [--rank 16]
   [--parts b1,b64-8,b64-64] [--output-json out.json]
+  or, for `roseinfer bench serve --lora-modules ...` (docs/bench/lora.sh):
+  PYTHONPATH=. python3 docs/bench/lora_bench.py --write-adapters DIR [--count 16]
 """
 from __future__ import annotations
 
@@ -89,7 +91,20 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--parts", default="b1,b64-8,b64-64")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--write-adapters", default=None, metavar="DIR",
+                   help="only write --count random adapters (a0, a1, ...) under DIR and say "
+                        "their --lora-modules")
+    p.add_argument("--count", type=int, default=16)
     args = p.parse_args()
+    if args.write_adapters:
+        from roseinfer.models.loader import model_info
+
+        cfg = model_info(args.model, tokenizer=False)[0]
+        for i in range(args.count):
+            write_adapter(os.path.join(args.write_adapters, f"a{i}"), cfg, args.rank, i)
+        print(" ".join(f"a{i}={os.path.join(args.write_adapters, f'a{i}')}"
+                       for i in range(args.count)))
+        return
     parts = args.parts.split(",")
     rows = []
 

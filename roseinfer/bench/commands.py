@@ -40,6 +40,9 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     g.add_argument("--tools-file", default=None, metavar="FILE",
                    help="with --endpoint openai-chat: tools (a JSON list, OpenAI's shape) "
                         "every request offers, tool_choice auto")
+    g.add_argument("--loras", default=None, metavar="NAMES",
+                   help="comma-separated LoRA adapters of the workers' (--lora-modules); "
+                        "request i runs with the (i mod n)-th (default: none)")
     g.add_argument("--ack-replicas", type=int, default=0,
                    help="the worker acknowledges a finished request once this many replicas of "
                    "--redis-url hold its chunks (worker --ack-replicas; default: %(default)s)")

@@ -123,7 +123,8 @@ class BenchRun:
                 **report.machine_info("cpu")}
         runs = []
         with ServeHarness(None, a.redis_url, a.client_procs, a.request_timeout,
-                          prefix=a.prefix, endpoint=a.endpoint, tools=_tools(a)) as harness:
+                          prefix=a.prefix, endpoint=a.endpoint, tools=_tools(a),
+                          loras=_loras(a)) as harness:
             for k in range(a.warmup_runs):
                 self._ours(harness, w, f"warm-up {k + 1}/{a.warmup_runs}", f"w{k}")
             for k in range(a.repeat_runs):
@@ -238,7 +239,7 @@ class BenchRun:
             a = self.args
             return ServeHarness(probe, a.redis_url, a.client_procs, a.request_timeout,
                                 endpoint=a.endpoint, ack_replicas=a.ack_replicas,
-                                tools=_tools(a))
+                                tools=_tools(a), loras=_loras(a))
         return _OfflineHarness(probe)
 
     # --- output ---------------------------------------------------------------------------
@@ -268,6 +269,12 @@ class _OfflineHarness:
     def run(self, w: Workload, run_id: str, progress: Progress):
         from roseinfer.bench.offline import run_offline
         return run_offline(self.probe, w, run_id, progress)
+
+
+def _loras(args) -> list[str]:
+    """--loras: the adapters requests run with, in turn."""
+    names = getattr(args, "loras", None)
+    return [n for n in names.split(",") if n] if names else []
 
 
 def _tools(args) -> list | None:

@@ -35,9 +35,10 @@ class ServeHarness:
     def __init__(self, probe: Optional[EngineProbe], redis_url: Optional[str] = None,
                  client_procs: int = 1, request_timeout_s: float = 600.0,
                  prefix: Optional[str] = None, endpoint: str = "redis", ack_replicas: int = 0,
-                 tools: Optional[list] = None):
+                 tools: Optional[list] = None, loras: Optional[list[str]] = None):
         self.probe = probe
         self.tools = tools
+        self.loras = loras or []  # request i runs with loras[i % len]
         self.ack_replicas = ack_replicas
         self.endpoint = endpoint
         self._gateway = None
@@ -135,6 +136,7 @@ class ServeHarness:
                 "gateway_url": self._gateway.url if self._gateway else None,
                 # the chat endpoint: the tools each request offers ([]: none)
                 "chat": (self.tools or []) if self.endpoint == "openai-chat" else None,
+                "loras": self.loras,
                 "timeout_s": self.timeout_s}
 
     def _wait(self, pending, progress: Progress) -> None:
@@ -182,6 +184,8 @@ async def _client(spec: dict) -> list[dict]:
             await slots.acquire()  # released when its stream ends
             rec.submit = last = now()
             params = {**spec["params"], "max_tokens": spec["output_lens"][i]}
+            if spec.get("loras"):
+                params["lora"] = spec["loras"][i % len(spec["loras"])]
             tasks.append(await transport.send(spec["prompts"][i], rec, params, slots))
         await asyncio.gather(*tasks)
     finally:
@@ -223,7 +227,8 @@ class _Gateway:
     async def send(self, prompt, rec: RequestRecord, params: dict, slots) -> asyncio.Task:
         if params.pop("stream_interval", 1) != 1:
             raise ValueError("--endpoint openai streams every token: drop --stream-interval")
-        body = {"model": "bench", "prompt": prompt, "stream": True, **params,
+        model = params.pop("lora", "bench")  # the gateway's model names an adapter
+        body = {"model": model, "prompt": prompt, "stream": True, **params,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         if self.chat is not None:
             if not isinstance(prompt, str):

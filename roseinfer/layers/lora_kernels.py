@@ -8,10 +8,11 @@ projection (q/k/v, gate/up) has a slice per part, each with its own A and B, so 
 parts' products still take one launch each way.
 
 Tokens are grouped by slot once per forward (``LoraBatch``): a stable sort of the
-tokens by slot, each slot's count and first index. A program takes a tile of one slot's
-tokens, so each adapter's weights are read once per tile of its tokens, and a tile's
-product runs on tensor cores. Slots with no tokens, and tiles past a slot's count, exit
-at once: the grid is fixed by the token count, so a CUDA graph holds it.
+tokens by slot, then each run of one slot's tokens. A program takes a tile of one run,
+so each adapter's weights are read once per tile of its tokens, and a tile's product
+runs on tensor cores. The grid spans min(tokens, slots + 1) runs, fixed by the token
+count, so a CUDA graph holds it; runs past the last one, the tokens with no adapter,
+and tiles past a run's length exit at once.
 
 The shrink splits its inner dimension (``split_k``) at decode sizes: one slot's A is a
 few hundred KB, too much for one program at batch 1. Its partial products are summed by
@@ -30,9 +31,8 @@ SPLIT_K_MAX_TOKENS = 64  # above this many tokens a shrink has tiles enough with
 
 @dataclass
 class LoraBatch:
-    """The step's tokens by adapter slot: ``slots`` [tokens] (-1: none); grouped (on
-    first use): ``order`` the tokens sorted by slot, ``counts`` and ``starts`` per slot
-    (the last entry: the tokens with none)."""
+    """The step's tokens by adapter slot: ``slots`` [tokens] (-1: none), and (grouped on
+    first use) the runs of one slot in the tokens sorted by slot."""
     slots: torch.Tensor
     num_slots: int
     _grouped: tuple | None = None
@@ -42,16 +42,27 @@ class LoraBatch:
     def of(cls, slots: torch.Tensor, num_slots: int) -> "LoraBatch":
         return cls(slots, num_slots)
 
-    def grouped(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(order, counts, starts), computed on the device once per forward."""
+    def grouped(self) -> tuple[torch.Tensor, ...]:
+        """(order, slot, start, count): the tokens sorted by slot, then per run of one slot
+        in that order its slot (-1: the tokens with none, or past the last run), first
+        index and length. There are at most min(tokens, slots + 1) runs, so a grid over
+        runs is one program wide at batch 1, where a grid over slots is ``slots`` wide and
+        all but one of its programs exit. Computed on the device once per forward."""
         if self._grouped is None:
-            key = torch.where(self.slots < 0, self.num_slots, self.slots).long()
-            order = torch.argsort(key, stable=True).to(torch.int32)
-            # scatter-add, not bincount: bincount reads its maximum back to the host
-            counts = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=key.device)
-            counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-            starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
-            self._grouped = order, counts, starts
+            tokens, none = self.slots.shape[0], self.num_slots
+            key = torch.where(self.slots < 0, none, self.slots).long()
+            key, order = torch.sort(key, stable=True)
+            new = torch.ones_like(key, dtype=torch.bool)
+            new[1:] = key[1:] != key[:-1]
+            run = torch.cumsum(new, 0) - 1
+            slot = torch.full((tokens,), -1, dtype=torch.int32, device=key.device)
+            slot.scatter_(0, run, torch.where(key == none, -1, key).to(torch.int32))
+            count = torch.zeros(tokens, dtype=torch.int32, device=key.device)
+            count.scatter_add_(0, run, torch.ones_like(count))
+            start = torch.cumsum(count, 0, dtype=torch.int32) - count
+            runs = min(tokens, none + 1)
+            self._grouped = (order.to(torch.int32), slot[:runs], start[:runs].to(torch.int32),
+                             count[:runs])
         return self._grouped
 
     def rows(self) -> list[tuple[int, torch.Tensor]]:
@@ -94,7 +105,7 @@ def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
     if x.stride(-1) != 1:
         x = x.contiguous()
     tokens, n_in = x.shape
-    slices, slots, rank = a.shape[:3]
+    slices, rank = a.shape[0], a.shape[2]
     block_m, block_r = _block_m(tokens), max(16, triton.next_power_of_2(rank))
     split = 1 if tokens > SPLIT_K_MAX_TOKENS else min(8, triton.cdiv(n_in, 512))
     block_k = 32 if tokens > SPLIT_K_MAX_TOKENS else \
@@ -106,35 +117,37 @@ def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
     block_n = 64 if tokens <= SPLIT_K_MAX_TOKENS else 128
     n_tiles = triton.cdiv(max(offsets[i + 1] - offsets[i] for i in range(slices)), block_n)
     shared = dict(BLOCK_R=block_r, SPLIT=split, PDL=pdl, launch_pdl=pdl)
-    order, counts, starts = batch.grouped()
+    order, run_slot, starts, counts = batch.grouped()
+    runs = run_slot.shape[0]
     m_tiles = triton.cdiv(tokens, block_m)
-    _shrink_kernel[(m_tiles * split, slices, slots)](
-        x, a, part, order, counts, starts,
+    _shrink_kernel[(m_tiles * split, slices, runs)](
+        x, a, part, order, run_slot, counts, starts,
         n_in, rank, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
         part.stride(0), part.stride(1), part.stride(2), triton.cdiv(n_in, split),
         BLOCK_M=block_m, BLOCK_K=block_k, IEEE=ieee, **shared)
-    _expand_kernel[(m_tiles, n_tiles, slices * slots)](
-        part, b, y2, ends, order, counts, starts,
-        rank, slots, part.stride(0), part.stride(1), part.stride(2),
+    _expand_kernel[(m_tiles, n_tiles, slices * runs)](
+        part, b, y2, ends, order, run_slot, counts, starts,
+        rank, runs, part.stride(0), part.stride(1), part.stride(2),
         b.stride(0), b.stride(1), b.stride(2), y2.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, **shared)
 
 
 @kernel
-def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, count_ptr, start_ptr,
+def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, slot_ptr, count_ptr, start_ptr,
                    n_in, rank, s_x, s_a_slice, s_a_slot, s_a_r,
                    s_p_split, s_p_slice, s_p_tok, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, PDL: tl.constexpr, IEEE: tl.constexpr):
     """part[split, slice, token, :] = x[token, split's K range] @ a[slice, slot]^T."""
     wait_for_inputs(PDL)
-    pid, s, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid, s, run = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tile, split = pid // SPLIT, pid % SPLIT
-    count = tl.load(count_ptr + slot)
-    if tile * BLOCK_M < count:
+    slot = tl.load(slot_ptr + run)
+    count = tl.load(count_ptr + run)
+    if slot >= 0 and tile * BLOCK_M < count:
         m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = m < count
-        tok = tl.load(order_ptr + tl.load(start_ptr + slot) + m, mask=m_ok, other=0).to(tl.int64)
+        tok = tl.load(order_ptr + tl.load(start_ptr + run) + m, mask=m_ok, other=0).to(tl.int64)
         r = tl.arange(0, BLOCK_R)
         a_base = a_ptr + s * s_a_slice + slot.to(tl.int64) * s_a_slot
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -153,22 +166,23 @@ def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, count_ptr, start_ptr,
 
 
 @kernel
-def _expand_kernel(part_ptr, b_ptr, y_ptr, ends_ptr, order_ptr, count_ptr, start_ptr,
-                   rank, slots, s_p_split, s_p_slice, s_p_tok,
+def _expand_kernel(part_ptr, b_ptr, y_ptr, ends_ptr, order_ptr, slot_ptr, count_ptr, start_ptr,
+                   rank, runs, s_p_split, s_p_slice, s_p_tok,
                    s_b_slice, s_b_slot, s_b_n, s_y,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, PDL: tl.constexpr, IEEE: tl.constexpr):
     """y[token, slice's columns] += (sum of the shrink's splits) @ b[slice, slot]^T."""
     wait_for_inputs(PDL)
     tile, n_tile, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s, slot = pid // slots, pid % slots
-    count = tl.load(count_ptr + slot)
+    s, run = pid // runs, pid % runs
+    slot = tl.load(slot_ptr + run)
+    count = tl.load(count_ptr + run)
     lo = tl.load(ends_ptr + s)
     width = tl.load(ends_ptr + s + 1) - lo
-    if tile * BLOCK_M < count and n_tile * BLOCK_N < width:
+    if slot >= 0 and tile * BLOCK_M < count and n_tile * BLOCK_N < width:
         m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = m < count
-        tok = tl.load(order_ptr + tl.load(start_ptr + slot) + m, mask=m_ok, other=0).to(tl.int64)
+        tok = tl.load(order_ptr + tl.load(start_ptr + run) + m, mask=m_ok, other=0).to(tl.int64)
         r = tl.arange(0, BLOCK_R)
         n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < width

@@ -30,6 +30,7 @@ from roseinfer.frontends.redis_streams.heartbeat import read_heartbeats
 from roseinfer.frontends.redis_streams.protocol import RID_PATTERN, ChunkOrder, Keys
 
 log = logging.getLogger(__name__)
+ADAPTERS_TTL_S = 1.0  # how stale a gateway's list of the workers' adapters may be
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self._keys = Keys(config.prefix)
         self._redis: redis.Redis | None = None  # for the adapters' waits, in threads
+        self._served: tuple[float, set[str]] | None = None  # (when, adapters) _adapters
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -73,8 +75,7 @@ class Gateway:
         each with its base as ``parent``)."""
         self._authorize(request)
         name = self.config.model_name
-        beats = await asyncio.to_thread(read_heartbeats, self._sync_redis(), self._keys)
-        adapters = sorted({a for beat in beats for a in beat.get("adapters", ())})
+        adapters = sorted(await self._adapters(fresh=True))
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "roseinfer"},
             *({"id": a, "object": "model", "created": 0, "owned_by": "roseinfer",
@@ -102,11 +103,21 @@ class Gateway:
         if not results:
             raise APIError(503, "no live worker serves adapters: start workers with "
                            "--enable-lora", kind="server_error")
+        self._served = None  # this gateway's next call sees the change
         failed = {w: r for w, r in results.items() if r != "ok"}
         if failed:
             raise APIError(400, f"{op} {name!r} failed on {len(failed)} of {len(results)} "
                            f"workers: {failed}")
         return Response(f"Success: LoRA adapter {name!r} {op}ed on {len(results)} workers.")
+
+    async def _adapters(self, fresh: bool = False) -> set[str]:
+        """The adapters live workers serve, from their heartbeats, looked up again after
+        ADAPTERS_TTL_S (or when ``fresh``)."""
+        now = time.monotonic()
+        if fresh or self._served is None or now - self._served[0] > ADAPTERS_TTL_S:
+            beats = await asyncio.to_thread(read_heartbeats, self._sync_redis(), self._keys)
+            self._served = now, {a for beat in beats for a in beat.get("adapters", ())}
+        return self._served[1]
 
     def _sync_redis(self) -> redis.Redis:
         if self._redis is None:
@@ -150,7 +161,8 @@ class Gateway:
             raise APIError(400, "the request body must be a JSON object")
         call = make_call(body)
         model = body.get("model")
-        if isinstance(model, str) and model and model != self.config.model_name:
+        if isinstance(model, str) and model != self.config.model_name and \
+                model in await self._adapters():
             call.params["lora"] = model  # vLLM's convention: an adapter by its name
         rid = request.headers.get("x-request-id") or f"oai-{uuid.uuid4().hex}"
         if not RID_PATTERN.fullmatch(rid):

@@ -572,15 +572,17 @@ class Worker:
     def _add(self, req, resume: Optional[Takeover]) -> int:
         """The request into the engine, a resumed one from where its reply stream stops;
         returns how many of its samples run."""
+        # only where asked: an engine without adapters need not know the keyword
+        adapter = {} if req.lora is None else {"lora": req.lora}
         if resume is None:
-            self.engine.add_request(req.rid, req.prompt, req.params, lora=req.lora)
+            self.engine.add_request(req.rid, req.prompt, req.params, **adapter)
             return req.params.n
         if req.params.n == 1:
-            self.engine.add_request(req.rid, req.prompt, req.params, lora=req.lora,
+            self.engine.add_request(req.rid, req.prompt, req.params, **adapter,
                                     emitted_ids=resume.emitted_ids(), emitted_text=resume.text())
             return 1
         left = [i for i in range(req.params.n) if i not in resume.finished_indexes]
-        self.engine.add_request(req.rid, req.prompt, req.params, indexes=left, lora=req.lora,
+        self.engine.add_request(req.rid, req.prompt, req.params, indexes=left, **adapter,
                                 emitted_ids={i: resume.emitted_ids(i) for i in left},
                                 emitted_text={i: resume.text(i) for i in left})
         return len(left)
