@@ -27,6 +27,11 @@ import torch
 from roseinfer.core.triton_support import dependent_launch, kernel, tl, triton, wait_for_inputs
 
 SPLIT_K_MAX_TOKENS = 64  # above this many tokens a shrink has tiles enough without a split
+# At decode sizes, by the most tokens they serve: (inner-dimension elements per split,
+# most splits, the shrink's inner block, the expand's output block). Chosen by
+# docs/bench/lora_kernels.py's sweep on an H200 (docs/kernels.md, "LoRA"): few tokens
+# want one short pass over a split, more want fewer, wider expand programs.
+DECODE_TILES = ((8, (256, 64, 256, 64)), (SPLIT_K_MAX_TOKENS, (512, 8, 128, 256)))
 
 
 @dataclass
@@ -107,14 +112,16 @@ def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
     tokens, n_in = x.shape
     slices, rank = a.shape[0], a.shape[2]
     block_m, block_r = _block_m(tokens), max(16, triton.next_power_of_2(rank))
-    split = 1 if tokens > SPLIT_K_MAX_TOKENS else min(8, triton.cdiv(n_in, 512))
+    per_split, max_split, decode_k, decode_n = next(
+        (t for most, t in DECODE_TILES if tokens <= most), DECODE_TILES[-1][1])
+    split = 1 if tokens > SPLIT_K_MAX_TOKENS else min(max_split, triton.cdiv(n_in, per_split))
     block_k = 32 if tokens > SPLIT_K_MAX_TOKENS else \
-        min(128, triton.next_power_of_2(triton.cdiv(n_in, split)))
+        min(decode_k, triton.next_power_of_2(triton.cdiv(n_in, split)))
     part = torch.empty(split, slices, tokens, block_r, dtype=torch.float32, device=x.device)
     pdl = dependent_launch(x.device, tokens)
     ieee = x.dtype == torch.float32  # no TF32: float32 models are the exact ones
     y2 = y.view(-1, y.shape[-1])
-    block_n = 64 if tokens <= SPLIT_K_MAX_TOKENS else 128
+    block_n = decode_n if tokens <= SPLIT_K_MAX_TOKENS else 128
     n_tiles = triton.cdiv(max(offsets[i + 1] - offsets[i] for i in range(slices)), block_n)
     shared = dict(BLOCK_R=block_r, SPLIT=split, PDL=pdl, launch_pdl=pdl)
     order, run_slot, starts, counts = batch.grouped()

@@ -24,7 +24,8 @@ BLOCK = 16
 
 
 def request(ids, prompt_logprobs=None):
-    return SimpleNamespace(prompt=ids, params=SamplingParams(prompt_logprobs=prompt_logprobs))
+    return SimpleNamespace(prompt=ids, params=SamplingParams(prompt_logprobs=prompt_logprobs),
+                           lora=None)
 
 
 @pytest.fixture
