@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from roseinfer.core.triton_support import triton_usable
-from roseinfer.layers.lora_kernels import SPLIT_K_MAX_TOKENS, LoraBatch, add_lora
+from roseinfer.layers.lora_kernels import DECODE_MAX_TOKENS, LoraBatch, add_lora
 
 needs_triton = pytest.mark.skipif(not triton_usable("cpu") and not torch.cuda.is_available(),
                                   reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
@@ -48,7 +48,7 @@ def _run(case, use_triton):
     return y
 
 
-@pytest.mark.parametrize("tokens", [1, 5, SPLIT_K_MAX_TOKENS + 7])
+@pytest.mark.parametrize("tokens", [1, 5, DECODE_MAX_TOKENS + 7])
 def test_torch_path_equals_the_loop(tokens):
     case = _case(tokens, 40, [24, 8, 8])
     assert torch.allclose(_run(case, False).double(), _reference(*case[:-1]), atol=1e-5)
@@ -59,7 +59,7 @@ def test_torch_path_equals_the_loop(tokens):
     (1, 72, [72]),                              # batch 1: the shrink splits its inner dim
     (7, 1100, [48, 16, 16]),                    # q/k/v; inner dim past one split's block
     (40, 1100, [48, 16, 16]),                   # past a tile of one slot's tokens
-    (SPLIT_K_MAX_TOKENS + 9, 40, [130, 130]),   # gate/up at prefill size, past a tile
+    (DECODE_MAX_TOKENS + 9, 40, [130, 130]),   # gate/up at prefill size, past a tile
 ])
 def test_triton_equals_the_loop(tokens, n_in, widths):
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,5 +1,6 @@
-"""The LoRA shrink and expand of one projection (layers/lora_kernels.py) at decode sizes,
-per Llama-3-8B projection and token count, for several decode tilings (DECODE_TILES),
+"""The LoRA shrink and expand of one projection (layers/lora_kernels.py), decode and prompt
+sizes,
+per Llama-3-8B projection and token count, for several tilings (TILES),
 each call replayed 100 times in a CUDA graph (the tokens' grouping, once per forward,
 made before); beside the bytes floor of the adapters'
 weights the call reads (A and B of every slot in use) and the base projection's own
@@ -19,8 +20,10 @@ from roseinfer.layers.lora_kernels import LoraBatch, add_lora
 
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]),
           "gate_up": (4096, [14336, 14336]), "down": (14336, [4096])}
-TILINGS = [(512, 8, 128, 64), (256, 64, 256, 64), (256, 64, 256, 128), (1024, 16, 128, 128),
-           (512, 32, 128, 128), (512, 8, 128, 256)]
+DECODE_TILINGS = [(512, 8, 128, 64), (256, 64, 256, 64), (256, 64, 256, 128),
+                  (1024, 16, 128, 128), (512, 32, 128, 128), (512, 8, 128, 256)]
+PROMPT_TILINGS = [(1 << 30, 1, 32, 128), (1 << 30, 1, 128, 128), (2048, 8, 64, 128),
+                  (1024, 16, 128, 128), (512, 32, 128, 128)]
 
 
 def replay_us(fn, reps: int = 100) -> float:
@@ -54,7 +57,7 @@ def main() -> None:
         w = torch.randn(sum(widths), n_in, **bf16) * 0.01
         offsets = tuple(int(v) for v in torch.tensor([0, *widths]).cumsum(0))
         ends = torch.tensor(offsets, dtype=torch.int32, device="cuda")
-        for tokens in (1, 8, 64):
+        for tokens in (1, 8, 64, 512, 2048):
             x = torch.randn(tokens, n_in, **bf16)
             y = torch.zeros(tokens, sum(widths), **bf16)
             slots = torch.arange(tokens, device="cuda", dtype=torch.int32) % args.slots
@@ -64,8 +67,8 @@ def main() -> None:
                    "gemm_us": round(replay_us(lambda: x @ w.T), 2)}
             batch = LoraBatch.of(slots, args.slots)
             batch.grouped()  # once per forward in a step: not timed here
-            for tiling in TILINGS:
-                lora_kernels.DECODE_TILES = ((lora_kernels.SPLIT_K_MAX_TOKENS, tiling),)
+            for tiling in DECODE_TILINGS if tokens <= 64 else PROMPT_TILINGS:
+                lora_kernels.TILES = ((1 << 62, tiling),)
 
                 def call():
                     add_lora(y, x, a, b, offsets, ends, batch)

@@ -14,8 +14,8 @@ runs on tensor cores. The grid spans min(tokens, slots + 1) runs, fixed by the t
 count, so a CUDA graph holds it; runs past the last one, the tokens with no adapter,
 and tiles past a run's length exit at once.
 
-The shrink splits its inner dimension (``split_k``) at decode sizes: one slot's A is a
-few hundred KB, too much for one program at batch 1. Its partial products are summed by
+The shrink splits its inner dimension (``split_k``): one slot's A is a few hundred KB,
+too much for one program at batch 1, and a prompt's tile would walk all of it alone. Its partial products are summed by
 the expand, which reads them anyway: no atomics and no zeroing launch.
 """
 from __future__ import annotations
@@ -26,12 +26,14 @@ import torch
 
 from roseinfer.core.triton_support import dependent_launch, kernel, tl, triton, wait_for_inputs
 
-SPLIT_K_MAX_TOKENS = 64  # above this many tokens a shrink has tiles enough without a split
-# At decode sizes, by the most tokens they serve: (inner-dimension elements per split,
-# most splits, the shrink's inner block, the expand's output block). Chosen by
-# docs/bench/lora_kernels.py's sweep on an H200 (docs/kernels.md, "LoRA"): few tokens
-# want one short pass over a split, more want fewer, wider expand programs.
-DECODE_TILES = ((8, (256, 64, 256, 64)), (SPLIT_K_MAX_TOKENS, (512, 8, 128, 256)))
+DECODE_MAX_TOKENS = 64  # up to this many tokens a tile holds 16 of them, else 64
+# By the most tokens they serve: (inner-dimension elements per split, most splits, the
+# shrink's inner block, the expand's output block). Chosen by docs/bench/lora_kernels.py's
+# sweep on an H200 (docs/kernels.md, "LoRA"): few tokens want one short pass over a
+# split, more want fewer, wider expand programs; prompts want a split too, or a tile's
+# program walks the whole inner dimension alone.
+TILES = ((8, (256, 64, 256, 64)), (DECODE_MAX_TOKENS, (512, 8, 128, 256)),
+         (1 << 62, (1024, 16, 128, 128)))
 
 
 @dataclass
@@ -102,7 +104,7 @@ def _add_torch(y, x, a, b, offsets, batch: LoraBatch) -> None:
 
 
 def _block_m(tokens: int) -> int:
-    return 16 if tokens <= SPLIT_K_MAX_TOKENS else 64
+    return 16 if tokens <= DECODE_MAX_TOKENS else 64
 
 
 def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
@@ -112,16 +114,13 @@ def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
     tokens, n_in = x.shape
     slices, rank = a.shape[0], a.shape[2]
     block_m, block_r = _block_m(tokens), max(16, triton.next_power_of_2(rank))
-    per_split, max_split, decode_k, decode_n = next(
-        (t for most, t in DECODE_TILES if tokens <= most), DECODE_TILES[-1][1])
-    split = 1 if tokens > SPLIT_K_MAX_TOKENS else min(max_split, triton.cdiv(n_in, per_split))
-    block_k = 32 if tokens > SPLIT_K_MAX_TOKENS else \
-        min(decode_k, triton.next_power_of_2(triton.cdiv(n_in, split)))
+    per_split, max_split, block_k, block_n = next(t for most, t in TILES if tokens <= most)
+    split = min(max_split, triton.cdiv(n_in, per_split))
+    block_k = min(block_k, triton.next_power_of_2(triton.cdiv(n_in, split)))
     part = torch.empty(split, slices, tokens, block_r, dtype=torch.float32, device=x.device)
     pdl = dependent_launch(x.device, tokens)
     ieee = x.dtype == torch.float32  # no TF32: float32 models are the exact ones
     y2 = y.view(-1, y.shape[-1])
-    block_n = decode_n if tokens <= SPLIT_K_MAX_TOKENS else 128
     n_tiles = triton.cdiv(max(offsets[i + 1] - offsets[i] for i in range(slices)), block_n)
     shared = dict(BLOCK_R=block_r, SPLIT=split, PDL=pdl, launch_pdl=pdl)
     order, run_slot, starts, counts = batch.grouped()
