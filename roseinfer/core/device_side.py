@@ -114,9 +114,10 @@ def _loras(model, hf_config, cfg: EngineConfig, device: torch.device, dtype: tor
     def read(name: str, path: str):
         adapter = lora_adapter.read(name, path, hf_config, type(model).shard_rule,
                                     cfg.max_lora_rank, set(modules), dtype)
-        if device.type == "cuda":  # pinned: a slot fills without stalling the host
-            adapter.weights = {k: [p and (p[0].pin_memory(), p[1].pin_memory()) for p in v]
-                               for k, v in adapter.weights.items()}
+        # packed per projection, pinned on CUDA: a slot fills in two copies each, without
+        # stalling the host
+        adapter.weights = {k: modules[k].pack(parts, device.type == "cuda")
+                           for k, parts in adapter.weights.items()}
         return adapter
     return Loras(modules, read, cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras)
 

@@ -40,16 +40,25 @@ class LoraLinear(nn.Module):
         add_lora(y, x, self.lora_a, self.lora_b, self.offsets, self.ends, step_batch(self.slots))
         return y
 
-    def load(self, slot: int, parts: list | None) -> None:
-        """Slot ``slot`` holds ``parts`` (per slice: (A, B), or None for no product)."""
-        for s in range(self.lora_a.shape[0]):
-            pair = parts[s] if parts is not None else None
-            self.lora_a[s, slot].zero_()
-            self.lora_b[s, slot].zero_()
+    def pack(self, parts: list, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """An adapter's ``parts`` (per slice: (A, B), or None for no product) as one
+        slot's A and B, zero-padded: a slot then fills in two copies."""
+        a = torch.zeros(self.lora_a[:, 0].shape, dtype=self.lora_a.dtype, pin_memory=pin)
+        b = torch.zeros(self.lora_b[:, 0].shape, dtype=self.lora_b.dtype, pin_memory=pin)
+        for s, pair in enumerate(parts):
             if pair is not None:
-                a, b = pair
-                self.lora_a[s, slot, :a.shape[0]].copy_(a, non_blocking=True)
-                self.lora_b[s, slot, :b.shape[0], :b.shape[1]].copy_(b, non_blocking=True)
+                a[s, :pair[0].shape[0]] = pair[0]
+                b[s, :pair[1].shape[0], :pair[1].shape[1]] = pair[1]
+        return a, b
+
+    def load(self, slot: int, packed: tuple | None) -> None:
+        """Slot ``slot`` holds ``packed`` (pack's), or nothing (None: no product)."""
+        if packed is None:
+            self.lora_a[:, slot].zero_()
+            self.lora_b[:, slot].zero_()
+            return
+        self.lora_a[:, slot].copy_(packed[0], non_blocking=True)
+        self.lora_b[:, slot].copy_(packed[1], non_blocking=True)
 
 
 def step_batch(slots: int) -> LoraBatch:

@@ -39,12 +39,16 @@ class Adapter:
     name: str
     path: str
     rank: int
-    # (layer, fused projection) -> per slice (A [rank, in], B [out, rank] scaled), or None
+    # (layer, fused projection) -> per slice (A [rank, in], B [out, rank] scaled), or None;
+    # as the engine holds it, packed (layers/lora.py: LoraLinear.pack)
     weights: dict[tuple[int, str], list] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for parts in self.weights.values()
-                   for pair in parts if pair is not None for t in pair)
+        def size(x) -> int:
+            if isinstance(x, torch.Tensor):
+                return x.numel() * x.element_size()
+            return sum(size(y) for y in x) if x is not None else 0
+        return size(list(self.weights.values()))
 
 
 def read(name: str, path: str, cfg, shard_rule, max_rank: int, adapted: set,
