@@ -45,6 +45,9 @@ class EngineStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # LoRA adapters (core/lora.py): how many it serves, and slots filled since start.
+    num_loras: int = 0
+    num_lora_swaps: int = 0
 
 
 class Engine:
@@ -335,8 +338,11 @@ class Engine:
         s, spec = self.scheduler, self.speculator
         drafts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) \
             if spec is not None else ()
-        return EngineStats(len(s.running), len(s.waiting), self.blocks.usage(),
-                           s.num_preemptions, *drafts)
+        stats = EngineStats(len(s.running), len(s.waiting), self.blocks.usage(),
+                            s.num_preemptions, *drafts)
+        if self.loras is not None:
+            stats.num_loras, stats.num_lora_swaps = len(self.loras.paths), self.loras.num_swaps
+        return stats
 
     # ---- stepping -------------------------------------------------------
     def step(self) -> list[RequestOutput]:

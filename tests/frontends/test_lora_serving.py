@@ -14,7 +14,7 @@ from tests.models import tiny_llama
 from tests.test_greedy_equality import mixed_prompts
 from tests.test_lora import make_adapter
 
-from .conftest import raw_chunks
+from .conftest import raw_chunks, wait_until
 
 pytest.importorskip("peft")
 NAMES = ["a0", "a1", "a2", "a3"]
@@ -98,3 +98,25 @@ def test_the_gateway_names_adapters_by_model(served, start_worker, gateway, redi
                   body={"lora_name": "x", "lora_path": "/nowhere"})
     http.post("/unload_lora_adapter", cast_to=str, body={"lora_name": "a1"})
     assert [m.id for m in http.models.list().data] == ["tiny"]
+
+
+def test_status_and_metrics_show_the_adapters(served, redis_server, start_worker, prefix):
+    llm, paths, prompts, want = served
+    from roseinfer.frontends.redis_streams import status
+    from roseinfer.frontends.redis_streams.metrics import Metrics
+
+    r, keys = redis.Redis.from_url(redis_server.url), Keys(prefix)
+    metrics = Metrics("tiny")
+    start_worker(llm.engine, heartbeat_s=0.2, metrics=metrics)
+    assert list(adapters.request(r, keys, "load", "a0", paths["a0"]).values()) == ["ok"]
+    adapters.request(r, keys, "load", "broken", "/nowhere")
+    client = Client(redis_server.url, prefix)
+    rid = client.submit(prompts[0], max_tokens=8, temperature=0, ignore_eos=True, lora="a0")
+    assert [t for c in client.stream(rid, timeout=60) for t in c.token_ids] == want["a0"][0]
+    text = status.render(status.collect(r, keys, "workers"))
+    assert "LoRA adapters: a0; broken failed: adapter 'broken'" in text
+    wait_until(lambda: metrics.registry.get_sample_value(
+        "roseinfer:lora_adapters", {"model_name": "tiny"}) == 1)
+    assert metrics.registry.get_sample_value("roseinfer:lora_swaps_total",
+                                             {"model_name": "tiny"}) >= 1
+    adapters.request(r, keys, "unload", "a0")

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.core.blocks import prompt_hashes
+from roseinfer.core.blocks import prompt_hashes, root_hash
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.protocol import Keys
 from roseinfer.core.errors import ConfigError
@@ -82,6 +82,21 @@ def test_the_router_picks_the_peer_holding_the_longest_prefix(real_redis, prefix
     # A prompt computed whole (prompt_logprobs) gains nothing anywhere; a short one neither.
     assert router(real_redis, prefix).place([("1-0", request(PROMPT, 1)),
                                              ("2-0", request(PROMPT[:BLOCK + 1]))]) == {}
+
+
+def test_an_adapters_prefix_routes_only_that_adapters_requests(real_redis, prefix):
+    """A peer holds PROMPT's blocks as computed under LoRA adapter "sql": a request for
+    "sql" goes there, the base model's request for the same prompt does not."""
+    keys, rooted = Keys(prefix), prompt_hashes(PROMPT, BLOCK, root_hash("sql"))
+    real_redis.sadd(keys.fleet, "a")
+    real_redis.sadd(keys.cached("a"), *rooted[:10])
+    real_redis.lpush(keys.roots("a"), rooted[0])
+    real_redis.set(keys.load("a"), msgpack.packb({"unfinished": 0, "draining": False,
+                                                  "roots": 1, "max_num_seqs": 8}))
+    r = router(real_redis, prefix)
+    sql = SimpleNamespace(prompt=PROMPT, params=SamplingParams(), lora="sql")
+    assert r.place([("1-0", sql)]) == {"1-0": "a"}
+    assert r.place([("2-0", request(PROMPT))]) == {}
 
 
 def test_a_loaded_draining_or_dead_peer_gets_nothing(real_redis, prefix, fleet):

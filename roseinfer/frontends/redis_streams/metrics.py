@@ -71,8 +71,11 @@ class Metrics:
         self.spec_acceptance = metric(Gauge, "spec_decode_draft_acceptance_rate",
                                       "Accepted draft tokens over draft tokens checked, "
                                       "since start.")
+        self.loras = metric(Gauge, "lora_adapters", "LoRA adapters this worker serves.")
+        self.lora_swaps = metric(Counter, "lora_swaps",
+                                 "Adapter slots filled: adapters moved to the GPU.")
         self._seen = {"num_preemptions": 0, "num_drafts": 0, "num_draft_tokens": 0,
-                      "num_accepted_tokens": 0}
+                      "num_accepted_tokens": 0, "num_lora_swaps": 0}
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -81,8 +84,10 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.loras.set(stats.num_loras)
         # The engine counts since it started; each counter takes the increase.
         for name, counter in (("num_preemptions", self.preemptions),
+                              ("num_lora_swaps", self.lora_swaps),
                               ("num_drafts", self.spec_drafts),
                               ("num_draft_tokens", self.spec_draft_tokens),
                               ("num_accepted_tokens", self.spec_accepted)):

@@ -58,6 +58,9 @@ def render(s: dict) -> str:
         lines.append(f"  {w['consumer']:<28} {w['status']:<9} {w['in_flight']:>9} "
                      f"{w['running']:>7} {w['waiting']:>7} {w['kv_cache_usage']:>8.0%} "
                      f"{w['finished']:>8} {w['age_s']:>5.1f}s  {w.get('step', '?')}")
+        if w.get("adapters") or w.get("adapter_errors"):
+            errors = "".join(f"; {n} failed: {e}" for n, e in w.get("adapter_errors", {}).items())
+            lines.append(f"    LoRA adapters: {', '.join(w.get('adapters', [])) or 'none'}{errors}")
     if s["orphans"]:
         lines.append("consumers holding entries without a heartbeat (dead workers; the entries "
                      "are claimed once idle past --claim-idle-ms):")
