@@ -24,7 +24,7 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed_sample)
     engine = llm.engine
-    engine.add_request("cli", prompt, params)
+    engine.add_request("cli", prompt, params, lora=args.lora)
     while engine.has_unfinished():
         for out in engine.step():
             sys.stdout.write(out.new_text)
@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", parents=[engine], help="generate text for one prompt")
     g.add_argument("prompt")
+    g.add_argument("--lora", default=None, metavar="NAME",
+                   help="run with this adapter of --lora-modules (default: the base model)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -2,6 +2,8 @@
 model interleaved, each stream exact; adapters loaded and unloaded while the worker
 runs (P:adapters, `roseinfer lora`'s path); the gateway's model names an adapter,
 /v1/models lists them, and vLLM's load and unload endpoints work."""
+import subprocess
+
 import openai
 import pytest
 import redis
@@ -14,7 +16,7 @@ from tests.models import tiny_llama
 from tests.test_greedy_equality import mixed_prompts
 from tests.test_lora import make_adapter
 
-from .conftest import raw_chunks, wait_until
+from .conftest import raw_chunks, roseinfer_cmd, wait_until
 
 pytest.importorskip("peft")
 NAMES = ["a0", "a1", "a2", "a3"]
@@ -107,9 +109,14 @@ def test_status_and_metrics_show_the_adapters(served, redis_server, start_worker
 
     r, keys = redis.Redis.from_url(redis_server.url), Keys(prefix)
     metrics = Metrics("tiny")
-    start_worker(llm.engine, heartbeat_s=0.2, metrics=metrics)
-    assert list(adapters.request(r, keys, "load", "a0", paths["a0"]).values()) == ["ok"]
-    adapters.request(r, keys, "load", "broken", "/nowhere")
+    worker = start_worker(llm.engine, heartbeat_s=0.2, metrics=metrics)
+    lora = ("lora", "--redis-url", redis_server.url, "--prefix", prefix)
+    done = subprocess.run(roseinfer_cmd(*lora, "load", "a0", paths["a0"]), capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, f"{worker.worker.consumer}: ok\n")
+    failed = subprocess.run(roseinfer_cmd(*lora, "load", "broken", "/nowhere"),
+                            capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1 and "no adapter_config.json" in failed.stdout
     client = Client(redis_server.url, prefix)
     rid = client.submit(prompts[0], max_tokens=8, temperature=0, ignore_eos=True, lora="a0")
     assert [t for c in client.stream(rid, timeout=60) for t in c.token_ids] == want["a0"][0]
