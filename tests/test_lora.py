@@ -123,13 +123,16 @@ def test_n_samples_share_their_adapter(adapters):
     assert [o.token_ids for o in outs] == [want] * 3
 
 
-def test_two_cpu_ranks_are_token_exact(adapters, tmp_path):
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.device_count() >= 2
+                                                else []))
+def test_two_ranks_are_token_exact(adapters, tmp_path, device):
+    """Over gloo, and over NCCL in CUDA graphs where two GPUs are present."""
     base, found = adapters
     base.save_pretrained(tmp_path)
     prompts = mixed_prompts(4, seed=9)
     names = ["all", "attn", None, "rs"]
-    llm = LLM(str(tmp_path), **{**CPU, "tensor_parallel_size": 2, "max_loras": 2,
-                                "decode_steps_min_seqs": 1})
+    llm = LLM(str(tmp_path), **{**CPU, "device": device, "tensor_parallel_size": 2,
+                                "max_loras": 2, "decode_steps_min_seqs": 1})
     try:
         for name, (path, _) in found.items():
             llm.add_lora(name, path)
