@@ -44,7 +44,7 @@ def _run(case, use_triton):
     x, y, a, b, offsets, token_slots, slots = case
     ends = torch.tensor(offsets, dtype=torch.int32, device=x.device)
     y = y.clone()
-    add_lora(y, x, a, b, offsets, ends, LoraBatch.of(token_slots, slots), use_triton=use_triton)
+    add_lora(y, x, a, b, offsets, ends, LoraBatch(token_slots, slots), use_triton=use_triton)
     return y
 
 
@@ -82,10 +82,10 @@ def test_bf16_on_the_gpu_inside_a_graph(tokens):
     x, y, a, b, offsets, token_slots, slots = case
     ends = torch.tensor(offsets, dtype=torch.int32, device="cuda")
     out, slot_buf = y.clone(), token_slots.clone()
-    add_lora(out, x, a, b, offsets, ends, LoraBatch.of(slot_buf, slots))  # compile first
+    add_lora(out, x, a, b, offsets, ends, LoraBatch(slot_buf, slots))  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        add_lora(out, x, a, b, offsets, ends, LoraBatch.of(slot_buf, slots))
+        add_lora(out, x, a, b, offsets, ends, LoraBatch(slot_buf, slots))
     new_slots = token_slots.flip(0)
     slot_buf.copy_(new_slots)
     out.copy_(y)

@@ -65,7 +65,7 @@ def main() -> None:
             floor_us = used * (a[:, 0].numel() + b[:, 0].numel()) * 2 / 4.0e6  # 4 TB/s
             row = {"proj": name, "tokens": tokens, "floor_us": round(floor_us, 2),
                    "gemm_us": round(replay_us(lambda: x @ w.T), 2)}
-            batch = LoraBatch.of(slots, args.slots)
+            batch = LoraBatch(slots, args.slots)
             batch.grouped()  # once per forward in a step: not timed here
             for tiling in DECODE_TILINGS if tokens <= 64 else PROMPT_TILINGS:
                 lora_kernels.TILES = ((1 << 62, tiling),)

@@ -68,7 +68,7 @@ def step_batch(slots: int) -> LoraBatch:
     memo = ctx.attn.memo
     batch = memo.get("lora")
     if batch is None:
-        batch = memo["lora"] = LoraBatch.of(ctx.lora_slots, slots)
+        batch = memo["lora"] = LoraBatch(ctx.lora_slots, slots)
     return batch
 
 

@@ -45,10 +45,6 @@ class LoraBatch:
     _grouped: tuple | None = None
     _rows: list | None = None
 
-    @classmethod
-    def of(cls, slots: torch.Tensor, num_slots: int) -> "LoraBatch":
-        return cls(slots, num_slots)
-
     def grouped(self) -> tuple[torch.Tensor, ...]:
         """(order, slot, start, count): the tokens sorted by slot, then per run of one slot
         in that order its slot (-1: the tokens with none, or past the last run), first
