@@ -104,3 +104,25 @@ def test_triton_with_one_run(tokens, fill):
     case[5] = torch.full_like(case[5], fill)
     want = _reference(*(t.cpu() if torch.is_tensor(t) else t for t in case[:-1]))
     assert torch.allclose(_run(case, True).double().cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_expand_in_the_skinny_linears_launch(tokens):
+    """A small batch's expand runs in the base linear's own kernel (layers/lora.py):
+    x @ w^T plus each token's product, fused q/k/v slices and tokens of no slot."""
+    from roseinfer.layers.lora_kernels import shrink
+    from roseinfer.layers.skinny_linear import skinny_linear
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, _, a, b, offsets, token_slots, slots = _case(tokens, 96, [64, 32, 32], device=device)
+    w = torch.randn(128, 96, generator=torch.Generator().manual_seed(1)).to(device) * 0.1
+    ends = torch.tensor(offsets, dtype=torch.int32, device=device)
+    batch = LoraBatch(token_slots, slots)
+    got = skinny_linear(x, w, None, lora=(shrink(x, a, batch), b, token_slots, ends, 16))
+    cpu = (t.cpu() for t in (x, a, b))
+    x64, a64, b64 = cpu
+    want = _reference(x64, x64.double() @ w.cpu().double().T, a64, b64, offsets,
+                      token_slots.cpu())
+    tol = 2e-2 if device == "cuda" else 1e-4
+    assert torch.allclose(got.double().cpu(), want, atol=tol, rtol=tol)

@@ -107,31 +107,46 @@ def _add_triton(y, x, a, b, offsets, ends, batch: LoraBatch) -> None:
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
+    part = shrink(x, a, batch)
+    tokens, slices, rank = x.shape[0], a.shape[0], a.shape[2]
+    block_n = _tiling(tokens)[3]
+    block_m, pdl = _block_m(tokens), dependent_launch(x.device, tokens)
+    order, run_slot, starts, counts = batch.grouped()
+    runs = run_slot.shape[0]
+    y2 = y.view(-1, y.shape[-1])
+    n_tiles = triton.cdiv(max(offsets[i + 1] - offsets[i] for i in range(slices)), block_n)
+    _expand_kernel[(triton.cdiv(tokens, block_m), n_tiles, slices * runs)](
+        part, b, y2, ends, order, run_slot, counts, starts,
+        rank, runs, part.stride(0), part.stride(1), part.stride(2),
+        b.stride(0), b.stride(1), b.stride(2), y2.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=x.dtype == torch.float32,
+        BLOCK_R=part.shape[3], SPLIT=part.shape[0], PDL=pdl, launch_pdl=pdl)
+
+
+def _tiling(tokens: int) -> tuple[int, int, int, int]:
+    return next(t for most, t in TILES if tokens <= most)
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+    """The shrink's float32 partials [splits, slices, tokens, rank padded to 16 or a power
+    of two]: their sum over splits is x @ a[slice, slot]^T for each token with a slot.
+    ``x``: [tokens, in], unit column stride."""
     tokens, n_in = x.shape
     slices, rank = a.shape[0], a.shape[2]
     block_m, block_r = _block_m(tokens), max(16, triton.next_power_of_2(rank))
-    per_split, max_split, block_k, block_n = next(t for most, t in TILES if tokens <= most)
+    per_split, max_split, block_k, _ = _tiling(tokens)
     split = min(max_split, triton.cdiv(n_in, per_split))
     block_k = min(block_k, triton.next_power_of_2(triton.cdiv(n_in, split)))
     part = torch.empty(split, slices, tokens, block_r, dtype=torch.float32, device=x.device)
     pdl = dependent_launch(x.device, tokens)
-    ieee = x.dtype == torch.float32  # no TF32: float32 models are the exact ones
-    y2 = y.view(-1, y.shape[-1])
-    n_tiles = triton.cdiv(max(offsets[i + 1] - offsets[i] for i in range(slices)), block_n)
-    shared = dict(BLOCK_R=block_r, SPLIT=split, PDL=pdl, launch_pdl=pdl)
     order, run_slot, starts, counts = batch.grouped()
-    runs = run_slot.shape[0]
-    m_tiles = triton.cdiv(tokens, block_m)
-    _shrink_kernel[(m_tiles * split, slices, runs)](
+    _shrink_kernel[(triton.cdiv(tokens, block_m) * split, slices, run_slot.shape[0])](
         x, a, part, order, run_slot, counts, starts,
         n_in, rank, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
         part.stride(0), part.stride(1), part.stride(2), triton.cdiv(n_in, split),
-        BLOCK_M=block_m, BLOCK_K=block_k, IEEE=ieee, **shared)
-    _expand_kernel[(m_tiles, n_tiles, slices * runs)](
-        part, b, y2, ends, order, run_slot, counts, starts,
-        rank, runs, part.stride(0), part.stride(1), part.stride(2),
-        b.stride(0), b.stride(1), b.stride(2), y2.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, **shared)
+        BLOCK_M=block_m, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, BLOCK_R=block_r,
+        SPLIT=split, PDL=pdl, launch_pdl=pdl)
+    return part
 
 
 @kernel

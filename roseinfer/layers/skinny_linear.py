@@ -25,6 +25,7 @@ from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, t
 
 log = logging.getLogger(__name__)
 MAX_ROWS = 16        # one tile of rows
+BLOCK_N = 32         # columns a program owns
 TIMED_ROWS = (1, 4, MAX_ROWS)
 # cuBLAS keeps a shape only where it is this much faster than the kernel, timed alone.
 # Its kernels are not launched as dependents, so in a step they also cost the overlap at
@@ -37,10 +38,16 @@ CUBLAS_MARGIN = 0.02
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w, s_y,
                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, lh_ptr=None, lb_ptr=None, lslot_ptr=None,
+                   lends_ptr=None, l_rank=0, s_lh_split=0, s_lh_slice=0, s_lh_tok=0,
+                   s_lb_slice=0, s_lb_slot=0, s_lb_n=0, LORA: tl.constexpr = False,
+                   LORA_SPLIT: tl.constexpr = 1, LORA_SLICES: tl.constexpr = 1,
+                   LORA_R: tl.constexpr = 16):
     """y = x @ w.T (+ b). SCALED: x and w hold e4m3 values, multiplied as float16 (which
     holds each exactly), and y is scaled by x's row scales ``xs`` and w's column scales
-    ``ws`` (layers/fp8_linear.py)."""
+    ``ws`` (layers/fp8_linear.py). LORA: plus each row's LoRA expand, from the shrink's
+    partials ``lh`` (layers/lora_kernels.py), the slots' B ``lb``, the rows' slots and the
+    slices' first columns ``lends`` (a tile of columns lies in one slice)."""
     wait_for_inputs(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, 16)
@@ -67,8 +74,38 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
             tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if LORA:
+        acc += _lora_expand(lh_ptr, lb_ptr, lslot_ptr, lends_ptr, l_rank, s_lh_split,
+                            s_lh_slice, s_lh_tok, s_lb_slice, s_lb_slot, s_lb_n, rows, row_ok,
+                            cols, col_ok, tl.program_id(0) * BLOCK_N, LORA_SPLIT, LORA_SLICES,
+                            LORA_R)
     tl.store(y_ptr + rows[:, None] * s_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+@_kernel
+def _lora_expand(lh_ptr, lb_ptr, lslot_ptr, lends_ptr, rank, s_lh_split, s_lh_slice, s_lh_tok,
+                 s_lb_slice, s_lb_slot, s_lb_n, rows, row_ok, cols, col_ok, first_col,
+                 SPLIT: tl.constexpr, SLICES: tl.constexpr, R: tl.constexpr):
+    """[16, BLOCK_N]: each row's (sum of the shrink's splits) @ B[slice, its slot]^T over
+    these columns (0 for a row with no slot), rounded as the expand launch rounds it."""
+    s = 0
+    for i in tl.static_range(1, SLICES):
+        s += (first_col >= tl.load(lends_ptr + i)).to(tl.int32)
+    lo = tl.load(lends_ptr + s)
+    slot = tl.load(lslot_ptr + rows, mask=row_ok, other=-1)
+    use = slot >= 0
+    r = tl.arange(0, R)
+    h = tl.zeros([16, R], dtype=tl.float32)
+    for split in tl.static_range(SPLIT):
+        h += tl.load(lh_ptr + split * s_lh_split + s * s_lh_slice + rows[:, None] * s_lh_tok
+                     + r[None, :], mask=use[:, None], other=0.0)
+    bt = tl.load(lb_ptr + s * s_lb_slice + slot.to(tl.int64)[:, None, None] * s_lb_slot
+                 + (cols - lo)[None, :, None] * s_lb_n + r[None, None, :],
+                 mask=use[:, None, None] & col_ok[None, :, None] & (r < rank)[None, None, :],
+                 other=0.0)
+    h = h.to(bt.dtype).to(tl.float32)
+    return tl.sum(bt.to(tl.float32) * h[:, None, :], axis=2)
 
 
 def launch_config(k: int, element_size: int) -> tuple[int, int, int, int]:
@@ -76,13 +113,17 @@ def launch_config(k: int, element_size: int) -> tuple[int, int, int, int]:
     K blocks of 1 KiB (512 halves), 4 stages deep on rows of 4096 and more, 3 on
     shorter ones."""
     stages = 4 if k >= 4096 else 3
-    return 32, min(1024 // element_size, max(16, triton.next_power_of_2(k))), 4, stages
+    return BLOCK_N, min(1024 // element_size, max(16, triton.next_power_of_2(k))), 4, stages
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                  config: tuple[int, int, int, int] | None = None,
+                  lora: tuple | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D ``x`` of at most MAX_ROWS rows (unit
-    column strides); float32 accumulation, output in x's dtype."""
+    column strides); float32 accumulation, output in x's dtype. ``lora``: (the shrink's
+    partials, the slots' B, the rows' slots, the slices' bounds, rank) to add each row's
+    LoRA product in the same launch (layers/lora.py); every slice bound a multiple of
+    BLOCK_N."""
     m, k = x.shape
     n = weight.shape[0]
     bn, bk, warps, stages = config or launch_config(k, x.element_size())
@@ -93,8 +134,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays float32
-        SCALED=False, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        SCALED=False, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        **(_lora_args(*lora) if lora is not None else {}))
     return y
+
+
+def _lora_args(part, b, slots, ends, rank) -> dict:
+    return dict(lh_ptr=part, lb_ptr=b, lslot_ptr=slots, lends_ptr=ends, l_rank=rank,
+                s_lh_split=part.stride(0), s_lh_slice=part.stride(1), s_lh_tok=part.stride(2),
+                s_lb_slice=b.stride(0), s_lb_slot=b.stride(1), s_lb_n=b.stride(2), LORA=True,
+                LORA_SPLIT=part.shape[0], LORA_SLICES=part.shape[1], LORA_R=part.shape[3])
 
 
 class SkinnyLinear(nn.Linear):
