@@ -27,12 +27,6 @@ redis)
       --no-enable-prefix-cache --max-model-len 4096 --request-rate 10 --client-procs 2 \
       --warmup-runs 1 --repeat-runs 1 --no-progress --output-json "$OUT/redis-$kind.json" \
       > "$OUT/redis-$kind.log" 2>&1 || tail -5 "$OUT/redis-$kind.log"
-    python3 - "$OUT/redis-$kind.json" $kind <<'PY'
-import json, sys
-s = json.load(open(sys.argv[1]))["roseinfer"]["summary"]
-d = lambda k: f"{s[k]['p50']:.2f} / {s[k]['p99']:.2f}"
-print(f"{sys.argv[2]}: {s['output_throughput']:,.0f} tok/s, TTFT {d('ttft_ms')} ms, "
-      f"TPOT {d('tpot_ms')} ms (p50 / p99)")
-PY
+    python3 docs/bench/serve_summary.py "$OUT/redis-$kind.json" $kind
   done ;;
 esac; done

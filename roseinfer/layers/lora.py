@@ -31,6 +31,8 @@ class LoraLinear(nn.Module):
         device = next(base.parameters()).device
         self.base, self.slots = base, slots
         self.offsets = tuple(itertools.accumulate(widths, initial=0))
+        # a skinny kernel's tile of columns lies in one slice (skinny_linear's lora)
+        self.skinny_aligned = all(o % SKINNY_BLOCK_N == 0 for o in self.offsets)
         self.register_buffer("ends", torch.tensor(self.offsets, dtype=torch.int32, device=device))
         self.register_buffer("lora_a", torch.zeros(len(widths), slots, rank, base.in_features,
                                                    dtype=dtype, device=device))
@@ -49,9 +51,8 @@ class LoraLinear(nn.Module):
 
     def _in_skinny(self, x: torch.Tensor) -> bool:
         base = self.base
-        return (isinstance(base, SkinnyLinear) and x.dim() == 2 and x.stride(1) == 1
-                and x.shape[0] <= base.max_rows and x.is_cuda
-                and all(o % SKINNY_BLOCK_N == 0 for o in self.offsets))
+        return (self.skinny_aligned and isinstance(base, SkinnyLinear) and x.dim() == 2
+                and x.stride(1) == 1 and x.shape[0] <= base.max_rows and x.is_cuda)
 
     def pack(self, parts: list, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """An adapter's ``parts`` (per slice: (A, B), or None for no product) as one

@@ -150,6 +150,15 @@ def shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
 
 
 @kernel
+def _run_tile(order_ptr, start_ptr, run, tile, count, BLOCK_M: tl.constexpr):
+    """Tile ``tile`` of run ``run``'s tokens (int64 indices) and which of them are real."""
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < count
+    tok = tl.load(order_ptr + tl.load(start_ptr + run) + m, mask=m_ok, other=0).to(tl.int64)
+    return tok, m_ok
+
+
+@kernel
 def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, slot_ptr, count_ptr, start_ptr,
                    n_in, rank, s_x, s_a_slice, s_a_slot, s_a_r,
                    s_p_split, s_p_slice, s_p_tok, k_per_split,
@@ -162,9 +171,7 @@ def _shrink_kernel(x_ptr, a_ptr, part_ptr, order_ptr, slot_ptr, count_ptr, start
     slot = tl.load(slot_ptr + run)
     count = tl.load(count_ptr + run)
     if slot >= 0 and tile * BLOCK_M < count:
-        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = m < count
-        tok = tl.load(order_ptr + tl.load(start_ptr + run) + m, mask=m_ok, other=0).to(tl.int64)
+        tok, m_ok = _run_tile(order_ptr, start_ptr, run, tile, count, BLOCK_M)
         r = tl.arange(0, BLOCK_R)
         a_base = a_ptr + s * s_a_slice + slot.to(tl.int64) * s_a_slot
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -197,9 +204,7 @@ def _expand_kernel(part_ptr, b_ptr, y_ptr, ends_ptr, order_ptr, slot_ptr, count_
     lo = tl.load(ends_ptr + s)
     width = tl.load(ends_ptr + s + 1) - lo
     if slot >= 0 and tile * BLOCK_M < count and n_tile * BLOCK_N < width:
-        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = m < count
-        tok = tl.load(order_ptr + tl.load(start_ptr + run) + m, mask=m_ok, other=0).to(tl.int64)
+        tok, m_ok = _run_tile(order_ptr, start_ptr, run, tile, count, BLOCK_M)
         r = tl.arange(0, BLOCK_R)
         n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < width
