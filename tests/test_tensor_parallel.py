@@ -66,6 +66,27 @@ def test_two_ranks_equal_transformers_greedy(saved, name, device):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_one_shot_all_reduce_gives_nccl_tokens_in_bf16(saved, name, monkeypatch):
+    """bf16 (the one-shot path takes half types only): its sums are NCCL's bit for bit at
+    two ranks, and its fused add-norm is the add-norm kernel's, so every token is."""
+    path, _ = saved[name]
+    prompts = mixed_prompts(8, seed=5)
+    config = {**CPU, "decode_steps_min_seqs": 1, "device": "cuda", "dtype": "bfloat16",
+              "tensor_parallel_size": 2, "max_num_batched_tokens": 16}
+    tokens = []
+    for one_shot in ("1", "0"):
+        monkeypatch.setenv("ROSEINFER_ONE_SHOT", one_shot)
+        llm = LLM(path, **config)
+        try:
+            assert (tp._one_shot is not None) == (one_shot == "1")
+            tokens.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
+        finally:
+            llm.engine.close()
+    assert tokens[0] == tokens[1]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefix_cache_and_preemption_over_two_ranks(saved, device):
     path, hf = saved["llama"]

@@ -1,8 +1,11 @@
-"""All-reduce latency on the GPUs of one host: NCCL against torch's symmetric-memory
-one-shot all-reduce (with the copy into its buffer that a layer's output needs), each
-call captured 50 times in a CUDA graph, as a decode step captures them, for messages
-of 8 KB to 8 MB of bf16. Checks each sum against the exact one. The one-shot path
-needs no NVLink multicast, which stays off. Usage: python3 docs/bench/all_reduce.py [N]"""
+"""All-reduce latency on the GPUs of one host, for messages of 1 to 64 rows of 4,096
+bf16 values (8 KB to 512 KB) and beyond: NCCL against core/one_shot.py's one-shot
+kernel, alone and with the residual add and RMSNorm that follow a row-parallel layer
+(NCCL then layers/fused.py's add-norm, against the one fused kernel). Each call is
+captured 50 times in a CUDA graph, as a decode step captures them; each result is
+checked against the sum in rank order first (and NCCL's, bit for bit, at two ranks).
+NVLink multicast stays off. Usage: python3 docs/bench/all_reduce.py [N] [--json F]"""
+import json
 import os
 import socket
 import statistics
@@ -12,8 +15,9 @@ import torch
 import torch.multiprocessing as mp
 
 CALLS = 50
-SIZES = [8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20,
-         2 << 20, 4 << 20, 8 << 20]
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+HIDDEN = 4096
+EPS = 1e-5
 
 
 def replay_us(graph) -> float:
@@ -29,64 +33,85 @@ def replay_us(graph) -> float:
     return statistics.median(times[3:])
 
 
-def captured(fn, x):
+def captured(fn):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
-            fn(x)
+            fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(CALLS):
-            fn(x)
+            fn()
     return g
 
 
-def rank_main(rank, size, port):
+def rank_main(rank, size, port, out):
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
+
+    from roseinfer.core import tp
+    from roseinfer.layers.fused import add_rms_norm
 
     device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, device_id=device)
-    name = dist.group.WORLD.group_name
-    buf = symm_mem.empty(max(SIZES) // 2, dtype=torch.bfloat16, device=device)
-    symm_mem.rendezvous(buf, name)
+    tp.init(rank, size, port, device)
+    one = tp._one_shot
+    gen = torch.Generator(device).manual_seed(rank)
+    weight = torch.rand(HIDDEN, device=device, generator=gen).bfloat16()
+    rows_out = []
+    for rows in ROWS:
+        part = torch.randn(rows, HIDDEN, device=device, generator=gen).bfloat16()
+        residual = torch.randn(rows, HIDDEN, device=device, generator=gen).bfloat16()
+        parts = [torch.empty_like(part) for _ in range(size)]
+        dist.all_gather(parts, part)
+        want = parts[0]
+        for p in parts[1:]:
+            want = (want.float() + p.float()).bfloat16()
+        nccl = part.clone()
+        dist.all_reduce(nccl)
 
-    def one_shot(x):
-        staged = buf[:x.numel()]
-        staged.copy_(x)
-        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", name, out=x)
+        def nccl_norm():
+            x = part.clone()
+            dist.all_reduce(x)
+            return add_rms_norm(x, residual, weight, EPS)
 
-    rows = []
-    for nbytes in SIZES:
-        n = nbytes // 2
-        data = (torch.arange(n, device=device) % 5 + rank).to(torch.bfloat16)
-        exact = sum(torch.arange(n, device=device) % 5 + r for r in range(size)).to(torch.bfloat16)
-        result = []
-        for fn in (dist.all_reduce, one_shot):
-            x = data.clone()
-            fn(x)  # once, outside a graph: the sum it gives
-            ok = torch.equal(x, exact)
-            result += [replay_us(captured(fn, data.clone())), ok]
-        rows.append((nbytes, *result))
+        row = {"rows": rows, "bytes": part.numel() * 2,
+               "nccl_us": replay_us(captured(lambda: dist.all_reduce(part.clone()))),
+               "nccl_norm_us": replay_us(captured(nccl_norm))}
+        if one.fits(part):
+            row["one_shot_exact"] = torch.equal(one(part), want) and (
+                size > 2 or torch.equal(one(part), nccl))
+            row["fused_exact"] = all(torch.equal(a, b) for a, b in zip(
+                one(part, residual, weight, EPS), add_rms_norm(want, residual, weight, EPS)))
+            row["one_shot_us"] = replay_us(captured(lambda: one(part)))
+            row["fused_us"] = replay_us(captured(lambda: one(part, residual, weight, EPS)))
+        rows_out.append(row)
     if rank == 0:
         print(f"all-reduce over {size} GPUs ({torch.cuda.get_device_name(0)}), us per call "
-              f"(median of 10 graph replays of {CALLS} calls)")
-        print(f"{'bytes':>9} {'nccl':>8} {'symm':>8} {'nccl/symm':>9}  sums exact (nccl, symm)")
-        for nbytes, nccl, nok, symm, sok in rows:
-            print(f"{nbytes:9d} {nccl:8.2f} {symm:8.2f} {nccl / symm:9.2f}  {nok}, {sok}")
+              f"(median of 10 graph replays of {CALLS} calls); rows of {HIDDEN} bf16")
+        print(f"{'rows':>5} {'bytes':>8} {'nccl':>7} {'one-shot':>8} {'nccl+norm':>9} "
+              f"{'fused':>7}  exact (one-shot, fused)")
+        for r in rows_out:
+            print(f"{r['rows']:5d} {r['bytes']:8d} {r['nccl_us']:7.2f} "
+                  f"{r.get('one_shot_us', float('nan')):8.2f} {r['nccl_norm_us']:9.2f} "
+                  f"{r.get('fused_us', float('nan')):7.2f}  {r.get('one_shot_exact')}, "
+                  f"{r.get('fused_exact')}")
+        if out:
+            with open(out, "w") as f:
+                json.dump({"gpus": size, "device": torch.cuda.get_device_name(0),
+                           "rows": rows_out}, f, indent=1)
+    del one  # its peers' mappings close while the peers are alive
     dist.barrier()
-    dist.destroy_process_group()
+    tp.destroy()
 
 
 if __name__ == "__main__":
-    size = int(sys.argv[1]) if len(sys.argv) > 1 else torch.cuda.device_count()
+    args = sys.argv[1:]
+    out = args[args.index("--json") + 1] if "--json" in args else None
+    size = int(args[0]) if args and args[0] != "--json" else torch.cuda.device_count()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(size, port), nprocs=size)
+    mp.spawn(rank_main, args=(size, port, out), nprocs=size)

@@ -78,7 +78,7 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
           f"GPU busy {gpu * 1e3:.3f} ms of it ({floor / gpu:.0%}); "
           f"{sum(c for _, c, _ in rows) / n:.0f} kernels per step")
     nccl = sum(us for name, _, us in rows
-               if "nccl" in name.lower() or "all_reduce" in name.lower()) / n / 1e6
+               if any(s in name.lower() for s in ("nccl", "all_reduce", "one_shot"))) / n / 1e6
     if tp > 1:
         print(f"all-reduce and gather kernels {nccl * 1e3:.3f} ms per step "
               f"({nccl / per_step:.0%} of the step)")

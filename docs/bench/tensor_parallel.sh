@@ -4,7 +4,9 @@
 # at TP N (batch 1, decode profile with the all-reduces' share, batch 64, and through
 # Redis at 10 requests/s). Random bf16 weights built on the GPUs.
 # Usage: OUT=dir [LIMIT_S=400] [TP70=2] bash docs/bench/tensor_parallel.sh [tests]
-#        [8b | 8b-b1 8b-b64] [8b-serve] [70b]
+#        [allreduce] [8b | 8b-b1 8b-b64] [8b-serve] [70b]
+# (the TP 2 rows of the 8B shape run twice: with the one-shot all-reduce, and with
+# ROSEINFER_ONE_SHOT=0, every all-reduce through NCCL)
 # (LIMIT_S: the seconds each command, or each test, may take before it is stopped with its
 # stacks printed)
 source "$(dirname "$0")/bench_env.sh"
@@ -62,13 +64,20 @@ tests)
 8b|8b-b1)
   run 8b-tp1-b1 --model llama3-8b-random --tensor-parallel-size 1 $(shape 1 128)
   run 8b-tp2-b1 --model llama3-8b-random --tensor-parallel-size 2 $(shape 1 128)
+  ROSEINFER_ONE_SHOT=0 run 8b-tp2-nccl-b1 --model llama3-8b-random --tensor-parallel-size 2 \
+    $(shape 1 128)
   PEAK_TB_S=$PEAK guarded $limit "$OUT/8b-tp2-b1-profile.txt" \
     python3 docs/bench/decode_profile.py llama3-8b-random:1:512:2
   echo "profile: $(grep -E "decode step|all-reduce" "$OUT/8b-tp2-b1-profile.txt" | tr '\n' ';')"
   [ $part = 8b ] || continue ;&
 8b-b64)
   run 8b-tp1-b64 --model llama3-8b-random --tensor-parallel-size 1 $(shape 64 256)
-  run 8b-tp2-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256) ;;
+  run 8b-tp2-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256)
+  ROSEINFER_ONE_SHOT=0 run 8b-tp2-nccl-b64 --model llama3-8b-random --tensor-parallel-size 2 \
+    $(shape 64 256) ;;
+allreduce)
+  guarded $limit "$OUT/all_reduce.txt" python3 docs/bench/all_reduce.py --json "$OUT/all_reduce.json"
+  cat "$OUT/all_reduce.txt" ;;
 8b-serve)
   guarded $limit "$OUT/8b-tp2-serve.log" python3 -m roseinfer.cli bench serve \
     --model llama3-8b-random --tensor-parallel-size 2 --dtype bfloat16 --dataset random \

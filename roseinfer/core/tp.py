@@ -28,6 +28,7 @@ class Group:
 
 
 _group = Group()
+_one_shot = None  # core/one_shot.py's buffers, on GPUs that map each other's memory
 
 
 def group() -> Group:
@@ -46,6 +47,10 @@ def init(rank: int, size: int, port: int, device: torch.device,
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             device_id=device if device.type == "cuda" else None)
     _group = Group(rank, size, device, expert_parallel)
+    if device.type == "cuda":
+        from roseinfer.core import one_shot
+        global _one_shot
+        _one_shot = one_shot.connect(rank, size, device)
 
 
 @contextmanager
@@ -67,8 +72,8 @@ def destroy(finish: bool = True) -> None:
     off (not when a rank is gone: its peers' collectives would never complete)."""
     import torch.distributed as dist
 
-    global _group
-    device, _group = _group.device, Group()
+    global _group, _one_shot
+    device, _group, _one_shot = _group.device, Group(), None
     if not dist.is_initialized():
         return
     if device.type == "cuda":
@@ -80,13 +85,23 @@ def destroy(finish: bool = True) -> None:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks, in place (row-parallel layers' partial results). NCCL on GPUs:
-    torch's symmetric-memory one-shot all-reduce measured no faster inside a step
-    (docs/benchmarks.md, "Tensor parallelism")."""
+    """The sum over ranks (row-parallel layers' partial results): decode-sized messages
+    on GPUs through core/one_shot.py, the rest through NCCL (in place) or gloo."""
     if _group.size > 1:
+        if _one_shot is not None and _one_shot.fits(x):
+            return _one_shot(x)
         import torch.distributed as dist
         dist.all_reduce(x)
     return x
+
+
+def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
+                        weight: torch.Tensor, eps: float):
+    """(rms_norm(s + residual), s + residual) for s the sum over ranks of ``x``, in one
+    kernel (core/one_shot.py) where the one-shot path takes ``x``; else None."""
+    if _group.size > 1 and _one_shot is not None and _one_shot.fits(x):
+        return _one_shot(x, residual, weight, eps)
+    return None
 
 
 def gather_columns(x: torch.Tensor) -> torch.Tensor:

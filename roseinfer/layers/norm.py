@@ -14,8 +14,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """(norm(x + residual), x + residual) in one kernel on CUDA."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                summed: bool = True):
+        """(norm(x + residual), x + residual) in one kernel on CUDA. ``summed=False``:
+        ``x`` is this rank's part of a row-parallel layer's output, summed over the
+        ranks first: in the same kernel where the one-shot all-reduce takes it."""
+        if not summed:
+            fused = tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = tp.all_reduce(x)
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 

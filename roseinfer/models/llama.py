@@ -79,16 +79,20 @@ class LlamaLayer(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
-        """Returns (this layer's output, the residual stream before it is added):
-        the next norm adds the two in one fused kernel."""
-        h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self_attention(self, h, positions), residual)
-        return tp.all_reduce(self.mlp(h)), residual
+        """Returns (this rank's part of the layer's output, the residual stream before it
+        is added): the next norm sums the ranks' parts, adds the two and normalises, in
+        one kernel where it can. ``x`` is whole (the embedding's) when residual is None."""
+        h, residual = self.input_layernorm(x, residual, summed=residual is None)
+        attn = self_attention(self, h, positions, summed=False)
+        h, residual = self.post_attention_layernorm(attn, residual, summed=False)
+        return self.mlp(h), residual
 
 
-def self_attention(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def self_attention(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor,
+                   summed: bool = True) -> torch.Tensor:
     """The attention block of a layer built as LlamaLayer's (``qkv_proj``, q/k norms where
-    ``qk_norm``, ``clip_qkv``, ``rotary``, ``attn``, ``o_proj``), summed over the ranks."""
+    ``qk_norm``, ``clip_qkv``, ``rotary``, ``attn``, ``o_proj``), summed over the ranks
+    (``summed=False``: this rank's part)."""
     q, k, v = layer.qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
     if layer.qk_norm:
         q = layer.q_norm(q.reshape(-1, layer.q_norm.weight.numel()))[0].view(-1, layer.q_size)
@@ -96,7 +100,8 @@ def self_attention(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor) -
     if layer.clip_qkv is not None:
         q, k, v = (t.clamp(-layer.clip_qkv, layer.clip_qkv) for t in (q, k, v))
     q, k = layer.rotary(positions, q, k, layer.h, layer.hkv)  # in place, inside qkv
-    return tp.all_reduce(layer.o_proj(layer.attn(q, k, v)))
+    out = layer.o_proj(layer.attn(q, k, v))
+    return tp.all_reduce(out) if summed else out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,7 +145,8 @@ class LlamaForCausalLM(nn.Module):
         return self.final_norm(x, residual)
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.norm(x, residual)[0]
+        """The last layer's output (this rank's part) through the final norm."""
+        return self.norm(x, residual, summed=False)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
