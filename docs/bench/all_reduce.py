@@ -18,6 +18,7 @@ CALLS = 50
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 HIDDEN = 4096
 EPS = 1e-5
+WARPS = [int(w) for w in os.environ.get("WARPS", "").split(",") if w]
 
 
 def replay_us(graph) -> float:
@@ -85,6 +86,11 @@ def rank_main(rank, size, port, out):
                 one(part, residual, weight, EPS), add_rms_norm(want, residual, weight, EPS)))
             row["one_shot_us"] = replay_us(captured(lambda: one(part)))
             row["fused_us"] = replay_us(captured(lambda: one(part, residual, weight, EPS)))
+            for warps in WARPS:  # the launch's warps against the default's
+                one.warps = warps
+                row[f"fused_w{warps}_us"] = replay_us(
+                    captured(lambda: one(part, residual, weight, EPS)))
+            one.warps = None
         rows_out.append(row)
     if rank == 0:
         print(f"all-reduce over {size} GPUs ({torch.cuda.get_device_name(0)}), us per call "

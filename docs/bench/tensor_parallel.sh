@@ -4,7 +4,7 @@
 # at TP N (batch 1, decode profile with the all-reduces' share, batch 64, and through
 # Redis at 10 requests/s). Random bf16 weights built on the GPUs.
 # Usage: OUT=dir [LIMIT_S=400] [TP70=2] bash docs/bench/tensor_parallel.sh [tests]
-#        [allreduce] [8b | 8b-b1 8b-b64] [8b-serve] [70b]
+#        [allreduce] [8b | 8b-b1 8b-b64] [8b-serve] [70b] [mixtral]
 # (the TP 2 rows of the 8B shape run twice: with the one-shot all-reduce, and with
 # ROSEINFER_ONE_SHOT=0, every all-reduce through NCCL)
 # (LIMIT_S: the seconds each command, or each test, may take before it is stopped with its
@@ -75,6 +75,10 @@ tests)
   run 8b-tp2-b64 --model llama3-8b-random --tensor-parallel-size 2 $(shape 64 256)
   ROSEINFER_ONE_SHOT=0 run 8b-tp2-nccl-b64 --model llama3-8b-random --tensor-parallel-size 2 \
     $(shape 64 256) ;;
+mixtral)
+  run mixtral-tp2-b1 --model mixtral-8x7b-random --tensor-parallel-size 2 $(shape 1 128)
+  run mixtral-tp2-b64 --model mixtral-8x7b-random --tensor-parallel-size 2 $(shape 64 256) \
+    --repeat-runs 1 ;;
 allreduce)
   guarded $limit "$OUT/all_reduce.txt" python3 docs/bench/all_reduce.py --json "$OUT/all_reduce.json"
   cat "$OUT/all_reduce.txt" ;;

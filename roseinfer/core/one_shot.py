@@ -24,7 +24,8 @@ import os
 
 import torch
 
-from roseinfer.core.triton_support import kernel, tl, triton
+from roseinfer.core.triton_support import dependent_launch, kernel, tl, triton, \
+    wait_for_inputs
 
 log = logging.getLogger(__name__)
 MAX_BYTES = 512 << 10      # a rank's message: 64 rows of 4,096 bf16 values
@@ -36,10 +37,12 @@ SLOTS = 3
 def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, peers_ptr, buf_ptr,
                      count_ptr, s_x, s_res, s_out, s_res_out, n_cols, region, eps,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MARK: tl.constexpr):
+                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MARK: tl.constexpr,
+                     PDL: tl.constexpr):
     """One program a row: send it, clear a share of the last call's slot, sum the
     ranks' rows as they arrive; then (NORM) add the residual and RMS-normalise as
     layers/fused.py's add-norm does, or store the sum."""
+    wait_for_inputs(PDL)  # every kernel before, the last call's included, has finished
     row = tl.program_id(0)
     rows = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
@@ -93,6 +96,7 @@ class OneShot:
         self.region = buf.shape[-1]
         self.peers = torch.tensor(peers, dtype=torch.int64, device=buf.device)
         self.count = torch.zeros(3, dtype=torch.int32, device=buf.device)
+        self.warps = None  # by the row's width (a bench may set it)
 
     @staticmethod
     def buffer(world: int, device) -> torch.Tensor:
@@ -114,12 +118,13 @@ class OneShot:
         res = residual.reshape(-1, cols) if has_res else rows
         res_out = torch.empty_like(rows) if has_res else out
         block = triton.next_power_of_2(cols)
+        pdl = dependent_launch(x.device, n)
         _one_shot_kernel[(n,)](
             rows, res, weight if norm else rows, out, res_out, self.peers, self.buf,
             self.count, rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
             cols, self.region, eps, RANK=self.rank, WORLD=self.world, BLOCK=block,
-            NORM=norm, HAS_RESIDUAL=has_res, MARK=MARKER,
-            num_warps=min(max(block // 256, 1), 16))
+            NORM=norm, HAS_RESIDUAL=has_res, MARK=MARKER, PDL=pdl,
+            num_warps=self.warps or min(max(block // 256, 1), 16), launch_pdl=pdl)
         if not norm:
             return out.view(x.shape)
         return out.view(x.shape), (res_out if has_res else rows).view(x.shape)
