@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 
-from roseinfer.core.one_shot import MARKER, OneShot
+from roseinfer.core.one_shot import MARKER, MAX_ROWS, ROW, OneShot
 from roseinfer.core.triton_support import triton_usable
 from roseinfer.layers.fused import add_rms_norm
 
@@ -31,25 +31,37 @@ def ranks_sum(parts: list[torch.Tensor]) -> torch.Tensor:
 @interpreted
 @pytest.mark.parametrize("world", [2, 3])
 def test_sums_and_norms_over_calls_of_every_size(world):
+    """Each call's results against the sum in rank order, and every rank's whole buffer
+    against what the design says it holds after the call: each row of each source in
+    the row's current slot, its last slot cleared."""
     gen = torch.Generator().manual_seed(world)
-    region = 96
-    bufs = [OneShot.buffer(world, "cpu")[:, :, :region].contiguous() for _ in range(world)]
+    bufs = [OneShot.buffer(world, "cpu") for _ in range(world)]
     ranks = [OneShot(r, world, bufs[r], [b.data_ptr() for b in bufs]) for r in range(world)]
-    weight = torch.rand(16, generator=gen).half()
-    # more rows, then fewer: a call must clear all that the one before it wrote
-    for call, (rows, norm) in enumerate([(5, True), (1, False), (6, True), (2, True),
-                                         (4, False)]):
-        slot = call % 3
-        parts = [torch.randn(rows, 16, generator=gen).half() for _ in range(world)]
+    expected = OneShot.buffer(world, "cpu").view(3, world, MAX_ROWS, ROW)
+    calls, widths = [0] * MAX_ROWS, [0] * MAX_ROWS  # per row, as the kernel counts
+    # more rows, then fewer; a wider row, then narrower: each row clears what it wrote
+    for rows, cols, norm in [(5, 16, True), (1, 32, False), (6, 16, True), (2, 16, True),
+                             (4, 32, False), (6, 16, True)]:
+        weight = torch.rand(cols, generator=gen).half()
+        parts = [torch.randn(rows, cols, generator=gen).half() for _ in range(world)]
         parts[0][0, 0] = -0.0  # sent as +0.0: the marker never travels
-        residual = torch.randn(rows, 16, generator=gen).half()
+        sent = [p.view(torch.int16).masked_fill(p.view(torch.int16) == MARKER, 0)
+                for p in parts]
+        residual = torch.randn(rows, cols, generator=gen).half()
+        for i in range(rows):
+            expected[(calls[i] + 2) % 3, :, i, :widths[i]] = MARKER
+            for src in range(world):
+                expected[calls[i] % 3, src, i, :cols] = sent[src][i]
         got = []
         for r in range(world):
+            # the ranks that run after this one: their stores, as they will land
+            view = bufs[r].view(3, world, MAX_ROWS, ROW)
             for later in range(r + 1, world):
-                bits = parts[later].view(torch.int16).reshape(-1).clone()
-                bits[bits == MARKER] = 0
-                bufs[r][slot, later, :bits.numel()] = bits
+                for i in range(rows):
+                    view[calls[i] % 3, later, i, :cols] = sent[later][i]
             got.append(ranks[r](parts[r], residual, weight, EPS) if norm else ranks[r](parts[r]))
+        for i in range(rows):
+            calls[i], widths[i] = calls[i] + 1, cols
         total = ranks_sum(parts)
         for r in range(world):
             if norm:
@@ -57,20 +69,16 @@ def test_sums_and_norms_over_calls_of_every_size(world):
                 assert torch.equal(got[r][0], want[0]) and torch.equal(got[r][1], want[1])
             else:
                 assert torch.equal(got[r], total)
-            # what this call stored, on every rank; the last call's slot cleared
-            for src in range(world):
-                bits = parts[src].view(torch.int16).reshape(-1)
-                assert torch.equal(bufs[r][slot, src, :rows * 16],
-                                   torch.where(bits == MARKER, 0, bits))
-            assert bufs[r][(call + 2) % 3].eq(MARKER).all()
+            assert torch.equal(bufs[r].view_as(expected), expected)
 
 
-def test_fits_only_half_types_within_the_region():
-    one = OneShot(0, 2, OneShot.buffer(2, "cpu")[:, :, :64].contiguous(), [0, 0])
-    assert one.fits(torch.zeros(4, 16, dtype=torch.bfloat16))
-    assert not one.fits(torch.zeros(5, 16, dtype=torch.bfloat16))  # past the region
-    assert not one.fits(torch.zeros(2, 16))                          # float32: NCCL
-    assert not one.fits(torch.zeros(16, 4, dtype=torch.float16).t())
+def test_fits_half_types_of_at_most_max_rows_and_row_wide():
+    half = torch.bfloat16
+    assert OneShot.fits(torch.zeros(MAX_ROWS, ROW, dtype=half))
+    assert not OneShot.fits(torch.zeros(MAX_ROWS + 1, 16, dtype=half))
+    assert not OneShot.fits(torch.zeros(1, ROW + 1, dtype=half))
+    assert not OneShot.fits(torch.zeros(2, 16))                        # float32: NCCL
+    assert not OneShot.fits(torch.zeros(16, 4, dtype=torch.float16).t())
 
 
 # ---------------------------------------------------------------- several GPUs

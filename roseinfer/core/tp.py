@@ -73,12 +73,15 @@ def destroy(finish: bool = True) -> None:
     import torch.distributed as dist
 
     global _group, _one_shot
-    device, _group, _one_shot = _group.device, Group(), None
+    device, _group, one, _one_shot = _group.device, Group(), _one_shot, None
     if not dist.is_initialized():
         return
     if device.type == "cuda":
         if finish:
             torch.cuda.synchronize(device)
+        if one is not None:
+            from roseinfer.core.one_shot import disconnect
+            disconnect(one)
         dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()
