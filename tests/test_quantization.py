@@ -14,7 +14,7 @@ from roseinfer.core.errors import ConfigError
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.plugins import PluginRegistry, UnknownPluginError
 from roseinfer.models.quantization import quantizable
-from tests.models import hf_greedy, tiny_family, tiny_llama
+from tests.models import hf_greedy, per_expert_checkpoint, tiny_family, tiny_llama
 
 FP8 = torch.float8_e4m3fn
 STEPS = 12
@@ -87,20 +87,48 @@ def test_fp8_at_load_equals_transformers_on_fp8_values(hf, tmp_path):
     assert ours(path) != want, "fp8 must change this model's output, or the test shows nothing"
 
 
-def test_fp8_experts_at_load_equal_transformers_on_fp8_values(tmp_path):
-    """A mixture of experts: dense linears W8A8 as above; the experts' rows rounded to FP8
-    with their inputs kept (W8A16); the router (not an nn.Linear in transformers) whole."""
-    hf = tiny_family("qwen3_moe")
-    path = save(hf, tmp_path)
+def fp8_moe_reference(hf):
+    """``hf`` as its FP8 run computes: dense linears W8A8 as above; the experts' rows
+    rounded to FP8 with their inputs kept (W8A16); the router (not an nn.Linear in
+    transformers) whole."""
     model = fp8_activations(with_weights(hf, lambda _, w: fp8_round(w)))
     with torch.no_grad():
         for layer in model.model.layers:
             experts = getattr(layer.mlp, "experts", None)
             for w in (experts.gate_up_proj, experts.down_proj) if experts else ():
                 w.copy_(fp8_round(w))
-    want = reference(model)
+    return reference(model)
+
+
+def test_fp8_experts_at_load_equal_transformers_on_fp8_values(tmp_path):
+    hf = tiny_family("qwen3_moe")
+    path = save(hf, tmp_path)
+    want = fp8_moe_reference(hf)
     assert ours(path, quantization="fp8") == want
     assert ours(path) != want, "fp8 must change this model's output, or the test shows nothing"
+
+
+def test_compressed_tensors_fp8_experts_equal_transformers_on_their_values(tmp_path):
+    """A mixture of experts as llm-compressor's FP8_DYNAMIC checkpoints hold it: one tensor
+    per expert and projection, each in e4m3 with a scale per row beside it, as the
+    attention's are; the routers and the LM head whole (its ``ignore``)."""
+    hf = tiny_family("qwen3_moe")
+    tensors = per_expert_checkpoint(hf)
+    for key in {f"{n}.weight" for n, _ in linears(hf)} | {k for k in tensors if ".experts." in k}:
+        w = tensors[key].float()
+        scale = w.abs().amax(dim=1, keepdim=True) / 448
+        tensors[key], tensors[key + "_scale"] = (w / scale).to(FP8), scale
+    scheme = {"targets": ["Linear"],
+              "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                          "symmetric": True, "dynamic": False},
+              "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                    "symmetric": True, "dynamic": True}}
+    path = save(hf, tmp_path, tensors, quantization_config={
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": scheme}, "ignore": ["lm_head", "re:.*mlp.gate$"]})
+    want = fp8_moe_reference(hf)
+    assert ours(path) == want
+    assert reference(hf) != want, "FP8 must change this model's output, or the test shows nothing"
 
 
 def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
