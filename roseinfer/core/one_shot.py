@@ -28,6 +28,7 @@ import torch
 
 from roseinfer.core.triton_support import dependent_launch, kernel, tl, triton, \
     wait_for_inputs
+from roseinfer.layers.fused import add_residual, rms_norm_row
 
 log = logging.getLogger(__name__)
 MAX_ROWS = 64              # rows a message may have
@@ -75,13 +76,9 @@ def _one_shot_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, peers_ptr, buf
         h = (h + got.to(x.dtype, bitcast=True).to(tl.float32)).to(x.dtype).to(tl.float32)
     if NORM:
         if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * s_res + cols, mask=mask, other=0.0).to(tl.float32)
-            h = (h + r).to(x.dtype)
-            tl.store(res_out_ptr + row * s_res_out + cols, h, mask=mask)
-            h = h.to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-        h = (h * rstd).to(x.dtype).to(tl.float32) * w  # LlamaRMSNorm's rounding
+            h = add_residual(h, res_ptr + row * s_res, res_out_ptr + row * s_res_out, cols,
+                             mask).to(tl.float32)
+        h = rms_norm_row(h, w_ptr, out_ptr, cols, mask, n_cols, eps, False)
     tl.store(out_ptr + row * s_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(count_ptr + 2 * row, call + 1)
     tl.store(count_ptr + 2 * row + 1, n_cols)

@@ -41,6 +41,31 @@ def _warps(block: int) -> int:
 
 
 # ---------------------------------------------------------------- residual add + norm
+@_kernel
+def add_residual(h, res_row, res_out_row, cols, mask):
+    """``h`` + the residual row, stored to ``res_out_row`` and returned in its dtype: the
+    unfused model stores x + residual in the activation dtype and normalises what it
+    stored, so the sum is rounded the same way."""
+    r = tl.load(res_row + cols, mask=mask, other=0.0)
+    h = (h.to(tl.float32) + r.to(tl.float32)).to(res_out_row.dtype.element_ty)
+    tl.store(res_out_row + cols, h, mask=mask)
+    return h
+
+
+@_kernel
+def rms_norm_row(h, w_ptr, out_ptr, cols, mask, n_cols, eps, UNIT_OFFSET: tl.constexpr):
+    """The RMSNorm of a float32 row ``h``, in float32, rounded as transformers' norms
+    round (``out_ptr``'s dtype)."""
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+    if UNIT_OFFSET:  # Gemma's: scaled by 1 + weight in float32, rounded once
+        y = h * rstd * (1.0 + w)
+    else:
+        # LlamaRMSNorm rounds the normalised value to the activation dtype before
+        # scaling by the weight.
+        y = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    return y
+
 
 @_kernel
 def _add_norm_kernel(
@@ -60,22 +85,12 @@ def _add_norm_kernel(
         xw = tl.load(xw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         h = (hx * tl.rsqrt(tl.sum(hx * hx, axis=0) / n_cols + eps) * (1.0 + xw)).to(h.dtype)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * s_res + cols, mask=mask, other=0.0)
-        # The unfused model stores x + residual in the activation dtype and
-        # normalises what it stored: round the sum the same way.
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * s_res_out + cols, h, mask=mask)
+        h = add_residual(h, res_ptr + row * s_res, res_out_ptr + row * s_res_out, cols, mask)
     h = h.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if IS_RMS:
-        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-        if UNIT_OFFSET:  # Gemma's: scaled by 1 + weight in float32, rounded once
-            y = h * rstd * (1.0 + w)
-        else:
-            # LlamaRMSNorm rounds the normalised value to the activation dtype
-            # before scaling by the weight.
-            y = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        y = rms_norm_row(h, w_ptr, out_ptr, cols, mask, n_cols, eps, UNIT_OFFSET)
     else:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         mean = tl.sum(h, axis=0) / n_cols
         centered = tl.where(mask, h - mean, 0.0)  # padding lanes must not add to the variance
         rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)

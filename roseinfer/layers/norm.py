@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual) in one kernel on CUDA. ``summed=False``:
         ``x`` is this rank's part of a row-parallel layer's output, summed over the
         ranks first: in the same kernel where the one-shot all-reduce takes it."""
-        if not summed:
+        if not summed and tp.group().size > 1:  # a group of one has nothing to sum
             fused = tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
