@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from roseinfer.layers import fp8_linear
 from roseinfer.layers.fp8_linear import MAX_ROWS, fp8_gemm, fp8_skinny_linear, runs_here
 from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale, fp8_rows
 
@@ -55,11 +56,16 @@ def test_skinny_kernel_is_the_w8a8_product(shape, rows, bias):
 
 
 @pytest.mark.skipif(not CUDA, reason="FP8 GEMMs need a GPU with FP8")
-@pytest.mark.parametrize("rows", [17, 64, 300])
-def test_scaled_mm_path_is_the_w8a8_product(rows):
+@pytest.mark.parametrize("library", ["fbgemm", "torch"])
+@pytest.mark.parametrize("rows,k", [(1, 14336), (17, 4096), (64, 4096), (300, 4096)])
+def test_gemm_paths_are_the_w8a8_product(rows, k, library, monkeypatch):
+    if library == "torch":
+        monkeypatch.setattr(fp8_linear, "fbgemm_rowwise", lambda: None)
+    elif fp8_linear.fbgemm_rowwise() is None:
+        pytest.skip("fbgemm-gpu-genai is not installed for this torch")
     gen = torch.Generator().manual_seed(rows)
-    q, scale = weights(4096, 4096, gen)
-    x = torch.randn(rows, 4096, generator=gen)
+    q, scale = weights(4096, k, gen)
+    x = torch.randn(rows, k, generator=gen)
     want = reference(x.bfloat16(), q, scale, None)
     out = fp8_gemm(x.bfloat16().cuda(), q.cuda(), scale.cuda())
     assert out.dtype == torch.bfloat16

@@ -6,7 +6,12 @@ step), groups of 128 with a zero point each (as AWQ's):
 - torch's int4 kernel (tinygemm, ``torch._weight_int4pack_mm``, its own packing);
 - GemLite's kernels, each type, with its H100-tuned configs;
 - ``unpack`` then cuBLAS: the weight de-quantized into a bf16 buffer, then multiplied;
-- ``layer``: layers/int4_linear.py's Int4Linear as it runs (its choice per row count).
+- ``layer``: layers/int4_linear.py's Int4Linear as it runs (its choice per row count);
+- fbgemm-gpu-genai's CUTLASS mixed-input GEMMs, where it imports: ``bf16i4bf16_shuffled``
+  (the weight pre-shuffled for the tensor cores) and ``bf16i4bf16_rowwise``.
+
+Each candidate's error against the float64 product is recorded at 16 rows (``err_*``:
+the largest difference over the largest magnitude).
 
 Usage: python docs/bench/int4_linears.py [--output-json F]
 """
@@ -15,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from linear_shapes import COPIES, per_call, run
-from roseinfer.layers.int4_linear import quantize, to_int4, unpack
+from roseinfer.layers.int4_linear import dequantize, quantize, to_int4, unpack
 from roseinfer.layers.skinny_linear import skinny_linear
 
 GROUP = 128
@@ -32,6 +37,33 @@ def tinygemm_pack(levels, scales, zeros):
     return packed, table.transpose(0, 1).contiguous()
 
 
+def fbgemm_ops():
+    """fbgemm-gpu-genai's ops, or None where it does not import."""
+    try:
+        import fbgemm_gpu.experimental.gen_ai  # noqa: F401 registers torch.ops.fbgemm
+        return torch.ops.fbgemm
+    except Exception as e:  # not installed, or built for another torch
+        print("fbgemm-gpu-genai:", repr(e)[:200])
+        return None
+
+
+def fbgemm_pack(ops, levels, scales, zeros):
+    """fbgemm's (levels - 8) two a byte along K, and its per-group scale and zero
+    [K / group, N]: it computes (level - 8) * scale + zero, zero = (8 - our zero) * scale."""
+    q = (levels - 8).to(torch.int8)
+    packed = (q[:, ::2] & 0xF) | (q[:, 1::2] << 4)
+    scale = scales.t().contiguous()
+    zero = ((8 - zeros) * scales).t().contiguous()
+    shuffled, shuffled_scale = ops.preshuffle_i4(packed, scale.bfloat16())
+    return {"rowwise": (packed, scale, zero),
+            "shuffled": (shuffled, shuffled_scale, zero.bfloat16())}
+
+
+def error(y, x, levels, scales, zeros):
+    ref = x.double() @ dequantize(levels, scales, zeros).double().t()
+    return ((y.double() - ref).abs().max() / ref.abs().max()).item()
+
+
 def measure(n, k):
     gen = torch.Generator("cuda").manual_seed(n + k)
     w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
@@ -45,6 +77,8 @@ def measure(n, k):
         layers.append(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
         to_int4(layers[-1], lv, s, z)
     lite = [m.kernel for m in layers]
+    ops = fbgemm_ops()
+    fb = [fbgemm_pack(ops, lv, s, z) for (lv, s), z in zip(quants, zeros)] if ops else []
     row = {"int4_floor_ms": (n * k / 2 + 2 * n * k / GROUP * 2) / 3.0e9,
            "bf16_floor_ms": 2 * n * k / 3.0e9}
     buf = torch.empty(k, n, device="cuda", dtype=torch.bfloat16)
@@ -63,6 +97,17 @@ def measure(n, k):
             row[f"unpack_cublas_m{m}"] = per_call(
                 lambda i: x @ unpack(lite[i].W_q, lite[i].scales, lite[i].zeros, buf))
         row[f"layer_m{m}"] = per_call(lambda i: layers[i](x))
+        for kind in ("shuffled", "rowwise") if fb else ():
+            op = getattr(ops, f"bf16i4bf16_{kind}")
+            try:
+                row[f"fbgemm_{kind}_m{m}"] = per_call(lambda i: op(x, *fb[i][kind]))
+                if m == 16:
+                    row[f"err_fbgemm_{kind}"] = error(op(x, *fb[0][kind]), x, *quants[0],
+                                                      zeros[0])
+            except Exception as e:
+                row[f"fbgemm_{kind}_m{m}"] = repr(e)[:120]
+        if m == 16:
+            row["err_layer"] = error(layers[0](x), x, *quants[0], zeros[0])
     row["unpack_only"] = per_call(lambda i: unpack(lite[i].W_q, lite[i].scales, lite[i].zeros,
                                                    buf))
     return row

@@ -23,9 +23,12 @@ def run(measure_shape) -> None:
     all to --output-json."""
     p = argparse.ArgumentParser()
     p.add_argument("--output-json")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of "
+                   + ", ".join(SHAPES))
     args = p.parse_args()
     out = {}
-    for name, (n, k) in SHAPES.items():
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
         out[name] = row = measure_shape(n, k)
         print(name, json.dumps({a: (round(b, 4) if isinstance(b, float) else b)
                                 for a, b in row.items()}), flush=True)

@@ -3,13 +3,20 @@ stay FP8 in GPU memory, and each input row is rounded to e4m3 with a scale of it
 (its largest magnitude maps to 448), as vLLM's ``--quantization fp8`` computes.
 
 The input's rows are rounded first, by one small kernel (one program a row). Decode rows
-(at most MAX_ROWS) then go through the skinny kernel (layers/skinny_linear.py), which
-streams each weight once, here at one byte a value, multiplying e4m3 tiles on the
-tensor cores (as float16, which holds every e4m3 value exactly). More rows go to ``torch._scaled_mm`` (FP8 tensor-core GEMM
-with row-wise scales). On the CPU the model keeps the de-quantized values
+(at most MAX_ROWS, of at most SKINNY_MAX_K inputs) then go through the skinny kernel
+(layers/skinny_linear.py), which streams each weight once, here at one byte a value,
+multiplying e4m3 tiles on the tensor cores (as float16, which holds every e4m3 value
+exactly). Other products go to an FP8 tensor-core GEMM with row-wise scales:
+fbgemm-gpu-genai's CUTLASS ``f8f8bf16_rowwise`` where it is installed for this torch,
+else ``torch._scaled_mm``. docs/kernels.md ("FP8 linears") has the candidates measured per
+shape and row count. On the CPU the model keeps the de-quantized values
 (plugins/quantization/fp8.py): the same products, up to the order of the sums.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
+
+import functools
+import importlib.util
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +28,9 @@ from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
 from roseinfer.layers.skinny_linear import _skinny_kernel
 
 MAX_ROWS = 16  # one tile of rows
+# Llama-3-8B's down (14,336 inputs): 29 us through fbgemm's GEMM at 1-16 rows against the
+# skinny kernel's 30-35 on the H200; the 4,096-input shapes 10-15 % faster skinny
+SKINNY_MAX_K = 8192
 
 
 @_kernel
@@ -80,13 +90,32 @@ def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     return y
 
 
+@functools.cache
+def fbgemm_rowwise():
+    """fbgemm-gpu-genai's row-wise FP8 GEMM, or None where it is not installed or does
+    not load with this torch (each fbgemm release is built for one torch release)."""
+    if importlib.util.find_spec("fbgemm_gpu") is None:
+        return None
+    try:
+        import fbgemm_gpu.experimental.gen_ai  # noqa: F401 registers torch.ops.fbgemm
+        return torch.ops.fbgemm.f8f8bf16_rowwise
+    except Exception as e:  # a build for another torch: its library fails to load
+        logging.getLogger(__name__).warning(
+            "fbgemm-gpu-genai does not load (%s); FP8 GEMMs go through torch._scaled_mm. "
+            "Install the fbgemm-gpu-genai release built for torch %s.", e, torch.__version__)
+        return None
+
+
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product for any number of rows: ``torch._scaled_mm`` (row-wise scales
-    give bfloat16 out), else through the de-quantized weight (a slow path, for other
-    dtypes)."""
+    """The same product for any number of rows: fbgemm's or torch's FP8 GEMM (row-wise
+    scales give bfloat16 out), else through the de-quantized weight (a slow path, for
+    other dtypes)."""
     q, scale = quantize_rows(x)
-    if x.dtype == torch.bfloat16:
+    rowwise = fbgemm_rowwise() if x.dtype == torch.bfloat16 else None
+    if rowwise is not None:
+        y = rowwise(q, weight, scale.view(-1), weight_scale)
+    elif x.dtype == torch.bfloat16:
         y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1),
                              out_dtype=x.dtype)
     else:
@@ -105,7 +134,8 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= MAX_ROWS and rows.stride(1) == 1:
+        if rows.shape[0] <= MAX_ROWS and rows.shape[1] <= SKINNY_MAX_K and \
+                rows.stride(1) == 1:
             y = fp8_skinny_linear(rows, self.weight, self.weight_scale, self.bias)
         else:
             y = fp8_gemm(rows.contiguous(), self.weight, self.weight_scale, self.bias)
@@ -121,3 +151,4 @@ def to_fp8(linear: nn.Linear) -> None:
     linear.weight = nn.Parameter(q, requires_grad=False)
     linear.register_buffer("weight_scale", scale)
     linear.__class__ = Fp8Linear
+    fbgemm_rowwise()  # loaded now, not first inside a CUDA graph's capture
