@@ -3,9 +3,8 @@ ms per call over 8 copies of the weight in one CUDA graph (weights from memory, 
 decode step), each call including its activations' rounding to e4m3:
 
 - bf16: cuBLAS, and the skinny kernel up to 16 rows (the unquantized baseline);
-- ``layer``: layers/fp8_linear.py's Fp8Linear as it runs (its choice per shape and row
-  count), and ``skinny``: its skinny kernel (the rows rounded in the kernel) at up to 16
-  rows on every shape;
+- ``layer``: layers/fp8_linear.py's Fp8Linear as it runs (the skinny FP8 kernel up to
+  16 rows, ``torch._scaled_mm`` beyond);
 - ``quantize``: its rounding of the rows alone;
 - fbgemm-gpu-genai's, where it imports: ``f8f8bf16_rowwise`` (CUTLASS, row-wise scales,
   its launch settings picked per shape) and ``fp8fp8bf16_fast_gemv``, each after its
@@ -22,7 +21,7 @@ from torch import nn
 
 from int4_linears import fbgemm_ops
 from linear_shapes import COPIES, per_call, run
-from roseinfer.layers.fp8_linear import fp8_skinny_linear, quantize_rows, to_fp8
+from roseinfer.layers.fp8_linear import quantize_rows, to_fp8
 from roseinfer.layers.skinny_linear import skinny_linear
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)
@@ -52,9 +51,6 @@ def measure(n, k):
         if m <= 16:
             row[f"bf16_skinny_m{m}"] = per_call(lambda i: skinny_linear(x, w16[i]))
         row[f"layer_m{m}"] = per_call(lambda i: layers[i](x))
-        if m <= 16:
-            row[f"skinny_m{m}"] = per_call(lambda i: fp8_skinny_linear(
-                x, layers[i].weight, layers[i].weight_scale))
         row[f"quantize_m{m}"] = per_call(lambda i: quantize_rows(x))
         for name, fn in candidates.items():
             if name == "fbgemm_gemv" and m > 16:

@@ -2,11 +2,11 @@
 stay FP8 in GPU memory, and each input row is rounded to e4m3 with a scale of its own
 (its largest magnitude maps to 448), as vLLM's ``--quantization fp8`` computes.
 
-Decode rows (at most MAX_ROWS, of at most SKINNY_MAX_K inputs) go through the skinny
-kernel (layers/skinny_linear.py), which rounds the rows itself and streams each weight
-once, here at one byte a value, multiplying e4m3 tiles on the tensor cores (as float16,
-which holds every e4m3 value exactly). Other products round the rows first, by one small
-kernel (one program a row), then go to an FP8 tensor-core GEMM with row-wise scales:
+The input's rows are rounded first, by one small kernel (one program a row). Decode rows
+(at most MAX_ROWS, of at most SKINNY_MAX_K inputs) then go through the skinny kernel
+(layers/skinny_linear.py), which streams each weight once, here at one byte a value,
+multiplying e4m3 tiles on the tensor cores (as float16, which holds every e4m3 value
+exactly). Other products go to an FP8 tensor-core GEMM with row-wise scales:
 fbgemm-gpu-genai's CUTLASS ``f8f8bf16_rowwise`` where it is installed for this torch,
 else ``torch._scaled_mm``. docs/kernels.md ("FP8 linears") has the candidates measured per
 shape and row count. On the CPU the model keeps the de-quantized values
@@ -79,11 +79,12 @@ def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     n = weight.shape[0]
     block_n, block_k, warps, stages = config or CONFIG
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    q, scale = quantize_rows(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device, m)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight_scale, y, weight_scale, m, n, k,
-        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        q, weight, bias if bias is not None else weight_scale, y, scale, weight_scale, m, n, k,
+        q.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION="tf32",
         SCALED=True, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y

@@ -35,7 +35,7 @@ CUBLAS_MARGIN = 0.02
 
 
 @_kernel
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, s_x, s_w, s_y,
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w, s_y,
                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
                    PDL: tl.constexpr, lh_ptr=None, lb_ptr=None, lslot_ptr=None,
@@ -43,10 +43,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, s_x, s_w, s_y,
                    s_lb_slice=0, s_lb_slot=0, s_lb_n=0, LORA: tl.constexpr = False,
                    LORA_SPLIT: tl.constexpr = 1, LORA_SLICES: tl.constexpr = 1,
                    LORA_R: tl.constexpr = 16):
-    """y = x @ w.T (+ b). SCALED: w holds e4m3 values with column scales ``ws``, and x's
-    rows are rounded to e4m3 here, each with a scale of its own, exactly as
-    layers/fp8_linear.py's ``quantize_rows`` rounds them (one launch where that made two);
-    both are multiplied as float16 (which holds each e4m3 value exactly). LORA: plus each row's LoRA expand, from the shrink's
+    """y = x @ w.T (+ b). SCALED: x and w hold e4m3 values, multiplied as float16 (which
+    holds each exactly), and y is scaled by x's row scales ``xs`` and w's column scales
+    ``ws`` (layers/fp8_linear.py). LORA: plus each row's LoRA expand, from the shrink's
     partials ``lh`` (layers/lora_kernels.py), the slots' B ``lb``, the rows' slots and the
     slices' first columns ``lends`` (a tile of columns lies in one slice)."""
     wait_for_inputs(PDL)
@@ -55,14 +54,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, s_x, s_w, s_y,
     ks = tl.arange(0, BLOCK_K)
     col_ok, row_ok = cols < N, rows < M
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    if SCALED:  # each row's largest magnitude first: the scale that maps it to 448
-        amax = tl.zeros([16], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            x = tl.load(x_ptr + rows[:, None] * s_x + k[None, :],
-                        mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        x_scale = tl.maximum(amax / 448.0, 1e-12)
     for k0 in range(0, K, BLOCK_K):
         # Addresses rebuilt from k0 each pass: 1.1-1.3x faster on the H100 than
         # advancing pointers, whose loop Triton pipelines worse.
@@ -76,11 +67,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, s_x, s_w, s_y,
             w = tl.load(w_at, mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
             x = tl.load(x_at, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         if SCALED:
-            x = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0)
-            x, w = x.to(tl.float8e4nv).to(tl.float16), w.to(tl.float16)
+            x, w = x.to(tl.float16), w.to(tl.float16)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if SCALED:
-        acc *= x_scale[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        acc *= tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None] * \
+            tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if LORA:
@@ -139,7 +130,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device, m)
     _skinny_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, y, weight, m, n, k,
+        x, weight, bias if bias is not None else weight, y, weight, weight, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays float32
