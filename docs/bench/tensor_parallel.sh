@@ -4,7 +4,7 @@
 # at TP N (batch 1, decode profile with the all-reduces' share, batch 64, and through
 # Redis at 10 requests/s). Random bf16 weights built on the GPUs.
 # Usage: OUT=dir [LIMIT_S=400] [TP70=2] bash docs/bench/tensor_parallel.sh [tests]
-#        [allreduce] [8b | 8b-b1 8b-b64] [8b-serve] [70b] [mixtral]
+#        [allreduce] [8b | 8b-b1 8b-b64] [8b-serve] [70b | 70b-b1 70b-more] [mixtral]
 # (the TP 2 rows of the 8B shape run twice: with the one-shot all-reduce, and with
 # ROSEINFER_ONE_SHOT=0, every all-reduce through NCCL)
 # (LIMIT_S: the seconds each command, or each test, may take before it is stopped with its
@@ -89,10 +89,13 @@ allreduce)
     --output-len 128 --ignore-eos --no-progress --warmup-runs 0 --repeat-runs 1 \
     --output-json "$OUT/8b-tp2-serve.json"
   echo "8b serve: $(grep -E '│ completion tok/s|│ TTFT|│ TPOT' "$OUT/8b-tp2-serve.log" | tr -s ' │' ' ' | tr '\n' ';')" ;;
-70b)
+70b|70b-b1)
   n=${TP70:-2}
   run 70b-tp$n-b1 --model llama3-70b-random --tensor-parallel-size $n $(shape 1 64) \
     --repeat-runs 1
+  [ $part = 70b ] || continue ;&
+70b-more)
+  n=${TP70:-2}
   PEAK_TB_S=$PEAK guarded $limit "$OUT/70b-tp$n-profile.txt" \
     python3 docs/bench/decode_profile.py llama3-70b-random:1:512:$n
   grep -E "decode step|all-reduce" "$OUT/70b-tp$n-profile.txt"
