@@ -7,8 +7,8 @@ step), groups of 128 with a zero point each (as AWQ's):
 - GemLite's kernels, each type, with its H100-tuned configs;
 - ``unpack`` then cuBLAS: the weight de-quantized into a bf16 buffer, then multiplied;
 - ``layer``: layers/int4_linear.py's Int4Linear as it runs (its choice per row count);
-- fbgemm-gpu-genai's CUTLASS mixed-input GEMMs, where it imports: ``bf16i4bf16_shuffled``
-  (the weight pre-shuffled for the tensor cores) and ``bf16i4bf16_rowwise``.
+- fbgemm-gpu-genai's CUTLASS mixed-input GEMM, where it imports: ``bf16i4bf16_shuffled``
+  (the weight pre-shuffled for the tensor cores).
 
 Each candidate's error against the float64 product is recorded at 16 rows (``err_*``:
 the largest difference over the largest magnitude).
@@ -48,15 +48,14 @@ def fbgemm_ops():
 
 
 def fbgemm_pack(ops, levels, scales, zeros):
-    """fbgemm's (levels - 8) two a byte along K, and its per-group scale and zero
-    [K / group, N]: it computes (level - 8) * scale + zero, zero = (8 - our zero) * scale."""
+    """fbgemm's (levels - 8) two a byte along K, pre-shuffled, and its per-group scale and
+    zero [K / group, N]: it computes (level - 8) * scale + zero, zero = (8 - our zero) *
+    scale."""
     q = (levels - 8).to(torch.int8)
     packed = (q[:, ::2] & 0xF) | (q[:, 1::2] << 4)
-    scale = scales.t().contiguous()
-    zero = ((8 - zeros) * scales).t().contiguous()
-    shuffled, shuffled_scale = ops.preshuffle_i4(packed, scale.bfloat16())
-    return {"rowwise": (packed, scale, zero),
-            "shuffled": (shuffled, shuffled_scale, zero.bfloat16())}
+    zero = ((8 - zeros) * scales).t().contiguous().bfloat16()
+    shuffled, shuffled_scale = ops.preshuffle_i4(packed, scales.t().contiguous().bfloat16())
+    return shuffled, shuffled_scale, zero
 
 
 def error(y, x, levels, scales, zeros):
@@ -97,15 +96,11 @@ def measure(n, k):
             row[f"unpack_cublas_m{m}"] = per_call(
                 lambda i: x @ unpack(lite[i].W_q, lite[i].scales, lite[i].zeros, buf))
         row[f"layer_m{m}"] = per_call(lambda i: layers[i](x))
-        for kind in ("shuffled", "rowwise") if fb else ():
-            op = getattr(ops, f"bf16i4bf16_{kind}")
-            try:
-                row[f"fbgemm_{kind}_m{m}"] = per_call(lambda i: op(x, *fb[i][kind]))
-                if m == 16:
-                    row[f"err_fbgemm_{kind}"] = error(op(x, *fb[0][kind]), x, *quants[0],
-                                                      zeros[0])
-            except Exception as e:
-                row[f"fbgemm_{kind}_m{m}"] = repr(e)[:120]
+        if fb:
+            op = ops.bf16i4bf16_shuffled
+            row[f"fbgemm_shuffled_m{m}"] = per_call(lambda i: op(x, *fb[i]))
+            if m == 16:
+                row["err_fbgemm_shuffled"] = error(op(x, *fb[0]), x, *quants[0], zeros[0])
         if m == 16:
             row["err_layer"] = error(layers[0](x), x, *quants[0], zeros[0])
     row["unpack_only"] = per_call(lambda i: unpack(lite[i].W_q, lite[i].scales, lite[i].zeros,
