@@ -8,7 +8,9 @@ step), groups of 128 with a zero point each (as AWQ's):
 - ``unpack`` then cuBLAS: the weight de-quantized into a bf16 buffer, then multiplied;
 - ``layer``: layers/int4_linear.py's Int4Linear as it runs (its choice per row count);
 - fbgemm-gpu-genai's CUTLASS mixed-input GEMM, where it imports: ``bf16i4bf16_shuffled``
-  (the weight pre-shuffled for the tensor cores).
+  (the weight pre-shuffled for the tensor cores);
+- optimum-quanto's Marlin kernel, where it imports (built with nvcc at its first call):
+  float16 activations only, so each call includes x's cast to float16 and y's back.
 
 Each candidate's error against the float64 product is recorded at 16 rows (``err_*``:
 the largest difference over the largest magnitude).
@@ -58,6 +60,34 @@ def fbgemm_pack(ops, levels, scales, zeros):
     return shuffled, shuffled_scale, zero
 
 
+def quanto_marlin():
+    """optimum-quanto's Marlin packing and permutation, with its CUDA ops registered, or
+    None where it does not import."""
+    try:
+        import optimum.quanto.library.extensions.cuda  # noqa: F401 registers torch.ops.quanto
+        from optimum.quanto.tensor.weights.marlin.int4.packed import pack
+        from optimum.quanto.tensor.weights.marlin.permutations import marlin_permute
+        return pack, marlin_permute
+    except Exception as e:  # not installed
+        print("optimum-quanto:", repr(e)[:200])
+        return None
+
+
+def marlin_pack(quanto, levels, scales, zeros):
+    """Marlin's words of the levels, and its permuted float16 scales and shifts [K /
+    group, N] (it computes level * scale + shift, shift = -zero * scale), and a
+    workspace."""
+    pack, permute = quanto
+    shift = -(zeros * scales)
+    return (pack(levels.to(torch.uint8)), permute(scales.t().contiguous().half()),
+            permute(shift.t().contiguous().half()),
+            torch.zeros(levels.shape[0] // 128 * 16, dtype=torch.int32, device=levels.device))
+
+
+def marlin(x, packed):
+    return torch.ops.quanto.gemm_f16i4_marlin(x.half(), *packed).to(x.dtype)
+
+
 def error(y, x, levels, scales, zeros):
     ref = x.double() @ dequantize(levels, scales, zeros).double().t()
     return ((y.double() - ref).abs().max() / ref.abs().max()).item()
@@ -78,6 +108,8 @@ def measure(n, k):
     lite = [m.kernel for m in layers]
     ops = fbgemm_ops()
     fb = [fbgemm_pack(ops, lv, s, z) for (lv, s), z in zip(quants, zeros)] if ops else []
+    quanto = quanto_marlin()
+    mq = [marlin_pack(quanto, lv, s, z) for (lv, s), z in zip(quants, zeros)] if quanto else []
     row = {"int4_floor_ms": (n * k / 2 + 2 * n * k / GROUP * 2) / 3.0e9,
            "bf16_floor_ms": 2 * n * k / 3.0e9}
     buf = torch.empty(k, n, device="cuda", dtype=torch.bfloat16)
@@ -101,6 +133,10 @@ def measure(n, k):
             row[f"fbgemm_shuffled_m{m}"] = per_call(lambda i: op(x, *fb[i]))
             if m == 16:
                 row["err_fbgemm_shuffled"] = error(op(x, *fb[0]), x, *quants[0], zeros[0])
+        if mq:
+            row[f"marlin_m{m}"] = per_call(lambda i: marlin(x, mq[i]))
+            if m == 16:
+                row["err_marlin"] = error(marlin(x, mq[0]), x, *quants[0], zeros[0])
         if m == 16:
             row["err_layer"] = error(layers[0](x), x, *quants[0], zeros[0])
     row["unpack_only"] = per_call(lambda i: unpack(lite[i].W_q, lite[i].scales, lite[i].zeros,
