@@ -7,8 +7,8 @@ The input's rows are rounded first, by one small kernel (one program a row). Dec
 (layers/skinny_linear.py), which streams each weight once, here at one byte a value,
 multiplying e4m3 tiles on the tensor cores (as float16, which holds every e4m3 value
 exactly). Other products go to an FP8 tensor-core GEMM with row-wise scales:
-fbgemm-gpu-genai's CUTLASS ``f8f8bf16_rowwise`` where it is installed for this torch,
-else ``torch._scaled_mm``. docs/kernels.md ("FP8 linears") has the candidates measured per
+fbgemm-gpu-genai's CUTLASS ``f8f8bf16_rowwise`` on Hopper GPUs where it is installed for
+this torch, else ``torch._scaled_mm``. docs/kernels.md ("FP8 linears") has the candidates measured per
 shape and row count. On the CPU the model keeps the de-quantized values
 (plugins/quantization/fp8.py): the same products, up to the order of the sums.
 """
@@ -25,7 +25,7 @@ from torch import nn
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     wait_for_inputs
 from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
-from roseinfer.layers.skinny_linear import _skinny_kernel
+from roseinfer.layers.skinny_linear import _skinny_kernel, measured_on
 
 MAX_ROWS = 16  # one tile of rows
 # Llama-3-8B's down (14,336 inputs): 29 us through fbgemm's GEMM at 1-16 rows against the
@@ -91,10 +91,11 @@ def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
 
 @functools.cache
-def fbgemm_rowwise():
-    """fbgemm-gpu-genai's row-wise FP8 GEMM, or None where it is not installed or does
-    not load with this torch (each fbgemm release is built for one torch release)."""
-    if importlib.util.find_spec("fbgemm_gpu") is None:
+def fbgemm_rowwise(device: torch.device):
+    """fbgemm-gpu-genai's row-wise FP8 GEMM on this device: on Hopper GPUs, where it was
+    measured (its CUTLASS kernels are built for them); None elsewhere, or where it is not
+    installed or does not load with this torch (each release is built for one torch)."""
+    if not measured_on(device) or importlib.util.find_spec("fbgemm_gpu") is None:
         return None
     try:
         import fbgemm_gpu.experimental.gen_ai  # noqa: F401 registers torch.ops.fbgemm
@@ -112,7 +113,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     scales give bfloat16 out), else through the de-quantized weight (a slow path, for
     other dtypes)."""
     q, scale = quantize_rows(x)
-    rowwise = fbgemm_rowwise() if x.dtype == torch.bfloat16 else None
+    rowwise = fbgemm_rowwise(x.device) if x.dtype == torch.bfloat16 else None
     if rowwise is not None:
         y = rowwise(q, weight, scale.view(-1), weight_scale)
     elif x.dtype == torch.bfloat16:
@@ -151,4 +152,4 @@ def to_fp8(linear: nn.Linear) -> None:
     linear.weight = nn.Parameter(q, requires_grad=False)
     linear.register_buffer("weight_scale", scale)
     linear.__class__ = Fp8Linear
-    fbgemm_rowwise()  # loaded now, not first inside a CUDA graph's capture
+    fbgemm_rowwise(q.device)  # loaded now, not first inside a CUDA graph's capture
