@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from linear_shapes import COPIES, per_call, run
+from roseinfer.layers.fp8_linear import fbgemm_rowwise
 from roseinfer.layers.int4_linear import dequantize, quantize, to_int4, unpack
 from roseinfer.layers.skinny_linear import skinny_linear
 
@@ -40,13 +41,9 @@ def tinygemm_pack(levels, scales, zeros):
 
 
 def fbgemm_ops():
-    """fbgemm-gpu-genai's ops, or None where it does not import."""
-    try:
-        import fbgemm_gpu.experimental.gen_ai  # noqa: F401 registers torch.ops.fbgemm
-        return torch.ops.fbgemm
-    except Exception as e:  # not installed, or built for another torch
-        print("fbgemm-gpu-genai:", repr(e)[:200])
-        return None
+    """fbgemm-gpu-genai's ops, loaded as the FP8 layer loads them, or None where they
+    do not load here."""
+    return torch.ops.fbgemm if fbgemm_rowwise(torch.device("cuda")) else None
 
 
 def fbgemm_pack(ops, levels, scales, zeros):
@@ -93,13 +90,20 @@ def error(y, x, levels, scales, zeros):
     return ((y.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def measure(n, k):
+def weights(n, k):
+    """The generator that made them (the inputs come from it next), COPIES random bf16
+    weights [n, k], their levels and scales, and a zero per group (4-11, as AWQ's)."""
     gen = torch.Generator("cuda").manual_seed(n + k)
     w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
            for _ in range(COPIES)]
     quants = [quantize(w, GROUP) for w in w16]
     zeros = [torch.randint(4, 12, s.shape, device="cuda", generator=gen).float()
              for _, s in quants]
+    return gen, w16, quants, zeros
+
+
+def measure(n, k):
+    gen, w16, quants, zeros = weights(n, k)
     tiny = [tinygemm_pack(lv, s, z) for (lv, s), z in zip(quants, zeros)]
     layers = []
     for (lv, s), z in zip(quants, zeros):

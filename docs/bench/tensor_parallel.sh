@@ -53,6 +53,7 @@ run() {  # name, flags
     "$(grep -o "reaches .* of it" "$OUT/$1.log" | tail -1)"
 }
 shape() { echo "--input-len 512 --num-requests $1 --max-num-seqs $1 --max-new-tokens $2"; }
+n=${TP70:-2}  # the 70B shape's ranks
 for part in ${@:-tests 8b 70b}; do case $part in
 tests)
   # -v names each test as it starts; pytest-timeout prints the stacks of a case that runs
@@ -90,12 +91,10 @@ allreduce)
     --output-json "$OUT/8b-tp2-serve.json"
   echo "8b serve: $(grep -E '│ completion tok/s|│ TTFT|│ TPOT' "$OUT/8b-tp2-serve.log" | tr -s ' │' ' ' | tr '\n' ';')" ;;
 70b|70b-b1)
-  n=${TP70:-2}
   run 70b-tp$n-b1 --model llama3-70b-random --tensor-parallel-size $n $(shape 1 64) \
     --repeat-runs 1
   [ $part = 70b ] || continue ;&
 70b-more)
-  n=${TP70:-2}
   PEAK_TB_S=$PEAK guarded $limit "$OUT/70b-tp$n-profile.txt" \
     python3 docs/bench/decode_profile.py llama3-70b-random:1:512:$n
   grep -E "decode step|all-reduce" "$OUT/70b-tp$n-profile.txt"

@@ -3,14 +3,14 @@ stay FP8 in GPU memory, and each input row is rounded to e4m3 with a scale of it
 (its largest magnitude maps to 448), as vLLM's ``--quantization fp8`` computes.
 
 The input's rows are rounded first, by one small kernel (one program a row). Decode rows
-(at most MAX_ROWS, of at most SKINNY_MAX_K inputs) then go through the skinny kernel
-(layers/skinny_linear.py), which streams each weight once, here at one byte a value,
-multiplying e4m3 tiles on the tensor cores (as float16, which holds every e4m3 value
-exactly). Other products go to an FP8 tensor-core GEMM with row-wise scales:
+(at most MAX_ROWS; where fbgemm runs, of at most SKINNY_MAX_K inputs) then go through
+the skinny kernel (layers/skinny_linear.py), which streams each weight once, here at one
+byte a value, multiplying e4m3 tiles on the tensor cores (as float16, which holds every
+e4m3 value exactly). Other products go to an FP8 tensor-core GEMM with row-wise scales:
 fbgemm-gpu-genai's CUTLASS ``f8f8bf16_rowwise`` on Hopper GPUs where it is installed for
-this torch, else ``torch._scaled_mm``. docs/kernels.md ("FP8 linears") has the candidates measured per
-shape and row count. On the CPU the model keeps the de-quantized values
-(plugins/quantization/fp8.py): the same products, up to the order of the sums.
+this torch, else ``torch._scaled_mm``. docs/kernels.md ("FP8 linears") has the
+candidates measured per shape and row count. On the CPU the model keeps the de-quantized
+values (plugins/quantization/fp8.py): the same products, up to the order of the sums.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
@@ -28,8 +28,9 @@ from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
 from roseinfer.layers.skinny_linear import _skinny_kernel, measured_on
 
 MAX_ROWS = 16  # one tile of rows
-# Llama-3-8B's down (14,336 inputs): 29 us through fbgemm's GEMM at 1-16 rows against the
-# skinny kernel's 30-35 on the H200; the 4,096-input shapes 10-15 % faster skinny
+# Where fbgemm's GEMM runs, wider rows go to it at any count: Llama-3-8B's down (14,336
+# inputs) took 25 us at 1-16 rows against the skinny kernel's 30-35 on the H200; of the
+# 4,096-input shapes qkv is faster skinny (12.2 against 14.1 us), o and gate_up level
 SKINNY_MAX_K = 8192
 
 
@@ -135,8 +136,8 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= MAX_ROWS and rows.shape[1] <= SKINNY_MAX_K and \
-                rows.stride(1) == 1:
+        skinny_k = rows.shape[1] <= SKINNY_MAX_K or fbgemm_rowwise(rows.device) is None
+        if rows.shape[0] <= MAX_ROWS and skinny_k and rows.stride(1) == 1:
             y = fp8_skinny_linear(rows, self.weight, self.weight_scale, self.bias)
         else:
             y = fp8_gemm(rows.contiguous(), self.weight, self.weight_scale, self.bias)

@@ -17,12 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, "docs/bench")
-from linear_shapes import COPIES, SHAPES, per_call
+from int4_linears import GROUP, weights
+from linear_shapes import SHAPES, per_call
 from kernel import pack, w4a16
-from roseinfer.layers.int4_linear import quantize, to_int4
+from roseinfer.layers.int4_linear import to_int4
 from roseinfer.layers.skinny_linear import skinny_linear
-
-GROUP = 128
 
 
 def settings(block_n, warps, stages, splits, magic, xdot=(False,), gemv=False):
@@ -38,12 +37,7 @@ def name(cfg: dict) -> str:
 
 
 def measure(n, k, rows, gemm, gemv):
-    gen = torch.Generator("cuda").manual_seed(n + k)
-    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k ** 0.5
-           for _ in range(COPIES)]
-    quants = [quantize(w, GROUP) for w in w16]
-    zeros = [torch.randint(4, 12, s.shape, device="cuda", generator=gen).float()
-             for _, s in quants]
+    gen, w16, quants, zeros = weights(n, k)
     own = [(pack(lv), s.bfloat16(), (-z * s).bfloat16()) for (lv, s), z in zip(quants, zeros)]
     lv0, s0 = quants[0]
     ref_w = (lv0.double() - zeros[0].double().repeat_interleave(GROUP, 1)) * \
