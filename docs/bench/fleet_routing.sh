@@ -16,9 +16,10 @@ run() {  # fleet_routing.py flags
 }
 for w in "$@"; do
   case $w in
-    chat) run --workload chat --runs 1:off $W:off $W:on ;;
+    chat) run --workload chat --runs 1:off $W:off $W:prefix $W:on $W:off $W:prefix $W:on ;;
     chat2) run --workload chat --runs 2:off 2:on ;;
-    burst) run --workload burst --runs 1:off $W:off $W:prefix $W:on $W:off $W:prefix $W:on \
+    burst) run --workload burst --runs 1:off 2:off 2:prefix 2:on $W:off $W:prefix $W:on \
+             $W:off $W:prefix $W:on \
              --conversations $((12 * W)) --turns 4 --system-tokens 2000 --user-tokens 50-150 \
              --answer-tokens 64 ;;
     random) run --workload random --runs $W:off $W:on $W:off $W:on --requests 512 \

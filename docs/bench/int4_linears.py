@@ -61,9 +61,10 @@ def quanto_marlin():
     """optimum-quanto's Marlin packing and permutation, with its CUDA ops registered, or
     None where it does not import."""
     try:
-        import optimum.quanto.library.extensions.cuda  # noqa: F401 registers torch.ops.quanto
+        from optimum.quanto.library.extensions import cuda  # registers torch.ops.quanto
         from optimum.quanto.tensor.weights.marlin.int4.packed import pack
         from optimum.quanto.tensor.weights.marlin.permutations import marlin_permute
+        cuda.ext.lib  # builds the kernels here, not inside the first timed call
         return pack, marlin_permute
     except Exception as e:  # not installed
         print("optimum-quanto:", repr(e)[:200])
