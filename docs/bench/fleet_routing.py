@@ -33,7 +33,11 @@ import sys
 import time
 import uuid
 
+import msgpack
+import redis.asyncio as aioredis
+
 from roseinfer.frontends.redis_streams.client import AsyncClient
+from roseinfer.frontends.redis_streams.protocol import Keys
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
 
 
@@ -248,6 +252,27 @@ def ttft_parts(results: list[dict], admissions: dict) -> dict:
     return parts
 
 
+async def forecasts(url: str, prefix: str, workers: int, stop: asyncio.Event) -> dict:
+    """What the workers' routers read while the workload ran: each worker's reported
+    decode step time and prefill rate (its load's forecast), sampled every 0.1 s, median
+    per worker."""
+    keys, seen = Keys(prefix), {f"w{i}": [] for i in range(workers)}
+    r = aioredis.from_url(url)
+    try:
+        while not stop.is_set():
+            for name, got in seen.items():
+                raw = await r.get(keys.load(name))
+                body = msgpack.unpackb(raw).get("forecast") if raw else None
+                if body:
+                    got.append(body[3:5])
+            await asyncio.sleep(0.1)
+    finally:
+        await r.aclose()
+    return {name: {"samples": len(got), "step_ms_p50": 1000 * pct([g[0] for g in got], 0.5),
+                   "prefill_tok_per_s_p50": pct([g[1] for g in got], 0.5)}
+            for name, got in seen.items() if got}
+
+
 async def run(args, url: str, workers: int, route: str) -> dict:
     fleet = Fleet(args, url, workers, route)
     try:
@@ -257,20 +282,22 @@ async def run(args, url: str, workers: int, route: str) -> dict:
             await asyncio.gather(*(one(client, ids(warm, args.vocab, 64), 8)
                                    for _ in range(2 * workers)))
             rng = random.Random(args.seed)
+            stop = asyncio.Event()
+            read = asyncio.create_task(forecasts(url, fleet.prefix, workers, stop))
             started = time.monotonic()
             if args.workload in ("chat", "burst"):
                 results = await (chat if args.workload == "chat" else burst)(client, args, rng)
             elif args.workload == "random":
                 results = await random_prompts(client, args, rng)
             else:
-                parts = await priority(client, args, rng)
-                wall = time.monotonic() - started
-                return {"workers": workers, "route": route, "handed_over": fleet.routed(),
-                        **{k: summary(v, wall, fleet.admissions()) if isinstance(v, list)
-                           else v for k, v in parts.items()}}
+                results = await priority(client, args, rng)
             wall = time.monotonic() - started
-        return {"workers": workers, "route": route, "handed_over": fleet.routed(),
-                **summary(results, wall, fleet.admissions())}
+            stop.set()
+        head = {"workers": workers, "route": route, "handed_over": fleet.routed()}
+        if isinstance(results, dict):  # priority's parts
+            return {**head, **{k: summary(v, wall, fleet.admissions()) if isinstance(v, list)
+                               else v for k, v in results.items()}, "forecasts": await read}
+        return {**head, **summary(results, wall, fleet.admissions()), "forecasts": await read}
     finally:
         fleet.stop()
 

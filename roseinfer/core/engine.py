@@ -24,6 +24,7 @@ from roseinfer.core.processors import ProcessorContext, Processors, catch_up
 from roseinfer.core.request import Sequence, Status
 from roseinfer.core.sampling import SamplingParams, is_int
 from roseinfer.core.scheduler import Scheduler
+from roseinfer.core.step_times import StepTimes
 from roseinfer.core.tp_workers import Peers, rank_device
 from roseinfer.models import loader
 from roseinfer.models.tokenizers import as_chat
@@ -110,6 +111,7 @@ class Engine:
                                             self.vocab_size, self.max_model_len)
         self._aborted: list[Sequence] = []
         self._in_flight = None
+        self.step_times = StepTimes()
         self._stepping = threading.Lock()
         settle_heap()
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d%s%s",
@@ -419,7 +421,7 @@ class Engine:
                         ".json"))
 
     def _launch(self, batch, previous):
-        launched = self.runner.launch(batch, previous)
+        launched = StepTimes.launching(self.runner.launch, batch, previous)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n * batch.steps  # steps > 1 only when every n is 1
         return launched
@@ -428,6 +430,7 @@ class Engine:
         outputs = []
         seqs, steps = launched.batch.seqs, launched.batch.steps
         ids = launched.result()
+        self.step_times.collected(launched)
         if launched.verify is not None:
             self.speculator.verify(launched, ids)
         logprobs = launched.token_logprobs(ids, self.tokenizer)

@@ -36,6 +36,8 @@ class LaunchedStep:
     logprobs: Optional[list] = None  # LogitsWork.logprobs of each window step
     prompt: Optional[tuple] = None   # (PromptPlan, its device results), if any was due
     verify: Optional[tuple] = None   # (VerifyPlan, its draft positions' logits), if any
+    started: float = 0.0             # core/step_times.py: when it was launched
+    ready: Optional[float] = None    # when its results were ready, if known at launch
 
     def result(self) -> list[list[int]]:
         """Each sampling row's ids, one per window step."""

@@ -38,6 +38,7 @@ class ScheduledBatch:
     num_tokens: list[int]   # tokens computed for each sequence in this step
     steps: int = 1          # decode steps run back to back (a decode window)
     drafted: bool = False   # some sequence checks a draft (core/speculation.py)
+    prefill_tokens: int = 0  # of num_tokens, prompt tokens (the fleet's prefill rate)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -78,7 +79,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.aside: tuple = ()  # the queues only() set aside
         self.num_preemptions = 0
-        self.num_prefilled = 0  # prompt tokens scheduled, ever (a worker's prefill rate)
         self._uncached: dict = {}  # waiting sequence: its prompt tokens not cached (backlog)
         self.prioritized = False  # some request had a priority: running is kept in its order
         # Whether a waiting sequence may start now (core/lora.py: a slot for its adapter);
@@ -185,7 +185,7 @@ class Scheduler:
                 budget.tokens -= n
             else:
                 budget.spend_prefill(seq, n)
-                self.num_prefilled += n
+                batch.prefill_tokens += n
             i += 1
 
     def _fit_draft(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
@@ -222,7 +222,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget.spend_prefill(seq, n)
-            self.num_prefilled += n
+            batch.prefill_tokens += n
         self.waiting.extendleft(reversed(passed))
 
     def _preempt(self, seq: Sequence) -> None:

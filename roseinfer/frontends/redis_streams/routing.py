@@ -126,20 +126,19 @@ class CacheReport:
         self._prefill_tps: Optional[float] = None
         # what a forecast reads: an engine with a prefix cache (the one routing serves)
         self.scheduler = engine.scheduler if self.blocks is not None else None
-        self._prefilled = self.scheduler.num_prefilled if self.scheduler else 0
         self.forecast: Optional[Forecast] = None  # read by this worker's router too
 
-    def observe(self, seconds: float) -> None:
-        """After each engine step (on the step loop): its time, and the prompt tokens it
-        scheduled, into the running step time and prefill rate."""
+    def observe(self) -> None:
+        """After each engine step (on the step loop): the times of the steps collected
+        since (core/step_times.py), with their prompt tokens, into the running step time
+        and prefill rate."""
         if self.scheduler is None:
             return
-        prefilled = self.scheduler.num_prefilled
-        tokens, self._prefilled = prefilled - self._prefilled, prefilled
-        if tokens >= MIN_RATE_TOKENS:
-            self._prefill_tps = _running(self._prefill_tps, tokens / max(seconds, 1e-6))
-        elif seconds > 0:
-            self._step_s = _running(self._step_s, seconds)
+        for tokens, seconds in self.engine.step_times.take():
+            if tokens >= MIN_RATE_TOKENS:
+                self._prefill_tps = _running(self._prefill_tps, tokens / max(seconds, 1e-6))
+            elif seconds > 0:
+                self._step_s = _running(self._step_s, seconds)
 
     def join(self, pipe) -> None:
         """At start: a set of what the cache holds now (after a restart under the same

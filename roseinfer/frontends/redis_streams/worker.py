@@ -496,7 +496,7 @@ class Worker:
             ours.append((f, out, last))
         self.outbox.later(lambda rnd: self.publisher.outputs(rnd, ours))
         if self.report is not None:
-            self.report.observe(time.monotonic() - started)
+            self.report.observe()
         stats = self.engine.stats()
         self.metrics.engine_stats(stats)
         event("step", logging.DEBUG, outputs=len(outputs), running=stats.num_running,
