@@ -7,7 +7,9 @@
 # and through Redis, the 8B shape with FP8 weights at 20 requests/s.
 # Usage: OUT=dir bash docs/bench/quant.sh [tests] [linears] [attention] [int4] [int4-more]
 #   [kv] [redis]
-#   [memory]
+#   [memory] [70b]
+# 70b (not in the default list): the Llama-3-70B shape quantized to INT4 as it is drawn, on
+# one GPU, batch 1 (512 -> 128).
 source "$(dirname "$0")/bench_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   lscpu | grep -E "Model name|^CPU\(s\)"; git log -1 --format=%H 2>/dev/null; date -u; } \
@@ -43,6 +45,10 @@ int4)
     run 8b-b1-$q $flags --num-requests 1 --max-num-seqs 1 --max-new-tokens 128
     run 8b-b16-$q $flags --num-requests 16 --max-num-seqs 16 --max-new-tokens 256
   done ;;
+70b)
+  run 70b-b1-int4 --model llama3-70b-random --quantization int4 --num-requests 1 \
+    --max-num-seqs 1 --max-new-tokens 128
+  grep -iE "loaded|weights|engine ready|error" "$OUT/70b-b1-int4.log" | head -5 | cut -c1-300 ;;
 int4-more)  # a 2,048-token prompt's TTFT (prefill through the de-quantized weight), and 64
   for q in bf16 int4; do
     flags="--model llama3-8b-random $([ $q = int4 ] && echo "--quantization int4")"
