@@ -20,7 +20,7 @@ class EngineProbe:
 
     def reset(self) -> None:
         self.first_scheduled: dict[str, float] = {}
-        self.step_times: list[float] = []
+        self.step_walls: list[float] = []
         self.step_outputs: list[int] = []
         self.num_outputs = 0  # running total, for progress read from another thread
         self._unscheduled: dict[str, None] = {}  # insertion-ordered: submit order
@@ -38,7 +38,7 @@ class EngineProbe:
     def step(self):
         start = time.monotonic()
         outs = self._engine.step()
-        self.step_times.append(time.monotonic() - start)
+        self.step_walls.append(time.monotonic() - start)
         self.step_outputs.append(len(outs))
         self.num_outputs += len(outs)
         if self._unscheduled:
@@ -62,9 +62,9 @@ class EngineProbe:
 
     def step_stats(self) -> dict:
         """Engine step wall time (ms) and outputs per step, over the steps since reset()."""
-        if not self.step_times:
+        if not self.step_walls:
             return {"num_steps": 0}
-        t = np.asarray(self.step_times) * 1e3
+        t = np.asarray(self.step_walls) * 1e3
         return {"num_steps": len(t), "step_ms_mean": float(t.mean()),
                 "step_ms_p50": float(np.percentile(t, 50)),
                 "step_ms_p99": float(np.percentile(t, 99)),
