@@ -12,14 +12,16 @@ def clock(monkeypatch):
     return now
 
 
-def launch_at(now, t, tokens, device_event, compute_s=0.0):
-    """A launch at ``t`` of a step with ``tokens`` prompt tokens; on the CPU (no device
-    event) the launch computes it, for ``compute_s``."""
+def launch_at(now, t, tokens, device_event, compute_s=0.0, steps=1):
+    """A launch at ``t`` of a step with ``tokens`` prompt tokens (or a window of ``steps``
+    decode steps); on the CPU (no device event) the launch computes it, for
+    ``compute_s``."""
     def launch(batch, previous):
         now[0] += compute_s
         return SimpleNamespace(batch=batch, done=device_event, started=0.0, ready=None)
     now[0] = t
-    return StepTimes.launching(launch, SimpleNamespace(prefill_tokens=tokens), None)
+    return StepTimes.launching(launch, SimpleNamespace(prefill_tokens=tokens, steps=steps),
+                               None)
 
 
 def test_an_overlapped_step_is_charged_from_the_step_before_it(monkeypatch):
@@ -37,11 +39,14 @@ def test_an_overlapped_step_is_charged_from_the_step_before_it(monkeypatch):
     now[0] = 0.037
     times.collected(again)
     later = launch_at(now, 0.500, 64, device_event=object())  # idle until then
+    window = launch_at(now, 0.501, 0, device_event=object(), steps=8)
     now[0] = 0.510
     times.collected(later)
+    now[0] = 0.550
+    times.collected(window)    # 8 decode steps in 40 ms
     taken = times.take()
-    assert [t for t, _ in taken] == [800, 0, 0, 64]
-    assert [round(s, 3) for _, s in taken] == [0.025, 0.006, 0.006, 0.010]
+    assert [t for t, _ in taken] == [800, 0, 0, 64, 0]
+    assert [round(s, 3) for _, s in taken] == [0.025, 0.006, 0.006, 0.010, 0.005]
     assert times.take() == []
 
 

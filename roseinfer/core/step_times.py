@@ -14,7 +14,8 @@ from collections import deque
 
 class StepTimes:
     def __init__(self, kept: int = 256):
-        self.samples: deque[tuple[int, float]] = deque(maxlen=kept)  # (prompt tokens, s)
+        # (prompt tokens, seconds a step)
+        self.samples: deque[tuple[int, float]] = deque(maxlen=kept)
         self._ready = 0.0
 
     @staticmethod
@@ -29,10 +30,11 @@ class StepTimes:
         return step
 
     def collected(self, step) -> None:
-        """After ``step.result()``: its time, with its prompt tokens."""
+        """After ``step.result()``: its time, with its prompt tokens; a window of decode
+        steps (core/scheduler.py) counts as that many steps of its mean time."""
         ready = step.ready if step.ready is not None else time.monotonic()
-        self.samples.append((step.batch.prefill_tokens,
-                             max(0.0, ready - max(step.started, self._ready))))
+        seconds = max(0.0, ready - max(step.started, self._ready))
+        self.samples.append((step.batch.prefill_tokens, seconds / step.batch.steps))
         self._ready = ready
 
     def take(self) -> list[tuple[int, float]]:
