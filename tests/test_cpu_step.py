@@ -136,21 +136,22 @@ def test_auto_builds_in_the_background_and_swaps_between_requests(
     hf, path = saved_llama
     llm = LLM(path, **CONFIG)  # "auto": nothing built yet
     engine = llm.engine
-    assert engine.runner.compiled is None and engine._background is None
+    assert engine.runner.compiled is None and engine.step_choice.background is None
     assert greedy(llm, [PROMPTS[1]]) == [hf_greedy(hf, PROMPTS[1], 14)]  # eager
-    assert engine._background is not None  # started once the first answer is out
+    assert engine.step_choice.background is not None  # started once the first answer is out
     assert greedy(llm, [PROMPTS[0]]) == [hf_greedy(hf, PROMPTS[0], 14)]  # eager meanwhile
-    assert engine._background.proc.wait(timeout=600) == 0, \
-        (cache_dir / "cpu_steps").joinpath(engine._background.path.name + ".log").read_text()
+    build = engine.step_choice.background
+    assert build.proc.wait(timeout=600) == 0, \
+        (cache_dir / "cpu_steps").joinpath(build.path.name + ".log").read_text()
     assert engine.step() == []  # no request runs: the build is swapped in here
     if engine.runner.compiled is None:
         skip_if_torch_crashed(cache_dir)
-    assert engine.runner.compiled is not None and engine._background is None
+    assert engine.runner.compiled is not None and engine.step_choice.background is None
     for prompt in PROMPTS:  # the same tokens, now from the compiled step
         assert greedy(llm, [prompt]) == [hf_greedy(hf, prompt, 14)]
     assert engine.runner.compiled.steps == 2 * 13
     again = LLM(path, **CONFIG).engine  # a second start reuses the build
-    assert again.runner.compiled is not None and again._to_build is None
+    assert again.runner.compiled is not None and again.step_choice.to_build is None
 
 
 def test_a_build_that_fails_in_the_child_leaves_the_engine_eager(
@@ -160,10 +161,10 @@ def test_a_build_that_fails_in_the_child_leaves_the_engine_eager(
     hf, path = saved_llama
     llm = LLM(path, **CONFIG)
     assert greedy(llm, [PROMPTS[0]]) == [hf_greedy(hf, PROMPTS[0], 14)]
-    assert llm.engine._background.proc.wait(timeout=60) != 0
+    assert llm.engine.step_choice.background.proc.wait(timeout=60) != 0
     assert greedy(llm, [PROMPTS[1]]) == [hf_greedy(hf, PROMPTS[1], 14)]
-    assert llm.engine.runner.compiled is None and llm.engine._background is None
+    assert llm.engine.runner.compiled is None and llm.engine.step_choice.background is None
     # It left no record, so the next start tries again: its lock names a dead process.
     again = LLM(path, **CONFIG)
     greedy(again, [PROMPTS[0]])
-    assert again.engine._background is not None
+    assert again.engine.step_choice.background is not None

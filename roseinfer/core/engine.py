@@ -1,9 +1,7 @@
 """Engine: add_request / step / abort over scheduler, block manager and runner."""
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import threading
 import time
 import weakref
@@ -12,8 +10,9 @@ from typing import Optional, Union
 
 import torch
 
-from roseinfer.core import cpu_step, device_side, faults, speculation, tp
-from roseinfer.core.device_side import attention_name, resolve_device, settle_heap
+from roseinfer.core import device_side, faults, speculation, tp
+from roseinfer.core.cpu_step_choice import StepChoice
+from roseinfer.core.device_side import resolve_device, settle_heap
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
 from roseinfer.core.detokenizer import IncrementalDetokenizer
@@ -84,9 +83,7 @@ class Engine:
         self.vocab_size = self.hf_config.vocab_size
         self.eos_ids = _eos_ids(self.hf_config, self.tokenizer)
         num_blocks = self.kv_cache.scratch_block
-        self.runner.compiled = _compiled_step(self)
-        self._background = None  # a compiled step being built (core/cpu_step.py)
-        self._to_build = _build_wanted(self, model)
+        self.step_choice = StepChoice(self, model)
         store = plugins.create("metadata", config.metadata_store, num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, store,
                                    config.enable_prefix_cache, self.runner.copy_block,
@@ -332,9 +329,7 @@ class Engine:
     def step_kind(self) -> str:
         """How a one-sequence decode step runs: "compiled", "building" (eager while the
         compiled step is built in the background) or "eager"."""
-        if self.runner.compiled is not None:
-            return "compiled"
-        return "building" if self._background is not None else "eager"
+        return self.step_choice.kind(self.runner)
 
     def stats(self) -> EngineStats:
         s, spec = self.scheduler, self.speculator
@@ -374,16 +369,11 @@ class Engine:
             if self.peers is not None:
                 raise  # the other ranks may wait in this step's collectives
             outputs += faults.isolate(self, error)
-        if self._to_build is not None and not self.seqs:
-            # after the first answer, not beside it: starting a process beside the
-            # model's first steps delayed the default model's first answer by 0.5 s
-            self._background, self._to_build = cpu_step.start_background(*self._to_build), None
+        self.step_choice.start_build(idle=not self.seqs)
         return outputs
 
     def _advance(self) -> list[RequestOutput]:
-        if self._background is not None and self._in_flight is None and \
-                not self.scheduler.running and self._background.done():
-            self._swap_in_build()
+        self.step_choice.swap_in(self, self._in_flight is None and not self.scheduler.running)
         if self.speculator is not None and self.speculator.wanted(self.scheduler.running):
             return self._speculate()
         batch = self.scheduler.schedule()
@@ -410,15 +400,6 @@ class Engine:
             self._share_prompts()
         self.speculator.tick(kind)
         return outputs
-
-    def _swap_in_build(self) -> None:
-        """Between requests: the background build ended; use its step where it pays."""
-        build, self._background = self._background, None
-        self.runner.compiled = _compiled_step(self)
-        log.warning("event=cpu_step_build_ended after_s=%.0f decision=%s", time.monotonic()
-                    - build.started, "used" if self.runner.compiled is not None else
-                    "not used (slower than eager, or failed: see %s)" % build.path.with_suffix(
-                        ".json"))
 
     def _launch(self, batch, previous):
         launched = StepTimes.launching(self.runner.launch, batch, previous)
@@ -501,51 +482,6 @@ class Engine:
         lps = seq.logprobs[len(seq.logprobs) - len(new_ids):] if seq.logprobs is not None else None
         return RequestOutput(seq.request_id, new_ids, new_text, final, seq.finish_reason, seq, lps,
                              seq.index)
-
-
-
-def _compiled_step(engine: Engine) -> Optional[cpu_step.CompiledStep]:
-    """The compiled one-sequence decode step (core/cpu_step.py), where it applies: a
-    float32 model on the CPU, unquantized, on one process, through the CPU's own cache
-    and attention plugins, its layers in one KV group (core/kv_groups.py)."""
-    cfg = engine.config
-    if not _compiled_step_applies(engine):
-        if cfg.cpu_compiled_step == "build":
-            raise ConfigError("cpu_compiled_step build applies to a float32 model on the CPU "
-                              "with the default KV-append and attention plugins, "
-                              "cpu_weight_dtype float32, no quantization, the model's KV "
-                              "cache dtype, no tensor parallelism, no window layers "
-                              "beside full ones, and no LoRA adapters")
-        return None
-    return cpu_step.prepare(cfg.cpu_compiled_step, engine.model, engine.hf_config,
-                            engine.kv_cache, engine.kv_cache.backends["torch_index"],
-                            engine.runner.attention, engine.max_model_len, loader.CACHE_DIR)
-
-
-def _compiled_step_applies(engine: Engine) -> bool:
-    cfg = engine.config
-    return (engine.device.type == "cpu" and engine.dtype == torch.float32
-            and cfg.cpu_weight_dtype == "float32" and cfg.tensor_parallel_size == 1
-            and engine.model.quantization is None and cfg.kv_cache_dtype == "auto"
-            and not cfg.enable_lora
-            and cfg.kv_append_backend in ("auto", "torch_index")
-            and len(engine.kv_cache.groups) == 1
-            and attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
-
-
-def _build_wanted(engine: Engine, spec) -> Optional[tuple]:
-    """``cpu_step.start_background``'s arguments, with ``cpu_compiled_step="auto"`` and no
-    build yet for a model the CPU step applies to: it starts once the first requests are
-    answered. A model given as an instance cannot be loaded by another process: it stays
-    eager, as before."""
-    cfg = engine.config
-    if cfg.cpu_compiled_step != "auto" or engine.runner.compiled is not None or \
-            not isinstance(spec, (str, os.PathLike)) or not _compiled_step_applies(engine):
-        return None
-    path = cpu_step.step_path(loader.CACHE_DIR, engine.model, engine.hf_config, engine.kv_cache)
-    if cpu_step.is_built(path):
-        return None
-    return spec, dataclasses.asdict(cfg), path
 
 
 def _eos_ids(hf, tokenizer) -> set[int]:
