@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -15,8 +14,8 @@ from roseinfer.core.cpu_step_choice import StepChoice
 from roseinfer.core.device_side import resolve_device, settle_heap
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
-from roseinfer.core.detokenizer import IncrementalDetokenizer
 from roseinfer.core.errors import ConfigError, InvalidRequestError
+from roseinfer.core.intake import Intake, Prompt
 from roseinfer.core.outputs import RequestOutput
 from roseinfer.core.plugins import PluginRegistry, default_registry
 from roseinfer.core.processors import ProcessorContext, Processors, catch_up
@@ -29,7 +28,6 @@ from roseinfer.models import loader
 from roseinfer.models.tokenizers import as_chat
 
 log = logging.getLogger(__name__)
-Prompt = Union[str, list[int]]
 # The CPU's default max_mixed_prefill_tokens (config.py says why).
 CPU_MIXED_PREFILL_TOKENS = 16
 
@@ -101,6 +99,8 @@ class Engine:
         self.processors = Processors(plugins, ProcessorContext(
             self.tokenizer, self.model.head.vocab_size, frozenset(self.eos_ids), self.device),
             config.structured_output)
+        self.intake = Intake(self.tokenizer, self.vocab_size, self.max_model_len, self.device,
+                             self.processors)
         self.seqs: dict[str, Sequence] = {}  # by Sequence.key
         self.groups: dict[str, int] = {}     # n of the unfinished requests with n > 1
         self._forks: list[tuple[Sequence, list[Sequence]]] = []  # _share_prompts
@@ -191,21 +191,18 @@ class Engine:
         if request_id in self.seqs or request_id in self.groups:
             raise InvalidRequestError("rid", f"request id {request_id!r} is already in use")
         self._check_lora(lora)
-        ids = self._prompt_ids(prompt)
-        too_big = [t for t in params.logit_bias if t >= self.vocab_size]
-        if too_big:
-            raise InvalidRequestError("logit_bias", f"token ids must be below the vocabulary "
-                                      f"size {self.vocab_size}; got {too_big[:5]}")
+        ids = self.intake.prompt_ids(prompt, params)
         if params.n == 1:
-            seq = self._sequence(request_id, 0, ids, params, emitted_ids, emitted_text, lora)
+            seq = self.intake.sequence(request_id, 0, ids, params, emitted_ids, emitted_text, lora)
             self._queue([seq])
             return
         indexes = range(params.n) if indexes is None else indexes
         if not indexes or not all(is_int(i) and 0 <= i < params.n for i in indexes):
             raise InvalidRequestError("indexes", f"must name samples in [0, {params.n})")
         emitted_ids, emitted_text = emitted_ids or {}, emitted_text or {}
-        self._queue([self._sequence(request_id, i, ids, params.sample(i), emitted_ids.get(i),
-                                    emitted_text.get(i), lora) for i in sorted(set(indexes))])
+        self._queue([self.intake.sequence(request_id, i, ids, params.sample(i),
+                                          emitted_ids.get(i), emitted_text.get(i), lora)
+                     for i in sorted(set(indexes))])
         self.groups[request_id] = params.n
 
     def _check_lora(self, lora: Optional[str]) -> None:
@@ -215,35 +212,6 @@ class Engine:
             raise InvalidRequestError("lora", f"this engine serves no adapters, so not "
                                       f"{lora!r}; ask for the base model (no lora)")
         self.loras.check(lora)
-
-    def _sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
-                  emitted_ids, emitted_text, lora: Optional[str] = None) -> Sequence:
-        emitted = self._token_ids(emitted_ids or [], "emitted_ids")
-        if len(emitted) >= params.max_tokens:
-            raise InvalidRequestError("emitted_ids", "the request already has all its tokens")
-        if len(ids) + len(emitted) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{len(ids)} tokens leave no room to generate within the "
-                f"model's {self.max_model_len}-token context; shorten the prompt", "too_long")
-        gen = None  # on CUDA the seed keys the sampler's noise instead (sample_kernel)
-        if params.seed is not None and self.device.type != "cuda":
-            gen = torch.Generator(self.device).manual_seed(params.seed)
-        max_len = min(self.max_model_len, len(ids) + params.max_tokens)
-        seq = Sequence(request_id, ids, params, max_len, time.monotonic(), gen, lora)
-        seq.index = index
-        seq.key = request_id if params.n == 1 else f"{request_id}#{index}"
-        if params.constrained:
-            seq.constraints = self.processors.start(params, ids)
-        seq.token_ids += emitted
-        seq.num_emitted = len(emitted)
-        if seq.constraints:
-            catch_up(seq)
-        if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-            if emitted:  # decode them as their first owner did, then skip what it released
-                seq.detok.add(emitted)
-                seq.detok.released = len(seq.detok.text if emitted_text is None else emitted_text)
-        return seq
 
     def _queue(self, samples: list[Sequence]) -> None:
         """Into the scheduler: the first sample now, the others once its prompt's
@@ -274,26 +242,6 @@ class Engine:
                     self.blocks.share(first, seq, full)
                 self.scheduler.add(seq)
         self._forks = waiting
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = self._token_ids(prompt, "prompt_token_ids")
-        if not ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        return ids
-
-    def _token_ids(self, ids, field: str) -> list[int]:
-        ids = list(ids)
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-               or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                field, f"ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
-        return ids
 
     def abort(self, request_id: str) -> None:
         for seq in self._samples(request_id):

@@ -102,8 +102,8 @@ def run_alone(engine, group: list, outputs: list) -> bool:
 def works(engine) -> bool:
     """Whether a one-token greedy request runs alone (token 0 is in every vocabulary);
     True where it cannot run for want of blocks: nothing then speaks against the engine."""
-    probe = engine._sequence(PROBE_RID, 0, [0], SamplingParams(max_tokens=1, temperature=0),
-                             None, None)
+    greedy_token = SamplingParams(max_tokens=1, temperature=0)
+    probe = engine.intake.sequence(PROBE_RID, 0, [0], greedy_token, None, None)
     try:
         return not run_alone(engine, [probe], []) or probe.finished
     except Exception:
