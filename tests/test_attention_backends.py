@@ -221,5 +221,24 @@ def test_long_decode_is_split():
         max_context_len=max(ctx for ctx, _ in LONG_DECODE),
     )
     tune = triton_paged.decode_tuning(64, 3)
-    assert triton_paged.num_splits(attn, 2, triton_paged._num_sms(DEVICE),
-                                   tune["programs_per_sm"]) > 1
+    assert triton_paged.num_splits(attn, 2, triton_paged._num_sms(DEVICE), tune) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("most", [64, 1])
+def test_one_long_sequence_split_many_ways_or_none(request, monkeypatch, most, dtype):
+    """One sequence on a 132-SM GPU, as a long-context decode at batch 1 runs: its context
+    split 64 ways (the most a tile allows) and merged, or not split at all, equals the
+    reference."""
+    triton_paged = pytest.importorskip("roseinfer.plugins.attention.triton_paged")
+    pytest.importorskip("triton")
+    tune = {"block_n": 16, "num_warps": 4, "num_stages": 2, "dot": True, "programs_per_sm": 4,
+            "max_splits": most}
+    monkeypatch.setattr(triton_paged, "DECODE_TUNING", {})
+    monkeypatch.setitem(triton_paged.TUNING, "decode", tune)
+    monkeypatch.setattr(triton_paged, "MIN_SPLIT_LEN", 16)  # 64 splits of 1,100 keys
+    monkeypatch.setattr(triton_paged, "_num_sms", lambda device: 132)
+    seqs = [(1100, 1)]
+    attn = make_batch(torch.Generator().manual_seed(0), seqs, 6, 2, 64, 16, dtype)[3]
+    assert triton_paged.num_splits(attn, 2, 132, tune) == most
+    check(request, "triton_paged", seqs, 6, 2, 64, 16, dtype)

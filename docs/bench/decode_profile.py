@@ -54,8 +54,12 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
     for i in range(batch):
         eng.add_request(str(i), [(7 * i + j) % 1000 + 1 for j in range(context)],
                         SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     while any(s.num_computed < s.num_prompt_tokens for s in eng.seqs.values()):
         eng.step()
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t
     steps(eng, 10)
     context_at = [sum(len(s.token_ids) for s in eng.seqs.values()) / batch]
     torch.cuda.synchronize()
@@ -74,7 +78,8 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
     gpu = sum(us for _, _, us in rows) / n / 1e6
     print(f"\n== {model} TP {tp} batch {batch}, context {context_at[0]:.0f}-{context_at[1]:.0f}: weights {weights / 1e9:.2f} GB, "
           f"K/V read {kv / 1e9:.3f} GB, floor {floor * 1e3:.3f} ms per decode step")
-    print(f"decode step {per_step * 1e3:.3f} ms ({floor / per_step:.0%} of floor); "
+    print(f"prefill of {batch} x {context} tokens {prefill_s:.3f} s; "
+          f"decode step {per_step * 1e3:.3f} ms ({floor / per_step:.0%} of floor); "
           f"GPU busy {gpu * 1e3:.3f} ms of it ({floor / gpu:.0%}); "
           f"{sum(c for _, c, _ in rows) / n:.0f} kernels per step")
     nccl = sum(us for name, _, us in rows
@@ -85,6 +90,10 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
     for name, count, us in rows[:25]:
         print(f"  {us / n:9.1f} us/step {count / n:6.1f}x  {us / count:7.2f} us each  {name[:100]}")
     llm.engine.close()
+    return {"model": model, "batch": batch, "context": context, "tp": tp, "prefill_s": prefill_s,
+            "step_ms": per_step * 1e3, "floor_ms": floor * 1e3, "fraction": floor / per_step,
+            "attention_ms": sum(us for name, _, us in rows if name.startswith(
+                ("_paged_decode_kernel", "_merge_splits_kernel"))) / n / 1e3, "kernels_per_step": sum(c for _, c, _ in rows) / n}
 
 
 if __name__ == "__main__":

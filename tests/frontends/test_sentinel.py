@@ -13,29 +13,12 @@ import redis.sentinel
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.connection import AsyncNamingSentinel, NamingSentinel, \
     SentinelURL, connect, parse_sentinel
-from roseinfer.frontends.redis_streams.server import EmbeddedRedis, find_redis_server, free_port
+from roseinfer.frontends.redis_streams.server import EmbeddedRedis, EmbeddedSentinel, free_port
 
 from .conftest import roseinfer_cmd, wait_until
 
 NAME = "roseinfer-primary"
 NODE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "node")
-
-
-class EmbeddedSentinel(EmbeddedRedis):
-    """A Sentinel process watching ``primary_port`` (redis-server --sentinel)."""
-
-    def __init__(self, port: int, primary_port: int, quorum: int = 2):
-        super().__init__(port=port)
-        self.primary_port, self.quorum = primary_port, quorum
-
-    def _command(self, log_path: str) -> list[str]:
-        conf = os.path.join(self._dir, "sentinel.conf")  # Sentinel rewrites it: a file of its own
-        with open(conf, "w") as f:
-            f.write(f"port {self.port}\nbind {self.host}\ndir {self._dir}\nlogfile {log_path}\n"
-                    f"sentinel monitor {NAME} 127.0.0.1 {self.primary_port} {self.quorum}\n"
-                    f"sentinel down-after-milliseconds {NAME} 1000\n"
-                    f"sentinel failover-timeout {NAME} 5000\n")
-        return [find_redis_server(), conf, "--sentinel"]
 
 
 @pytest.fixture
@@ -44,7 +27,7 @@ def group():
     primary = EmbeddedRedis(port=free_port()).start()
     replica = EmbeddedRedis(port=free_port(), extra_args=(
         "--replicaof", "127.0.0.1", str(primary.port))).start()
-    sentinels = [EmbeddedSentinel(free_port(), primary.port).start() for _ in range(3)]
+    sentinels = [EmbeddedSentinel(free_port(), primary.port, NAME).start() for _ in range(3)]
     hosts = ",".join(f"127.0.0.1:{s.port}" for s in sentinels)
     try:
         yield primary, replica, f"redis+sentinel://{hosts}/{NAME}"
@@ -62,9 +45,8 @@ def print_failover_events(sentinels) -> None:
     """Each Sentinel's failover events, with their times (shown with -s, or when a test
     fails): what to read when a failover took long."""
     for sentinel in sentinels:
-        with open(os.path.join(sentinel._dir, "redis.log")) as f:
-            events = [line.split(" ", 1)[1].strip() for line in f
-                      if any(e in line for e in FAILOVER_EVENTS)]
+        events = [line.split(" ", 1)[1].strip() for line in sentinel.log().splitlines()
+                  if any(e in line for e in FAILOVER_EVENTS)]
         if events:
             print(f"sentinel {sentinel.port}: " + "; ".join(events))
 

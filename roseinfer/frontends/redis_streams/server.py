@@ -110,6 +110,30 @@ class EmbeddedRedis:
         self.stop()
 
 
+class EmbeddedSentinel(EmbeddedRedis):
+    """A Sentinel process (redis-server --sentinel) watching the primary at ``primary_port``
+    under ``name``: for the failover tests and docs/bench/failover_soak.py."""
+
+    def __init__(self, port: int, primary_port: int, name: str, quorum: int = 2,
+                 down_after_ms: int = 1000):
+        super().__init__(port=port)
+        self.primary_port, self.name, self.quorum = primary_port, name, quorum
+        self.down_after_ms = down_after_ms
+
+    def _command(self, log_path: str) -> list[str]:
+        conf = os.path.join(self._dir, "sentinel.conf")  # Sentinel rewrites it: a file of its own
+        with open(conf, "w") as f:
+            f.write(f"port {self.port}\nbind {self.host}\ndir {self._dir}\nlogfile {log_path}\n"
+                    f"sentinel monitor {self.name} 127.0.0.1 {self.primary_port} {self.quorum}\n"
+                    f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}\n"
+                    f"sentinel failover-timeout {self.name} 5000\n")
+        return [find_redis_server(), conf, "--sentinel"]
+
+    def log(self) -> str:
+        with open(os.path.join(self._dir, "redis.log")) as f:
+            return f.read()
+
+
 def _port_in_use(host: str, port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex((host, port)) == 0

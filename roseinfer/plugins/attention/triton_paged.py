@@ -41,9 +41,10 @@ from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, t
     triton_usable, wait_for_inputs
 
 # Launch settings: prefill, and decode per (head dim, query heads per KV
-# head), measured on an H100 (docs/kernels.md); "decode" is the setting for
+# head), measured on an H100 and an H200 (docs/kernels.md); "decode" is the setting for
 # shapes not in the table. Dicts, so benchmarks can sweep them.
-# programs_per_sm: decode contexts are split until the grid has this many per SM.
+# programs_per_sm: decode contexts are split until the grid has this many per SM, in at
+# most max_splits (default MAX_SPLITS) pieces a sequence.
 TUNING = {"decode": {"block_n": 16, "num_warps": 1, "num_stages": 2, "dot": False,
                      "programs_per_sm": 8},
           "prefill": {"block_n": 32, "num_warps": 4, "num_stages": 2}}
@@ -51,16 +52,21 @@ _TC = {"block_n": 64, "num_warps": 4, "num_stages": 2, "dot": True, "programs_pe
 DECODE_TUNING: dict[tuple[int, int], dict] = {
     (64, 4): _TC, (64, 8): _TC, (128, 4): _TC, (128, 8): dict(_TC, num_stages=3),
     (128, 6): _TC,  # Qwen2.5-1.5B: 1.2-1.3x its decode (docs/kernels.md)
-    # Gemma 2 and 3: 1.5-5.7x faster than the default, most at batch 1 and long contexts (H200)
-    (256, 2): dict(_TC, block_n=32),
+    # Gemma 2 and 3: a 256-wide tile holds an SM's shared memory twice as long, so half the
+    # programs; 32 splits of a 32k context at 89 % of the copy rate, 64 at 76 % (H200)
+    (256, 2): dict(_TC, num_stages=3, programs_per_sm=2, max_splits=32),
 }
 # Over an FP8 cache a tensor-core tile takes 128 keys, half a 16-bit tile's bytes a key:
 # the fastest of 32, 64 and 128 on the H100 at (64, 4) and (128, 4), 1.2-1.4x the 64-key
-# tile at batch 64-256 (docs/kernels.md).
-FP8_BLOCK_N = 128
+# tile at batch 64-256 (docs/kernels.md); two stages and four programs an SM, at head
+# dims 128 and 256 alike, the best of the H200's sweep (docs/kernels.md "Long contexts").
+FP8_TILE = {"block_n": 128, "num_stages": 2, "programs_per_sm": 4}
 MIN_SPLIT_LEN = 64     # context bound per split below which splitting only adds merging
 NO_WINDOW = 2 ** 30    # the decode kernel's window where a layer has none: past any context
-MAX_SPLITS = 16
+# One long sequence has only H_kv programs of its own: 64 splits of a Llama-3-8B 32k
+# context read K/V at 83 % of the copy rate, 16 at 49 % (H200, docs/kernels.md "Long
+# contexts").
+MAX_SPLITS = 64
 
 
 @_kernel
@@ -346,18 +352,24 @@ def _num_sms(device: torch.device) -> int:
 
 def decode_tuning(head_dim: int, group: int, fp8_cache: bool = False) -> dict:
     tune = DECODE_TUNING.get((head_dim, group), TUNING["decode"])
-    return dict(tune, block_n=FP8_BLOCK_N) if fp8_cache and tune["dot"] else tune
+    return dict(tune, **FP8_TILE) if fp8_cache and tune["dot"] else tune
 
 
-def num_splits(attn, num_kv_heads: int, num_sms: int, programs_per_sm: int,
+def num_splits(attn, num_kv_heads: int, num_sms: int, tune: dict,
                window: int = NO_WINDOW) -> int:
-    """Split decode contexts (or windows) until the grid has ``programs_per_sm``
-    programs per SM: many programs per SM hide a decode program's load latency."""
+    """Split decode contexts (or windows) until the grid has ``tune["programs_per_sm"]``
+    programs per SM, in at most ``tune["max_splits"]`` pieces (or MAX_SPLITS): many
+    programs per SM hide a decode program's load latency. From the context bound, not the
+    contexts: a CUDA graph captured for the bound splits each sequence's own context that
+    many ways (the kernel), and the pieces past a short one exit at once."""
     if not attn.is_decode:
         return 1  # prefill chunks give programs enough; the kernel relies on this
-    wanted = triton.cdiv(programs_per_sm * num_sms, attn.num_seqs * num_kv_heads)
+    wanted = triton.cdiv(tune["programs_per_sm"] * num_sms, attn.num_seqs * num_kv_heads)
     keys = min(attn.max_context_len, window)
-    return max(1, min(wanted, keys // MIN_SPLIT_LEN, MAX_SPLITS))
+    splits = max(1, min(wanted, keys // MIN_SPLIT_LEN, tune.get("max_splits", MAX_SPLITS)))
+    # A power of two: shares of a power-of-two context come out equal (17 splits of a 32k
+    # context ran 4 % slower than 16 on an H200).
+    return 1 << (splits.bit_length() - 1)
 
 
 class TritonPagedAttention:
@@ -409,8 +421,7 @@ class TritonPagedAttention:
                 softcap_log2):
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
-        splits = num_splits(attn, num_kv_heads, _num_sms(q.device), tune["programs_per_sm"],
-                            window)
+        splits = num_splits(attn, num_kv_heads, _num_sms(q.device), tune, window)
         if splits == 1:
             dest, m, l = out.unsqueeze(0), out, out  # m, l unused without splits
         else:

@@ -1,0 +1,199 @@
+"""Soak the case that once lost a chunk: a worker killed during a Sentinel failover.
+
+Each run starts a primary, its replica and three Sentinels (down-after 1000 ms), and two
+`roseinfer worker` processes on a tiny random GPT-2 (--claim-idle-ms 1000); streams 32
+greedy requests of 160 tokens (the last 4 submitted inside the failover's window);
+SIGKILLs the primary once some reply streams exist, then worker ``a`` after a short
+delay, so that ``b`` takes a's requests over from the new primary. The number of streams
+before the kill and the delay come from the run's seed.
+
+Per run it prints, from the reply streams as the new primary holds them (XRANGE, not a
+client's de-duplicated view): the seqs missing inside a stream (gaps), the seqs written
+twice (duplicates: allowed, clients drop them), whether every stream's tokens equal a
+run without the failover, and how many requests ``b`` resumed (taken over mid-stream). A run with a gap or a wrong stream keeps its workers' and
+Sentinels' logs under --out.
+
+    python3 docs/bench/failover_soak.py [--runs 200] [--seed 0] [--case worker_killed]
+        [--ack-replicas 1] [--out DIR]
+"""
+import argparse
+import collections
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import redis
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.frontends.redis_streams.client import Client
+from roseinfer.frontends.redis_streams.connection import connect
+from roseinfer.frontends.redis_streams.heartbeat import read_heartbeats
+from roseinfer.frontends.redis_streams.protocol import Keys, decode_chunk
+from roseinfer.frontends.redis_streams.server import EmbeddedRedis, EmbeddedSentinel, free_port
+
+NAME = "soak-primary"
+PROMPTS = [f"Request {i} begins" for i in range(32)]
+LATE = 28
+TOKENS = 160
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-num-seqs", "8",
+          "--num-kv-blocks", "160", "--no-cuda-graphs"]
+
+
+def tiny_gpt2(path: str) -> str:
+    """The tests' tiny GPT-2: random weights (seed 0) beside GPT-2's real tokenizer."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from roseinfer.models.tokenizers import gpt2_tokenizer
+
+    gpt2_tokenizer(os.path.join(path, "tokenizer-cache")).save_pretrained(path)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=256)).save_pretrained(path)
+    return path
+
+
+def wait_until(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("timed out")
+        time.sleep(0.01)
+
+
+class Fleet:
+    """A primary, its replica, three Sentinels and two worker processes."""
+
+    def __init__(self, model: str, flags: list[str], logs: str):
+        self.primary = EmbeddedRedis(port=free_port()).start()
+        self.replica = EmbeddedRedis(port=free_port(), extra_args=(
+            "--replicaof", "127.0.0.1", str(self.primary.port))).start()
+        self.sentinels = [EmbeddedSentinel(free_port(), self.primary.port, NAME).start()
+                          for _ in range(3)]
+        self.url = "redis+sentinel://" + ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels) \
+            + f"/{NAME}"
+        self.prefix = f"soak{random.randrange(1 << 30)}"
+        self.logs = logs
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.workers = {}
+        for name in ("a", "b"):
+            cmd = [sys.executable, "-m", "roseinfer.cli", "worker", "--redis-url", self.url,
+                   "--prefix", self.prefix, "--consumer", name, "--heartbeat-s", "0.2",
+                   "--claim-idle-ms", "1000", *flags, "--model", model, *ENGINE]
+            log = open(os.path.join(logs, f"worker-{name}.log"), "w")
+            self.workers[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
+                                                  env=env)
+        keys = Keys(self.prefix)
+        wait_until(lambda: {h["consumer"] for h in read_heartbeats(connect(self.url), keys)}
+                   >= {"a", "b"}, 120)
+        wait_until(lambda: redis.Redis(port=self.replica.port).info("replication")
+                   ["master_link_status"] == "up", 30)
+
+    def close(self) -> None:
+        for p in self.workers.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for i, s in enumerate(self.sentinels):
+            shutil.copy(os.path.join(s._dir, "redis.log"),
+                        os.path.join(self.logs, f"sentinel-{i}.log"))
+        for server in (*self.sentinels, self.replica, self.primary):
+            server.stop()
+
+
+def streams_exist(fleet: Fleet, n: int) -> bool:
+    return len(redis.Redis(port=fleet.primary.port).keys(f"{fleet.prefix}:out:*")) >= n
+
+
+def one_run(fleet: Fleet, rng: random.Random, want: list) -> dict:
+    started, delay = rng.randint(1, 16), rng.uniform(0.0, 1.5)
+    client = Client(fleet.url, fleet.prefix)
+    rids = [client.submit(p, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+            for p in PROMPTS[:LATE]]
+    late, killed = {}, threading.Event()
+
+    def submit_late(i):
+        killed.wait()
+        late[i] = client.submit(PROMPTS[i], max_tokens=TOKENS, temperature=0, ignore_eos=True)
+
+    threads = [threading.Thread(target=submit_late, args=(i,)) for i in range(LATE, 32)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: streams_exist(fleet, started), 60)
+    fleet.primary.stop(kill=True)
+    killed.set()
+    time.sleep(delay)
+    fleet.workers["a"].kill()
+    for t in threads:
+        t.join(60)
+    rids += [late[i] for i in range(LATE, 32)]
+    server = connect(fleet.url)
+    keys = Keys(fleet.prefix)
+    wait_until(lambda: all(_finished(server, keys, rid) for rid in rids), 180)
+    gaps, dups, wrong = [], 0, []
+    for i, rid in enumerate(rids):
+        chunks = [decode_chunk(f) for _, f in server.xrange(keys.out(rid))]
+        seqs = collections.Counter(c.seq for c in chunks)
+        dups += sum(n - 1 for n in seqs.values())
+        missing = sorted(set(range(max(seqs) + 1)) - set(seqs))
+        if missing:
+            gaps.append((rid, missing))
+        first = {}
+        for c in chunks:
+            first.setdefault(c.seq, c)
+        tokens = [t for s in sorted(first) for t in first[s].token_ids]
+        if tokens != want[i].token_ids:
+            wrong.append(rid)
+    return {"started": started, "delay_s": round(delay, 3), "gaps": gaps, "duplicates": dups,
+            "wrong": wrong}
+
+
+def _finished(server, keys: Keys, rid: str) -> bool:
+    last = server.xrevrange(keys.out(rid), count=1)
+    return bool(last) and decode_chunk(last[0][1]).finished
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0, help="run i uses seed + i")
+    ap.add_argument("--case", default="worker_killed", choices=["worker_killed"])
+    ap.add_argument("--ack-replicas", type=int, default=0)
+    ap.add_argument("--out", default="failover-soak", help="logs of the runs that failed")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    model = tiny_gpt2(tempfile.mkdtemp(prefix="soak-model-"))
+    want = LLM(model, device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=160,
+               cuda_graphs=False).generate(PROMPTS, SamplingParams(
+                   max_tokens=TOKENS, temperature=0, ignore_eos=True))
+    flags = ["--ack-replicas", str(args.ack_replicas)] if args.ack_replicas else []
+    failed = 0
+    for i in range(args.runs):
+        seed = args.seed + i
+        logs = tempfile.mkdtemp(prefix=f"soak-{seed}-")
+        t0 = time.monotonic()
+        fleet = Fleet(model, flags, logs)
+        try:
+            result = one_run(fleet, random.Random(seed), want)
+        except Exception as e:  # noqa: BLE001 - a run that hangs or breaks is a failure too
+            result = {"error": f"{type(e).__name__}: {e}", "gaps": [], "wrong": []}
+        finally:
+            fleet.close()
+        with open(os.path.join(logs, "worker-b.log")) as f:
+            result["resumed"] = f.read().count("event=resumed")
+        bad = bool(result.get("error") or result["gaps"] or result["wrong"])
+        failed += bad
+        if bad:
+            shutil.copytree(logs, os.path.join(args.out, f"seed-{seed}"), dirs_exist_ok=True)
+        shutil.rmtree(logs, ignore_errors=True)
+        print(f"run {i} seed {seed} ({time.monotonic() - t0:.0f} s): "
+              + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+    print(f"{args.runs} runs, {failed} with a gap, a wrong stream or an error")
+
+
+if __name__ == "__main__":
+    main()
