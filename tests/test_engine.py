@@ -354,3 +354,12 @@ def test_a_prompt_of_many_chunks_while_the_gpu_lags(llama_model, monkeypatch):
     prompt = [(7 * i) % 500 + 2 for i in range(200)]  # 13 chunks of 16 tokens
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert out[0].token_ids == hf_greedy(llama_model, prompt, 8)
+
+
+def test_a_max_model_len_past_the_models_context_is_refused(gpt2_model):
+    """GPT-2's learned positions end at n_positions, as RoPE tables end at
+    max_position_embeddings: a longer max_model_len would read past them."""
+    positions = gpt2_model.config.n_positions
+    with pytest.raises(ConfigError, match=f"more than the model's context of {positions}"):
+        llm_for(gpt2_model, max_model_len=positions + 1)
+    assert llm_for(gpt2_model, max_model_len=positions).engine.max_model_len == positions

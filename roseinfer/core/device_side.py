@@ -159,7 +159,14 @@ def attention_name(cfg: EngineConfig, plugins: PluginRegistry, device: torch.dev
 def _max_model_len(cfg: EngineConfig, hf_config, kv_cache: KVCache | None) -> int:
     """The config's or the model's context, at most what the cache holds for one sequence
     (``kv_cache`` None: not bounded by one)."""
-    context = cfg.max_model_len or _context_len(hf_config)
+    context = _context_len(hf_config)
+    if cfg.max_model_len and cfg.max_model_len > context:
+        # Past it the RoPE tables (or GPT-2's position embeddings) end: positions there
+        # would be read out of bounds.
+        raise ConfigError(f"max_model_len {cfg.max_model_len} is more than the model's "
+                          f"context of {context} positions (its config's "
+                          "max_position_embeddings): pass at most that")
+    context = cfg.max_model_len or context
     held = kv_cache and kv_cache.groups.max_tokens(kv_cache.scratch_block, cfg.block_size)
     return context if held is None else min(context, held)
 
