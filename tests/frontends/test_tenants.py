@@ -4,7 +4,6 @@
 other tenant's key is touched. Also: entries left under the backlog's old name are
 carried over by a worker allowed to read it."""
 import argparse
-import subprocess
 
 import openai
 import pytest
@@ -16,7 +15,7 @@ from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.protocol import Keys, hash_tag, prefix_arg
 from roseinfer.frontends.redis_streams.server import free_port
 
-from .conftest import FakeEngine, roseinfer_cmd, wait_until
+from .conftest import FakeEngine, status_until, wait_until
 from .test_cluster import start_cluster
 from .test_reliability_processes import START_TIMEOUT_S, alive
 
@@ -100,8 +99,7 @@ def test_a_tenant_limited_to_its_prefix_runs_its_whole_fleet(
     finally:
         gateway.stop()
 
-    status = subprocess.run(roseinfer_cmd("status", "--redis-url", url, "--prefix", prefix),
-                            capture_output=True, text=True, timeout=60)
+    status = status_until(url, prefix, lambda out: "workers: 2 alive" in out)
     assert status.returncode == 0, status.stderr
     assert "workers: 2 alive" in status.stdout
 

@@ -22,7 +22,7 @@ import os
 import socket
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Optional
 
 from redis import Redis
@@ -31,12 +31,13 @@ from redis.exceptions import ResponseError
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams import engine_health
 from roseinfer.frontends.redis_streams.admission import Admission
+from roseinfer.frontends.redis_streams.claims import Claims
 from roseinfer.frontends.redis_streams.connection import follow_slots, is_cluster
 from roseinfer.frontends.redis_streams.events import event, log
 from roseinfer.frontends.redis_streams.adapters import Adapters
 from roseinfer.frontends.redis_streams.heartbeat import Heartbeat
 from roseinfer.frontends.redis_streams import inbox
-from roseinfer.frontends.redis_streams.inflight import RUN_ALONE_FROM_DELIVERY, InFlight
+from roseinfer.frontends.redis_streams.inflight import InFlight
 from roseinfer.frontends.redis_streams.lanes import Backlog
 from roseinfer.frontends.redis_streams.metrics import Metrics
 from roseinfer.frontends.redis_streams.outage import GaveUp, Outage
@@ -47,9 +48,9 @@ from roseinfer.frontends.redis_streams.publisher import Publisher
 from roseinfer.frontends.redis_streams.reads import ReadPlan, Reads, RoundReads
 from roseinfer.frontends.redis_streams.request_entry import queued_at, reply_rid
 from roseinfer.frontends.redis_streams.protocol import (
-    DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, chunk_body, error_chunk)
+    DEFAULT_GROUP, DEFAULT_PREFIX, Keys, Limits, error_chunk)
 from roseinfer.frontends.redis_streams.routing import CacheReport, RouteConfig, Router
-from roseinfer.frontends.redis_streams.takeover import Takeover, dead_letter, read_takeovers
+from roseinfer.frontends.redis_streams.takeover import Takeover
 
 # Cancels of requests this worker has not read yet: remembered so that a request cancelled
 # while still queued is aborted as soon as it arrives. Bounded: old ones fall out first.
@@ -60,6 +61,12 @@ STEP_LOOP_SWITCH_INTERVAL_S = 0.0005
 # entries it brings are launched in the next step rather than the one after: the device
 # runs the step just launched meanwhile (docs/benchmarks.md, "Reading every step").
 READ_WAIT_S = 0.002
+# A full worker still reads new entries until this many wait in its engine's queue: a
+# malformed or oversized one is refused at once, not after the requests ahead of it finish
+# (9.7 s for the last of 12 behind 8 running requests of 64 tokens on the CPU, with none).
+# A valid one starts here when a slot frees; in a fleet, a peer with room might have
+# started it sooner: few, so that a full worker holds back little from its peers.
+QUEUED_PAST_SLOTS = 8
 
 
 def default_consumer_name() -> str:
@@ -97,7 +104,6 @@ class Worker:
         self.consumer = consumer or default_consumer_name()
         self.block_ms = block_ms            # also bounds how long stop() takes when idle
         self.grace_s = grace_s
-        self.max_deliveries = max_deliveries
         # Chat models answer sensibly only inside their template; raw text is for base models.
         self.admission = Admission(engine, chat_template, max_entry_bytes)
         self.metrics = metrics or Metrics(model_name)
@@ -116,11 +122,9 @@ class Worker:
                              ack_replicas, ack_timeout_ms)
         # Refreshing four times per claim period keeps a live worker's entries far from it.
         self._tick_s = claim_idle_ms / 4000
-        self._next_refresh = self._next_claim = 0.0
-        self._claim_now = False
-        self._claim_cursor = "0-0"
+        self._next_refresh = 0.0
         self._inflight: dict[str, InFlight] = {}
-        self._suspects: deque[Takeover] = deque()
+        self.claims = Claims(self, max_deliveries, self._tick_s)
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._stop_at: Optional[float] = None
         self._engine_failure: Optional[BaseException] = None
@@ -167,7 +171,8 @@ class Worker:
             self.reads.adapter_cursor = loaded[-1][0] if loaded else "0-0"
         event("started", consumer=self.consumer, stream=self.keys.requests, group=self.group,
               max_num_seqs=self.engine.config.max_num_seqs,
-              claim_idle_ms=self.ownership.claim_idle_ms, max_deliveries=self.max_deliveries)
+              claim_idle_ms=self.ownership.claim_idle_ms,
+              max_deliveries=self.claims.max_deliveries)
 
     def run(self) -> None:
         """Serve until stop() was called and the in-flight requests finished (or grace ran
@@ -214,7 +219,7 @@ class Worker:
     def _leave(self) -> None:
         self.outbox.send()
         self.outbox.deliver()  # entries read just before the stop are handed back too
-        unfinished = len(self._inflight) + len(self._suspects)
+        unfinished = len(self._inflight) + len(self.claims.suspects)
         self._hand_back_all()
         self.outbox.write(self.heartbeat.remove)
         if self.inbox is not None:
@@ -229,9 +234,10 @@ class Worker:
         if self.engine.has_unfinished():
             self._step()
         stepped = time.monotonic()
-        self._start_suspect()
-        if self._claim_due():
-            self._claim()
+        self.claims.start_suspect(not (self._inflight or self.engine.has_unfinished()
+                                        or self.stopping))
+        if self.claims.due(self._free_slots()):
+            self.claims.claim(self._free_slots())
         self._exchange()
         self.pace.log_progress(self.engine, len(self._inflight))
         self.pace.warn_if_slow(started, stepped, len(self._inflight))
@@ -291,32 +297,14 @@ class Worker:
     def _plan(self) -> ReadPlan:
         now = time.monotonic()
         owned = []
-        if now >= self._next_refresh and (self._inflight or self._suspects):
+        suspects = self.claims.suspects
+        if now >= self._next_refresh and (self._inflight or suspects):
             self._next_refresh = now + self._tick_s
-            owned = [*self._inflight.values(), *self._suspects]
-        idle = not (self.engine.has_unfinished() or self._suspects)
+            owned = [*self._inflight.values(), *suspects]
+        idle = not (self.engine.has_unfinished() or suspects)
         is_open = not self._closed()
         return ReadPlan(owned, self._read_slots(), self.block_ms if idle else None,
                      is_open, self._free_slots(), is_open and self.backlog.due())
-
-    def _claim_due(self) -> bool:
-        now = time.monotonic()
-        if not (self._claim_now or now >= self._next_claim) or not self._free_slots():
-            return False
-        self._next_claim = now + self._tick_s
-        return True
-
-    def _claim(self) -> None:
-        """Claim entries idle past the threshold: a dead worker's, or ones handed back."""
-        slots = self._free_slots()
-        cursor = self._claim_cursor
-        (reply,) = self.outbox.send(lambda pipe: self.ownership.claim(pipe, cursor, slots))
-        if not self._readable(reply):
-            return
-        self._claim_cursor, claimed = Ownership.claimed(reply)
-        self._claim_now = self._claim_cursor != "0-0"  # more of the PEL to scan: next step
-        if claimed:
-            self._take_over(claimed)
 
     def _readable(self, reply) -> bool:
         if isinstance(reply, ResponseError) and str(reply).startswith("NOGROUP"):
@@ -342,7 +330,8 @@ class Worker:
 
     def _closed(self) -> bool:
         """Taking no new entries: stopping, or a suspect runs alone."""
-        return self.stopping or bool(self._suspects) or any(f.alone for f in self._inflight.values())
+        return self.stopping or bool(self.claims.suspects) or any(
+            f.alone for f in self._inflight.values())
 
     def _free_slots(self) -> int:
         if self._closed():
@@ -351,15 +340,17 @@ class Worker:
 
     def _read_slots(self) -> int:
         """Free slots, and those of background work (priority > 0), which a request read
-        now takes over if it ranks before it (core/scheduler.py)."""
+        now takes over if it ranks before it (core/scheduler.py); a full worker still
+        reads until QUEUED_PAST_SLOTS entries wait in its engine."""
         if self._closed():
             return 0
         background = sum(f.running for f in self._inflight.values() if f.priority > 0)
-        return max(0, self._free_slots() + background)
+        queued = self.engine.num_unfinished() - self.engine.config.max_num_seqs
+        return max(0, self._free_slots() + background, QUEUED_PAST_SLOTS - queued)
 
     def _live_status(self) -> dict:
         s = self.engine.stats()
-        return {"in_flight": len(self._inflight), "suspects": len(self._suspects),
+        return {"in_flight": len(self._inflight), "suspects": len(self.claims.suspects),
                 "running": s.num_running, "waiting": s.num_waiting,
                 "kv_cache_usage": s.kv_cache_usage, "generated_tokens": self._totals["tokens"],
                 "finished": self._totals["finished"], "step": self.engine.step_kind,
@@ -387,9 +378,8 @@ class Worker:
         """Another worker claimed the entry (this one stalled past the claim threshold), or
         it was acknowledged: stop serving it, silently, since its client is served."""
         if isinstance(o, Takeover):
-            if o not in self._suspects:
+            if not self.claims.drop(o):
                 return  # started meanwhile: its InFlight is refreshed from now on
-            self._suspects.remove(o)
         else:
             if self._inflight.get(o.rid) is not o:
                 return  # finished meanwhile
@@ -397,56 +387,6 @@ class Worker:
             self.engine.abort(o.rid)  # its "abort" output is ignored: the rid is not ours
         event("ownership_lost", logging.WARNING, rid=o.rid, entry=o.entry_id,
               reason="claimed by another worker, or acknowledged")
-
-    def _take_over(self, claimed: list) -> None:
-        takeovers = self.outage.call(lambda: read_takeovers(
-            self.redis.pipeline(transaction=False), self.keys, self.group, claimed))
-        for t in takeovers:
-            if self._still_mine(t):
-                continue
-            self.outbox.vouch(self.keys.out(t.rid), t.entry_id,
-                              [(chunk_body(c), c.seq) for c in t.chunks])
-            if t.finished:  # its worker died between the final chunk and the ack
-                self.outbox.write(self.ownership.ack, [t.entry_id])
-                event("acked", rid=t.rid, entry=t.entry_id, reason="already finished")
-            elif t.deliveries > self.max_deliveries:
-                self._dead_letter(t)
-            elif t.deliveries >= RUN_ALONE_FROM_DELIVERY:
-                self._suspects.append(t)
-            else:
-                self._admit(t.entry_id, t.fields, t)
-
-    def _still_mine(self, t: Takeover) -> bool:
-        """An entry this worker serves, claimed back by itself: the loop stalled past the
-        claim threshold (a long admission or prefill) and no other worker took it first.
-        The claim reset its idle time; it stays served where it is, as it was."""
-        mine = self._inflight.get(t.rid)
-        if mine is not None and mine.entry_id == t.entry_id:
-            mine.refreshed_at = t.refreshed_at
-        elif not any(s.entry_id == t.entry_id for s in self._suspects):
-            return False
-        event("kept_own_entry", logging.WARNING, rid=t.rid, entry=t.entry_id,
-              reason="claimed back from itself after a stall past --claim-idle-ms")
-        return True
-
-    def _start_suspect(self) -> None:
-        """Run the next suspect once the engine is empty (nothing else is read meanwhile)."""
-        if self._suspects and not (self._inflight or self.engine.has_unfinished() or self.stopping):
-            t = self._suspects.popleft()
-            event("running_alone", rid=t.rid, entry=t.entry_id, deliveries=t.deliveries)
-            self._admit(t.entry_id, t.fields, t)
-
-    def _dead_letter(self, t: Takeover) -> None:
-        reason = (f"delivered {t.deliveries} times without finishing (--max-deliveries "
-                  f"{self.max_deliveries}); it may be crashing workers")
-        self.outbox.write(dead_letter, self.keys, t, reason, self.consumer)
-        message = f"{reason}; moved to {self.keys.dead} for an operator to look at"
-        chunk = error_chunk(t.rid, "dead_letter", message, t.next_seq, len(t.emitted_ids()))
-        self.publisher.publish(self.outbox.round, chunk, t.entry_id, final=True)
-        self.metrics.dead_lettered.inc()
-        self.metrics.finished("error")
-        event("dead_lettered", logging.WARNING, rid=t.rid, entry=t.entry_id,
-              deliveries=t.deliveries, dead_stream=self.keys.dead)
 
     def _routed(self, entry_id: str, peer: str) -> None:
         self.metrics.routed.inc()
@@ -467,10 +407,8 @@ class Worker:
             engine_health.abandon(self.engine, list(self._inflight))
         for f in self._inflight.values():
             self.outbox.write(self.ownership.hand_back, f.entry_id, f.deliveries, False)
-        for t in self._suspects:
-            self.outbox.write(self.ownership.hand_back, t.entry_id, t.deliveries, False)
+        self.claims.hand_back(self.outbox.write)
         self._inflight.clear()
-        self._suspects.clear()
 
     # --- the engine ---------------------------------------------------------------------
 
@@ -516,7 +454,7 @@ class Worker:
         event("handed_back", logging.WARNING, count=len(self._inflight), counted=healthy)
         self._inflight.clear()
         if healthy:
-            self._claim_now = True  # take them again at once: the ones that run alone tell
+            self.claims.now = True  # take them again at once: the ones that run alone tell
         else:
             self._engine_failure = error
 
