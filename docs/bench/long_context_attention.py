@@ -202,6 +202,63 @@ def seconds(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+PREFILL_GRID = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st)
+                for m, n, w, st in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])]
+
+
+def prefill_batch(length: int, seqs: int, chunk: int, kv_heads: int, head_dim: int):
+    """(caches, q, the step's AttnMetadata per chunk): ``seqs`` prompts of ``length`` tokens
+    in chunks of ``chunk`` queries (several prompts' chunks share a step)."""
+    blocks = length // BLOCK
+    k_cache = torch.randn(seqs * blocks + 1, kv_heads, BLOCK, head_dim, device="cuda",
+                          dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    table = (torch.randperm(seqs * blocks, device="cuda").int() + 1).view(seqs, blocks)
+    per = max(1, chunk // length)  # whole short prompts a step
+    steps = []
+    for first in range(0, seqs, per):
+        rows = list(range(first, min(seqs, first + per)))
+        for end in range(min(chunk, length), length + 1, min(chunk, length)):
+            q_len = min(chunk, length)
+            steps.append(AttnMetadata(
+                table[rows], torch.full((len(rows),), end, dtype=torch.int32, device="cuda"),
+                torch.arange(len(rows) + 1, dtype=torch.int32, device="cuda") * q_len,
+                q_len, end))
+    return k_cache, v_cache, steps
+
+
+def prefill_grid(cls, chunk: int, out) -> None:
+    """Every prefill tile of PREFILL_GRID over long prompts in chunks and many short
+    prompts a step: ms for all the steps, per tile; prints the best for each shape and
+    the current tile's."""
+    name, heads, kv_heads, head_dim = cls
+    backend = triton_paged.TritonPagedAttention()
+    shipped = dict(triton_paged.TUNING["prefill"])
+    for length, seqs in ((32768, 1), (8192, 1), (512, 16), (128, 32)):
+        k_cache, v_cache, steps = prefill_batch(length, seqs, chunk, kv_heads, head_dim)
+        qs = [torch.randn(int(a.query_start[-1]), heads, head_dim, device="cuda",
+                          dtype=torch.bfloat16) for a in steps]
+        flops = 2 * heads * head_dim * length ** 2 * seqs
+        rows = []
+        for tile in [shipped] + PREFILL_GRID:
+            triton_paged.TUNING["prefill"] = tile
+            try:
+                t = seconds(lambda: [backend.forward(q, k_cache, v_cache, a, head_dim ** -0.5)
+                                     for q, a in zip(qs, steps)])
+            except Exception as e:  # noqa: BLE001 - a tile out of shared memory
+                print(f"skip {tile}: {type(e).__name__}", flush=True)
+                continue
+            finally:
+                triton_paged.TUNING["prefill"] = shipped
+            rows.append(dict(tile, ms=t * 1e3, tflops=flops / t / 1e12))
+            out.write(json.dumps({"class": name, "kernel": "prefill_grid", "prompt": length,
+                                  "seqs": seqs, "chunk": chunk, **rows[-1]}) + "\n")
+        best = min(rows[1:], key=lambda r: r["ms"])
+        print(f"  prefill tiles {name} {seqs} x {length}: shipped {rows[0]['ms']:.3f} ms "
+              f"({rows[0]['tflops']:.0f} TFLOP/s) | best {best['ms']:.3f} ms "
+              f"({best['tflops']:.0f}) {[best[k] for k in shipped]}", flush=True)
+
+
 def prefill(cls, chunk: int, out) -> None:
     """A whole prompt's attention, causal: triton_paged as the engine runs it (chunks of
     ``chunk`` queries, each over the cache before it) against torch's SDPA over the whole
@@ -283,9 +340,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--bound", type=int, default=131072)
-    ap.add_argument("--mode", default="grid", choices=["grid", "quick", "compare"],
+    ap.add_argument("--mode", default="grid", choices=["grid", "quick", "compare", "prefill"],
                     help="grid: tiles x split rules; quick: one tile; compare: the shipped "
-                         "tuning against the one before")
+                         "tuning against the one before; prefill: the prefill tiles")
     ap.add_argument("--classes", default=",".join(c[0] for c in CLASSES))
     ap.add_argument("--caches", default="bfloat16,float8_e4m3fn")
     ap.add_argument("--prefill-chunk", type=int, default=0,
@@ -296,6 +353,9 @@ def main():
     with open(os.path.join(args.out, "long_context_attention.jsonl"), "w") as out:
         for cls in CLASSES:
             if cls[0] not in args.classes.split(","):
+                continue
+            if args.mode == "prefill":  # the prefill tiles only
+                prefill_grid(cls, args.prefill_chunk or 4096, out)
                 continue
             for cache in args.caches.split(","):
                 print(f"== {cls[0]} cache {cache}", flush=True)

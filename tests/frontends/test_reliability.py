@@ -13,7 +13,7 @@ from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.metrics import Metrics, serve
 from roseinfer.frontends.redis_streams.protocol import Keys
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
-from roseinfer.frontends.redis_streams.worker import Worker
+from roseinfer.frontends.redis_streams.worker import QUEUED_PAST_SLOTS, Worker
 
 from .conftest import (FakeEngine, WorkerThread, assert_well_formed, pending, raw_chunks,
                        wait_until)
@@ -173,18 +173,21 @@ def test_status_shows_workers_queue_and_dead_consumers(start_worker, real_redis,
     real_redis.xreadgroup("workers", "gone", {keys.requests: ">"}, count=1)  # then it "died"
     engine = FakeEngine(max_num_seqs=2, step_s=0.05)
     worker = start_worker(engine, consumer="w1", heartbeat_s=0.1)
-    for _ in range(5):
+    held = 2 + QUEUED_PAST_SLOTS  # its slots, and the entries a full worker queues
+    for _ in range(held + 3):
         client.submit("a", max_tokens=40)
-    wait_until(lambda: any(w["in_flight"] == 2 for w in status.collect(real_redis, keys, "workers")["workers"]))
+    wait_until(lambda: any(w["in_flight"] == held
+                           for w in status.collect(real_redis, keys, "workers")["workers"]))
     s = status.collect(real_redis, keys, "workers")
-    assert (s["waiting"], s["pending"], s["dead"]) == (3, 3, 0)
+    assert (s["waiting"], s["pending"], s["dead"]) == (3, held + 1, 0)
     assert s["oldest_waiting_s"] >= 0
     (w,) = s["workers"]
-    assert (w["consumer"], w["status"], w["in_flight"], w["pending"]) == ("w1", "serving", 2, 2)
+    assert (w["consumer"], w["status"], w["in_flight"], w["pending"]) == \
+        ("w1", "serving", held, held)
     assert w["age_s"] < 1
     assert [(o["consumer"], o["pending"]) for o in s["orphans"]] == [("gone", 1)]
     assert w["step"] == "eager"
     text = status.render(s)
     assert "3 waiting" in text and "w1" in text and "gone: 1 pending" in text and "eager" in text
-    worker.stop(grace_s=0)  # hands its two back
+    worker.stop(grace_s=0)  # hands them back
     assert status.collect(real_redis, keys, "workers")["workers"] == []

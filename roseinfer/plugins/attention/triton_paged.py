@@ -47,7 +47,7 @@ from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, t
 # most max_splits (default MAX_SPLITS) pieces a sequence.
 TUNING = {"decode": {"block_n": 16, "num_warps": 1, "num_stages": 2, "dot": False,
                      "programs_per_sm": 8},
-          "prefill": {"block_n": 32, "num_warps": 4, "num_stages": 2}}
+          "prefill": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}}
 _TC = {"block_n": 64, "num_warps": 4, "num_stages": 2, "dot": True, "programs_per_sm": 4}
 DECODE_TUNING: dict[tuple[int, int], dict] = {
     (64, 4): _TC, (64, 8): _TC, (128, 4): _TC, (128, 8): dict(_TC, num_stages=3),
@@ -406,7 +406,7 @@ class TritonPagedAttention:
                          window or NO_WINDOW, sinks, softcap_log2)
             return out
         # Prefill chunks give programs enough: never split.
-        block_m = max(64, triton.next_power_of_2(const["G"]))
+        block_m = max(tune["block_m"], triton.next_power_of_2(const["G"]))
         block_q = block_m // const["G"]
         _paged_attention_kernel[(n // block_q + attn.num_seqs, num_kv_heads)](
             q, k_cache, v_cache, out, attn.block_tables, attn.context_lens, attn.query_start,
