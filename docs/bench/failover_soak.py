@@ -7,14 +7,15 @@ SIGKILLs the primary once some reply streams exist, then worker ``a`` after a sh
 delay, so that ``b`` takes a's requests over from the new primary. The number of streams
 before the kill and the delay come from the run's seed.
 
-Per run it prints, from the reply streams as the new primary holds them (XRANGE, not a
-client's de-duplicated view): the seqs missing inside a stream (gaps), the seqs written
-twice (duplicates: allowed, clients drop them), whether every stream's tokens equal a
+Per run it prints, from the reply streams as the new primary holds them (XRANGE): the
+seqs missing inside a stream (gaps), the seqs written twice (duplicates: allowed, clients
+drop them), the streams whose chunks a client would keep with a hole in seq (a seq written
+after a later one is dropped as seen: client_gaps), whether what a client keeps equals a
 run without the failover, and how many requests ``b`` resumed (taken over mid-stream). A run with a gap or a wrong stream keeps its workers' and
 Sentinels' logs under --out.
 
-    python3 docs/bench/failover_soak.py [--runs 200] [--seed 0] [--case worker_killed]
-        [--ack-replicas 1] [--out DIR]
+    python3 docs/bench/failover_soak.py [--runs 200] [--seed 0] [--ack-replicas 1]
+        [--busy 2] [--out DIR]
 """
 import argparse
 import collections
@@ -33,7 +34,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.connection import connect
 from roseinfer.frontends.redis_streams.heartbeat import read_heartbeats
-from roseinfer.frontends.redis_streams.protocol import Keys, decode_chunk
+from roseinfer.frontends.redis_streams.protocol import Keys, accepted_chunks, decode_chunk
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis, EmbeddedSentinel, free_port
 
 NAME = "soak-primary"
@@ -69,6 +70,7 @@ class Fleet:
     """A primary, its replica, three Sentinels and two worker processes."""
 
     def __init__(self, model: str, flags: list[str], logs: str):
+        self.workers, self.sentinels, self.replica = {}, [], None
         self.primary = EmbeddedRedis(port=free_port()).start()
         self.replica = EmbeddedRedis(port=free_port(), extra_args=(
             "--replicaof", "127.0.0.1", str(self.primary.port))).start()
@@ -78,13 +80,15 @@ class Fleet:
             + f"/{NAME}"
         self.prefix = f"soak{random.randrange(1 << 30)}"
         self.logs = logs
+        self.model, self.flags = model, flags
+
+    def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.workers = {}
         for name in ("a", "b"):
             cmd = [sys.executable, "-m", "roseinfer.cli", "worker", "--redis-url", self.url,
                    "--prefix", self.prefix, "--consumer", name, "--heartbeat-s", "0.2",
-                   "--claim-idle-ms", "1000", *flags, "--model", model, *ENGINE]
-            log = open(os.path.join(logs, f"worker-{name}.log"), "w")
+                   "--claim-idle-ms", "1000", *self.flags, "--model", self.model, *ENGINE]
+            log = open(os.path.join(self.logs, f"worker-{name}.log"), "w")
             self.workers[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
                                                   env=env)
         keys = Keys(self.prefix)
@@ -102,7 +106,8 @@ class Fleet:
             shutil.copy(os.path.join(s._dir, "redis.log"),
                         os.path.join(self.logs, f"sentinel-{i}.log"))
         for server in (*self.sentinels, self.replica, self.primary):
-            server.stop()
+            if server is not None:
+                server.stop()
 
 
 def streams_exist(fleet: Fleet, n: int) -> bool:
@@ -134,22 +139,22 @@ def one_run(fleet: Fleet, rng: random.Random, want: list) -> dict:
     server = connect(fleet.url)
     keys = Keys(fleet.prefix)
     wait_until(lambda: all(_finished(server, keys, rid) for rid in rids), 180)
-    gaps, dups, wrong = [], 0, []
+    gaps, dups, skipped, wrong = [], 0, [], []
     for i, rid in enumerate(rids):
-        chunks = [decode_chunk(f) for _, f in server.xrange(keys.out(rid))]
+        entries = server.xrange(keys.out(rid))
+        chunks = [decode_chunk(f) for _, f in entries]
         seqs = collections.Counter(c.seq for c in chunks)
         dups += sum(n - 1 for n in seqs.values())
         missing = sorted(set(range(max(seqs) + 1)) - set(seqs))
         if missing:
             gaps.append((rid, missing))
-        first = {}
-        for c in chunks:
-            first.setdefault(c.seq, c)
-        tokens = [t for s in sorted(first) for t in first[s].token_ids]
-        if tokens != want[i].token_ids:
+        kept = accepted_chunks(entries)  # what a client keeps, in stream order
+        if [c.seq for c in kept] != list(range(len(kept))):
+            skipped.append((rid, [c.seq for c in chunks]))
+        if sum((c.token_ids for c in kept), []) != want[i].token_ids:
             wrong.append(rid)
     return {"started": started, "delay_s": round(delay, 3), "gaps": gaps, "duplicates": dups,
-            "wrong": wrong}
+            "client_gaps": skipped, "wrong": wrong}
 
 
 def _finished(server, keys: Keys, rid: str) -> bool:
@@ -161,10 +166,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0, help="run i uses seed + i")
-    ap.add_argument("--case", default="worker_killed", choices=["worker_killed"])
     ap.add_argument("--ack-replicas", type=int, default=0)
     ap.add_argument("--out", default="failover-soak", help="logs of the runs that failed")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="processes that spin beside the runs: a loaded machine, as when the "
+                         "whole test suite runs")
     args = ap.parse_args()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(args.busy)]
+    try:
+        soak(args)
+    finally:
+        for p in spinners:
+            p.kill()
+
+
+def soak(args) -> None:
     os.makedirs(args.out, exist_ok=True)
     model = tiny_gpt2(tempfile.mkdtemp(prefix="soak-model-"))
     want = LLM(model, device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=160,
@@ -178,6 +195,7 @@ def main() -> None:
         t0 = time.monotonic()
         fleet = Fleet(model, flags, logs)
         try:
+            fleet.start()
             result = one_run(fleet, random.Random(seed), want)
         except Exception as e:  # noqa: BLE001 - a run that hangs or breaks is a failure too
             result = {"error": f"{type(e).__name__}: {e}", "gaps": [], "wrong": []}
@@ -185,7 +203,8 @@ def main() -> None:
             fleet.close()
         with open(os.path.join(logs, "worker-b.log")) as f:
             result["resumed"] = f.read().count("event=resumed")
-        bad = bool(result.get("error") or result["gaps"] or result["wrong"])
+        bad = bool(result.get("error") or result["gaps"] or result.get("client_gaps")
+                   or result["wrong"])
         failed += bad
         if bad:
             shutil.copytree(logs, os.path.join(args.out, f"seed-{seed}"), dirs_exist_ok=True)

@@ -5,7 +5,7 @@ import pytest
 
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.protocol import Keys, decode_chunk
-from roseinfer.frontends.redis_streams.worker import Worker
+from roseinfer.frontends.redis_streams.worker import QUEUED_PAST_SLOTS, Worker
 
 from .conftest import run_until_idle
 
@@ -60,11 +60,19 @@ def test_finishing_on_a_stop_token(worker, client, fake_redis):
     assert got[-1].finish_reason == "stop" and got[-1].usage["completion_tokens"] == 3
 
 
-def test_reads_only_as_many_entries_as_free_slots(worker, client, fake_redis, fake_engine):
-    for _ in range(7):
-        client.submit("a", max_tokens=3)
+def test_reads_as_many_entries_as_free_slots_then_a_few_to_queue(worker, client, fake_redis,
+                                                                 fake_engine):
+    """Free slots first; once full, entries until QUEUED_PAST_SLOTS wait in the engine (a
+    bad one among them is refused at once); the rest stay in the stream for others."""
+    slots = fake_engine.config.max_num_seqs
+    for _ in range(slots + QUEUED_PAST_SLOTS + 3):
+        client.submit("a", max_tokens=50)
     worker.run_once()
-    assert fake_engine.num_unfinished() == pending(fake_redis) == fake_engine.config.max_num_seqs == 4
+    assert fake_engine.num_unfinished() == pending(fake_redis) == slots == 4
+    worker.run_once()
+    assert fake_engine.num_unfinished() == pending(fake_redis) == slots + QUEUED_PAST_SLOTS
+    worker.run_once()
+    assert fake_redis.xlen(KEYS.requests) - pending(fake_redis) == 3
     run_until_idle(worker)
     assert pending(fake_redis) == 0
 

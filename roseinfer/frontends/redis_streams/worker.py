@@ -345,8 +345,11 @@ class Worker:
         if self._closed():
             return 0
         background = sum(f.running for f in self._inflight.values() if f.priority > 0)
+        slots = self._free_slots() + background
+        if slots:
+            return slots
         queued = self.engine.num_unfinished() - self.engine.config.max_num_seqs
-        return max(0, self._free_slots() + background, QUEUED_PAST_SLOTS - queued)
+        return max(0, QUEUED_PAST_SLOTS - queued)
 
     def _live_status(self) -> dict:
         s = self.engine.stats()
