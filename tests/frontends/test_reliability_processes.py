@@ -8,6 +8,7 @@ import pytest
 from roseinfer import SamplingParams
 from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.heartbeat import read_heartbeats
+from roseinfer.frontends.redis_streams.worker import QUEUED_PAST_SLOTS
 from roseinfer.frontends.redis_streams.protocol import Keys
 
 from .conftest import WORDS, assert_well_formed, pending, raw_chunks, wait_until
@@ -51,7 +52,9 @@ def test_kill_9_mid_flight_the_other_worker_resumes_without_gap_or_repeat(
     victim = worker_processes("victim", "--claim-idle-ms", "1000", *flags)
     survivor = worker_processes("survivor", "--claim-idle-ms", "1000", *flags)
     wait_until(lambda: alive(real_redis, prefix, "victim", "survivor"), START_TIMEOUT_S)
-    reqs = greedy_requests(10, random.Random(1), (60, 120))
+    # More than one worker takes (its 8 slots and the QUEUED_PAST_SLOTS a full one
+    # queues), so that each holds some whichever reads first.
+    reqs = greedy_requests(8 + QUEUED_PAST_SLOTS + 2, random.Random(1), (60, 120))
     client = Client(redis_server.url, prefix)
     rids = [client.submit(p, **kw) for p, kw in reqs]  # no rid given: rid = entry ID
     kill_mid_request(real_redis, prefix, victim, "victim")
