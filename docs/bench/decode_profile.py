@@ -47,7 +47,9 @@ def kernel_table(eng, n: int):
 
 def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
     llm = LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=batch,
-              enable_prefix_cache=False, max_model_len=max(2048, context + 512),
+              # room for every token the profile makes: at 32 sequences and more a step
+              # decodes a window of 8 (engine.decode_steps), 70 steps 560 tokens
+              enable_prefix_cache=False, max_model_len=context + 2048,
               tensor_parallel_size=tp)
     eng = llm.engine
     weights = weight_bytes(eng.model)
