@@ -14,7 +14,8 @@ from roseinfer.frontends.redis_streams.client import Client
 from roseinfer.frontends.redis_streams.commands import worker_settings
 from roseinfer.frontends.redis_streams.events import event
 from roseinfer.frontends.redis_streams.outage import GaveUp, Outage, is_transient
-from roseinfer.frontends.redis_streams.protocol import Chunk, Keys, decode_chunk, encode_chunk
+from roseinfer.frontends.redis_streams.protocol import Chunk, Keys, chunk_body, decode_chunk, \
+    encode_chunk
 from roseinfer.frontends.redis_streams.worker import EngineFailed, Worker
 
 from .conftest import FakeEngine, assert_well_formed, raw_chunks, run_until_idle
@@ -346,3 +347,36 @@ def test_a_worker_stopped_after_a_takeover_hands_back_nothing_it_lost(fake_engin
     w.run()
     consumer, deliveries, idle_ms = owner_of(fake_redis, entry_id)
     assert (consumer, deliveries) == ("other", 2) and idle_ms < 60_000
+
+
+@pytest.mark.parametrize("then_vouch", [False, True], ids=["read", "read_then_takeover"])
+def test_an_outage_longer_than_the_replay_window_still_replays_when_a_read_lands_first(
+        fake_redis, monkeypatch, then_vouch):
+    """A failover takes longer than REPLAY_S. The reader thread's read (no writes) may land
+    before the sender's next round, and a takeover may vouch for another stream's chunks:
+    the chunks of the seconds before the outage must still go again with the next round.
+    Aged out by either, they were not sent again, and a chunk the old primary never
+    replicated left a hole in seq."""
+    from types import SimpleNamespace
+
+    from roseinfer.frontends.redis_streams import outbox as outbox_module
+    from roseinfer.frontends.redis_streams.outbox import REPLAY_S, Outbox
+    from roseinfer.frontends.redis_streams.ownership import Fence
+
+    clock = [100.0]
+    monkeypatch.setattr(outbox_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    box = Outbox(fake_redis, Outage(lambda: False), Fence(KEYS.requests, None, "c1"),
+                 send_thread=False)
+    key = KEYS.out("r")
+    box.publish(key, chunk_body(Chunk("r", 0, [5], "a")), "1-0", 0)
+    box.post()
+    fake_redis.delete(key)  # the old primary never replicated it
+    clock[0] += REPLAY_S + 1  # the failover's window
+    fail_round_trips(fake_redis, 1)
+    box.post(lambda pipe: pipe.ping(), lambda replies, at: None)  # a read lands first
+    box.deliver()
+    if then_vouch:
+        box.vouch(KEYS.out("taken"), "2-0", [(chunk_body(Chunk("taken", 0, [7], "c")), 0)])
+    box.publish(key, chunk_body(Chunk("r", 1, [6], "b")), "1-0", 1)
+    box.post()
+    assert [c.seq for c in raw_chunks(fake_redis, PREFIX, "r")] == [0, 1]

@@ -383,8 +383,10 @@ class Outbox:
             return results[num_writes:]
 
         results = self.outage.call(once)
-        self._remember([fn.__self__ for fn, _, _ in rnd.items
-                        if isinstance(getattr(fn, "__self__", None), ReplyBatch)])
+        batches = [fn.__self__ for fn, _, _ in rnd.items
+                   if isinstance(getattr(fn, "__self__", None), ReplyBatch)]
+        if batches:
+            self._remember(batches)
         return results
 
     def _replay(self, pipe) -> int:
@@ -400,6 +402,12 @@ class Outbox:
         now = time.monotonic()
         with self._recent_lock:
             self._recent.extend((now, b) for b in batches)
+            if self.outage.outages != self._outages_seen:
+                # A replay is owed: the batches of the seconds before the outage are what
+                # the next round with writes sends again, however long the outage lasted.
+                # Aged out here (by a takeover's vouch, or a read landing first), they were
+                # lost, and a chunk the old primary never replicated left a hole in seq.
+                return
             while self._recent and now - self._recent[0][0] > REPLAY_S:
                 self._recent.popleft()
 
