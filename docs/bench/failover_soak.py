@@ -15,13 +15,14 @@ run without the failover, and how many requests ``b`` resumed (taken over mid-st
 Sentinels' logs under --out.
 
     python3 docs/bench/failover_soak.py [--runs 200] [--seed 0] [--ack-replicas 1]
-        [--busy 2] [--out DIR]
+        [--replica-lag 0.5] [--busy 2] [--out DIR]
 """
 import argparse
 import collections
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -114,7 +115,7 @@ def streams_exist(fleet: Fleet, n: int) -> bool:
     return len(redis.Redis(port=fleet.primary.port).keys(f"{fleet.prefix}:out:*")) >= n
 
 
-def one_run(fleet: Fleet, rng: random.Random, want: list) -> dict:
+def one_run(fleet: Fleet, rng: random.Random, want: list, replica_lag_s: float = 0.0) -> dict:
     started, delay = rng.randint(1, 16), rng.uniform(0.0, 1.5)
     client = Client(fleet.url, fleet.prefix)
     rids = [client.submit(p, max_tokens=TOKENS, temperature=0, ignore_eos=True)
@@ -129,7 +130,12 @@ def one_run(fleet: Fleet, rng: random.Random, want: list) -> dict:
     for t in threads:
         t.start()
     wait_until(lambda: streams_exist(fleet, started), 60)
+    if replica_lag_s:  # what the primary takes meanwhile never reaches the replica
+        os.kill(fleet.replica._proc.pid, signal.SIGSTOP)
+        time.sleep(replica_lag_s)
     fleet.primary.stop(kill=True)
+    if replica_lag_s:
+        os.kill(fleet.replica._proc.pid, signal.SIGCONT)
     killed.set()
     time.sleep(delay)
     fleet.workers["a"].kill()
@@ -168,6 +174,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="run i uses seed + i")
     ap.add_argument("--ack-replicas", type=int, default=0)
     ap.add_argument("--out", default="failover-soak", help="logs of the runs that failed")
+    ap.add_argument("--replica-lag", type=float, default=0.0,
+                    help="stop the replica this many seconds before the primary dies, so "
+                         "that its last writes are lost in the failover (under REPLAY_S, "
+                         "2 s: the workers must send them again)")
     ap.add_argument("--busy", type=int, default=0,
                     help="processes that spin beside the runs: a loaded machine, as when the "
                          "whole test suite runs")
@@ -196,7 +206,7 @@ def soak(args) -> None:
         fleet = Fleet(model, flags, logs)
         try:
             fleet.start()
-            result = one_run(fleet, random.Random(seed), want)
+            result = one_run(fleet, random.Random(seed), want, args.replica_lag)
         except Exception as e:  # noqa: BLE001 - a run that hangs or breaks is a failure too
             result = {"error": f"{type(e).__name__}: {e}", "gaps": [], "wrong": []}
         finally:
