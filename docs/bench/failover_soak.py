@@ -7,7 +7,9 @@ SIGKILLs the primary once some reply streams exist, then worker ``a`` after a sh
 delay, so that ``b`` takes a's requests over from the new primary. The number of streams
 before the kill and the delay come from the run's seed.
 
-Per run it prints, from the reply streams as the new primary holds them (XRANGE): the
+Per run it prints how many reply chunks the replica lacked when the primary died (lost:
+at least what the workers had to send again), then, from the reply streams as the new
+primary holds them (XRANGE): the
 seqs missing inside a stream (gaps), the seqs written twice (duplicates: allowed, clients
 drop them), the streams whose chunks a client would keep with a hole in seq (a seq written
 after a later one is dropped as seen: client_gaps), whether what a client keeps equals a
@@ -22,7 +24,6 @@ import collections
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -111,6 +112,12 @@ class Fleet:
                 server.stop()
 
 
+def chunks_held(port: int, prefix: str) -> int:
+    """Reply chunks a server holds, all streams together."""
+    server = redis.Redis(port=port)
+    return sum(server.xlen(k) for k in server.keys(f"{prefix}:out:*"))
+
+
 def streams_exist(fleet: Fleet, n: int) -> bool:
     return len(redis.Redis(port=fleet.primary.port).keys(f"{fleet.prefix}:out:*")) >= n
 
@@ -130,12 +137,18 @@ def one_run(fleet: Fleet, rng: random.Random, want: list, replica_lag_s: float =
     for t in threads:
         t.start()
     wait_until(lambda: streams_exist(fleet, started), 60)
-    if replica_lag_s:  # what the primary takes meanwhile never reaches the replica
-        os.kill(fleet.replica._proc.pid, signal.SIGSTOP)
-        time.sleep(replica_lag_s)
-    fleet.primary.stop(kill=True)
+    replica = redis.Redis(port=fleet.replica.port)
     if replica_lag_s:
-        os.kill(fleet.replica._proc.pid, signal.SIGCONT)
+        # The replica follows a port where nothing listens, keeping its data, so that
+        # what the primary takes meanwhile never reaches it (a stopped replica would not
+        # do: the kernel still takes what the primary sends, and a cut link reconnects).
+        replica.replicaof("127.0.0.1", free_port())
+        time.sleep(replica_lag_s)
+    taken = chunks_held(fleet.primary.port, fleet.prefix)
+    fleet.primary.stop(kill=True)
+    if replica_lag_s:  # back under the dead primary, for the Sentinels to promote
+        replica.replicaof("127.0.0.1", fleet.primary.port)
+    lost = taken - chunks_held(fleet.replica.port, fleet.prefix)
     killed.set()
     time.sleep(delay)
     fleet.workers["a"].kill()
@@ -159,7 +172,8 @@ def one_run(fleet: Fleet, rng: random.Random, want: list, replica_lag_s: float =
             skipped.append((rid, [c.seq for c in chunks]))
         if sum((c.token_ids for c in kept), []) != want[i].token_ids:
             wrong.append(rid)
-    return {"started": started, "delay_s": round(delay, 3), "gaps": gaps, "duplicates": dups,
+    return {"started": started, "delay_s": round(delay, 3), "lost": lost, "gaps": gaps,
+            "duplicates": dups,
             "client_gaps": skipped, "wrong": wrong}
 
 
@@ -175,9 +189,9 @@ def main() -> None:
     ap.add_argument("--ack-replicas", type=int, default=0)
     ap.add_argument("--out", default="failover-soak", help="logs of the runs that failed")
     ap.add_argument("--replica-lag", type=float, default=0.0,
-                    help="stop the replica this many seconds before the primary dies, so "
-                         "that its last writes are lost in the failover (under REPLAY_S, "
-                         "2 s: the workers must send them again)")
+                    help="take the replica off the primary this many seconds before it dies "
+                         "(under REPLAY_S, 2 s), so that the primary's last writes are lost "
+                         "in the failover: the workers must send them again")
     ap.add_argument("--busy", type=int, default=0,
                     help="processes that spin beside the runs: a loaded machine, as when the "
                          "whole test suite runs")
