@@ -172,6 +172,12 @@ def one_run(fleet: Fleet, rng: random.Random, want: list, replica_lag_s: float =
             skipped.append((rid, [c.seq for c in chunks]))
         if sum((c.token_ids for c in kept), []) != want[i].token_ids:
             wrong.append(rid)
+        if missing or wrong[-1:] == [rid] or skipped[-1:] == [(rid, [c.seq for c in chunks])]:
+            with open(os.path.join(fleet.logs, f"stream-{rid}.txt"), "w") as f:
+                f.write(f"want {want[i].token_ids}\n")
+                for (entry_id, _), c in zip(entries, chunks):
+                    f.write(f"{entry_id.decode()} seq {c.seq} {c.token_ids} {c.finish_reason} "
+                            f"{c.error or ''}\n")
     return {"started": started, "delay_s": round(delay, 3), "lost": lost, "gaps": gaps,
             "duplicates": dups,
             "client_gaps": skipped, "wrong": wrong}

@@ -117,6 +117,26 @@ def test_chunks_a_resumed_request_builds_on_go_again_if_a_failover_lost_them(
     assert sum((c.token_ids for c in chunks), []) == [99, 0, 1, 2, 3, 4]
 
 
+def test_an_entry_whose_delivery_a_failover_lost_keeps_streaming_from_its_worker(
+        fake_engine, fake_redis, client):
+    """The Redis that comes back lost the record that the entry was delivered at all: this
+    worker's refresh of it fails, and the same round reads it again as new. It goes on
+    serving it: dropped, it came back with its rid still in the engine, and ended in an
+    error chunk of seq 0 that its client dropped as seen, waiting for the rest forever."""
+    worker = make_worker(fake_engine, fake_redis, claim_idle_ms=100)
+    rid = client.submit("ab", max_tokens=8)
+    for _ in range(3):
+        worker.run_once()
+    assert rid in worker._inflight
+    fake_redis.xack(KEYS.requests, "workers", rid)  # in no worker's pending list
+    fake_redis.xgroup_setid(KEYS.requests, "workers", "0")  # and not delivered yet
+    time.sleep(0.05)  # its refresh is due in the next round
+    run_until_idle(worker)
+    chunks = raw_chunks(fake_redis, PREFIX, rid)
+    assert_well_formed(chunks)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].error is None
+
+
 def test_an_entry_a_failover_delivers_again_to_its_worker_keeps_streaming(worker, client,
                                                                            fake_redis):
     """The Redis that comes back lost the record that the entry was delivered: this worker,

@@ -247,6 +247,7 @@ class Outbox:
         self._recent: deque = deque()  # (sent at, ReplyBatch) of the last REPLAY_S seconds
         self._recent_lock = threading.Lock()  # both threads and the loop remember batches
         self._outages_seen = 0
+        self._replay_owed = False  # resend the last REPLAY_S seconds without an outage
 
     # the current round ---------------------------------------------------------------
     def write(self, fn, *args, **kwargs) -> None:
@@ -267,6 +268,12 @@ class Outbox:
         for body, seq in chunks:
             batch.add(key, body, entry_id, seq)
         self._remember([batch])
+
+    def replay(self) -> None:
+        """Send the chunks of the last REPLAY_S seconds again with the next round (those a
+        stream holds are skipped): the fence dropped some for an entry that is this
+        worker's again (a failed-over Redis that lost its delivery gave it back)."""
+        self._replay_owed = True
 
     # sending -------------------------------------------------------------------------
     def post(self, add_reads: Optional[Callable] = None, on_replies: Optional[Callable] = None,
@@ -344,7 +351,8 @@ class Outbox:
             # could put old chunks after newer ones. A replay counts as done once its round
             # has landed: a failover fails several tries, and each must carry it.
             outages = self.outage.outages
-            resent = outages != self._outages_seen  # some of it may have landed already
+            # some of it may have landed already
+            resent = outages != self._outages_seen or self._replay_owed
             replayed = self._replay(pipe) if rnd.items and resent else 0
             scripts = []
             for fn, args, kwargs in rnd.items:
@@ -375,7 +383,7 @@ class Outbox:
                 if batch.waited:
                     batch.check_replicated(results[i + batch.scripts])
             if rnd.items:
-                self._outages_seen = outages
+                self._outages_seen, self._replay_owed = outages, False
             if replayed:
                 event("replayed", logging.WARNING, batches=len(self._recent),
                       reason="chunks of the seconds before an outage may not have been "
@@ -402,7 +410,7 @@ class Outbox:
         now = time.monotonic()
         with self._recent_lock:
             self._recent.extend((now, b) for b in batches)
-            if self.outage.outages != self._outages_seen:
+            if self.outage.outages != self._outages_seen or self._replay_owed:
                 # A replay is owed: the batches of the seconds before the outage are what
                 # the next round with writes sends again, however long the outage lasted.
                 # Aged out here (by a takeover's vouch, or a read landing first), they were

@@ -275,7 +275,8 @@ class Worker:
 
     def _on_reads(self, plan: ReadPlan, reads: RoundReads, confirmed_at: float) -> None:
         """Cancels first, then new entries; ownership lost or kept."""
-        self._keep_or_drop(plan.owned, reads.refreshed, confirmed_at)
+        read_again = {entry_id for entry_id, _, _ in reads.decoded}
+        self._keep_or_drop(plan.owned, reads.refreshed, confirmed_at, read_again)
         self.reads.advance(reads.cancels, reads.adapters)
         if reads.adapters:
             self.adapters.apply(reads.adapters)
@@ -291,6 +292,8 @@ class Worker:
                     continue  # not an inbox entry of this version: nothing to serve
                 if entry_id in reads.places:
                     self._routed(entry_id, reads.places[entry_id])
+                elif any(t.entry_id == entry_id for t in self.claims.suspects):
+                    continue  # kept above: it runs alone in its turn
                 else:
                     self._admit(entry_id, fields, request=request)
 
@@ -369,9 +372,18 @@ class Worker:
 
     # --- ownership ----------------------------------------------------------------------
 
-    def _keep_or_drop(self, owned: list, replies: list, confirmed_at: float) -> None:
-        """confirmed_at: after Redis ran the refresh, so never too early."""
+    def _keep_or_drop(self, owned: list, replies: list, confirmed_at: float,
+                      read_again: set) -> None:
+        """confirmed_at: after Redis ran the refresh, so never too early. ``read_again``:
+        the entries this round read as new. A failed-over Redis that lost an entry's
+        delivery fails its refresh and delivers it again, here: it is this worker's still
+        (dropped, it came back as a new request with the rid still in use, and ended in
+        an error chunk of seq 0 that its client dropped as seen). Its chunks written
+        before the read were fenced off (not this worker's then): they go again."""
         for o, kept in zip(owned, Ownership.kept(replies)):
+            if not kept and o.entry_id in read_again:
+                self.outbox.replay()  # its chunks since the failover were fenced off
+                kept = True
             if kept:
                 o.refreshed_at = confirmed_at
             else:
