@@ -24,6 +24,7 @@ import collections
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -202,6 +203,8 @@ def main() -> None:
                     help="processes that spin beside the runs: a loaded machine, as when the "
                          "whole test suite runs")
     args = ap.parse_args()
+    # Stopped with SIGTERM, it still stops the servers and workers of the run under way.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(args.busy)]
     try:
