@@ -237,3 +237,35 @@ def test_on_the_gpu_in_cuda_graphs(adapters):
     assert llm.engine.runner.graphs is not None
     assert [o.token_ids for o in outs] == \
         [hf_greedy(found[n][1] if n else base, p, 10) for p, n in zip(prompts, names)]
+
+
+def test_steps_without_an_adapter_launch_no_lora_kernels(adapters, monkeypatch):
+    """A LoRA engine's steps with no adapted token run the base projections alone, eager
+    or in decode graphs (captured with and without the LoRA launches; on the CPU their
+    steps stand in for them; prefill steps run eagerly here): no shrink or expand
+    launch, the base model's tokens. A batch with an adapter runs them, and equals peft."""
+    from roseinfer.layers import lora as lora_layer
+    from tests.test_mixed_graphs import llm_with_graphs
+    base, found = adapters
+    launches = []
+    for name in ("add_lora", "shrink"):
+        real = getattr(lora_layer, name)
+        monkeypatch.setattr(lora_layer, name, lambda *a, _real=real, **k: (
+            launches.append(1), _real(*a, **k))[1])
+    prompts = mixed_prompts(2, seed=13)
+    config = {**CPU, "max_loras": 2, "attention_backend": "torch_sdpa"}
+    graphed = {**config, "mixed_graph_max_tokens": 0, "attention_backend": "triton_paged"}
+    for llm in (LLM(base, **config), llm_with_graphs(base, monkeypatch, **graphed)):
+        llm.add_lora("all", found["all"][0])
+        launches.clear()
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == [hf_greedy(base, p, 10) for p in prompts]
+        assert launches == []
+        outs = llm.generate(prompts, GREEDY, lora=["all", None])
+        assert [o.token_ids for o in outs] == \
+            [hf_greedy(found["all"][1], prompts[0], 10), hf_greedy(base, prompts[1], 10)]
+        assert launches
+    graphs = llm.engine.runner.graphs
+    assert {key[2] for key in graphs.graphs} == {False, True}
+    if not torch.cuda.is_available():  # the stand-ins count their replays
+        assert graphs.replays["capture_step"] > 0

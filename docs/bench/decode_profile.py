@@ -7,9 +7,9 @@ step (torch.profiler sees the kernels a CUDA graph launches), against the
 bytes a step must read (weights once, each sequence's K/V) at PEAK_TB_S
 (default 3.0) TB/s. With tensor parallelism (TP > 1) the figures are rank 0's
 (its shards' bytes, its kernels), and the all-reduces' share of the step is
-printed.
+printed. KV_CACHE_DTYPE=fp8 profiles over an FP8 K/V cache.
 
-    [PEAK_TB_S=4.5] python3 docs/bench/decode_profile.py MODEL:BATCH[:CONTEXT[:TP]] ...
+    [PEAK_TB_S=4.5] [KV_CACHE_DTYPE=fp8] python3 docs/bench/decode_profile.py MODEL:BATCH[:CONTEXT[:TP]] ...
     e.g. llama3-1b-random:1 llama3-8b-random:1 llama3-1b-random:256:600
 """
 import collections
@@ -50,7 +50,7 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
               # room for every token the profile makes: at 32 sequences and more a step
               # decodes a window of 8 (engine.decode_steps), 70 steps 560 tokens
               enable_prefix_cache=False, max_model_len=context + 2048,
-              tensor_parallel_size=tp)
+              tensor_parallel_size=tp, kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"))
     eng = llm.engine
     weights = weight_bytes(eng.model)
     for i in range(batch):
@@ -91,8 +91,10 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
               f"({nccl / per_step:.0%} of the step)")
     for name, count, us in rows[:25]:
         print(f"  {us / n:9.1f} us/step {count / n:6.1f}x  {us / count:7.2f} us each  {name[:100]}")
+    kv_dtype = str(eng.kv_cache.k[0].dtype).removeprefix("torch.")
     llm.engine.close()
     return {"model": model, "batch": batch, "context": context, "tp": tp, "prefill_s": prefill_s,
+            "kv_cache": kv_dtype,
             "step_ms": per_step * 1e3, "floor_ms": floor * 1e3, "fraction": floor / per_step,
             "attention_ms": sum(us for name, _, us in rows if name.startswith(
                 ("_paged_decode_kernel", "_merge_splits_kernel"))) / n / 1e3, "kernels_per_step": sum(c for _, c, _ in rows) / n}

@@ -13,7 +13,7 @@ effort: no paging) and with the gather from the paged cache counted.
 One JSON line per row to OUT/long_context_attention.jsonl; prints per class the best
 setting per shape and the setting with the best geometric mean over shapes.
 
-    python3 docs/bench/long_context_attention.py [--bound 131072] [--mode grid|quick|compare]
+    python3 docs/bench/long_context_attention.py [--bound 131072] [--mode grid|quick|compare|fp8]
 """
 import argparse
 import functools
@@ -71,12 +71,22 @@ def before_num_splits(attn, num_kv_heads, num_sms, tune, window=triton_paged.NO_
 
 
 def settings(mode: str, head_dim: int, group: int, fp8: bool):
-    """(label, tile settings) to time: the grid, or the shipped tuning and the one before."""
+    """(label, tile settings) to time: the grid, or the shipped tuning and the one before;
+    for an FP8 cache, ``fp8``: tiles x programs per SM, V read in 16-bit pairs or bytes."""
+    shipped = triton_paged.decode_tuning(head_dim, group, fp8)
     if mode == "compare":
-        shipped = triton_paged.decode_tuning(head_dim, group, fp8)
-        before = dict(BEFORE[(head_dim, group)], **({"block_n": 128} if fp8 else {}))
+        before = dict(BEFORE[(head_dim, group)], **({"block_n": 128, "v_pairs": False}
+                                                     if fp8 else {}))
         yield "shipped", {k: shipped.get(k, triton_paged.MAX_SPLITS) for k in before}
         yield "before", before
+        return
+    if mode == "fp8":
+        most = shipped.get("max_splits", triton_paged.MAX_SPLITS)
+        for (block_n, stages), warps, pairs in itertools.product(
+                [(128, 2), (128, 3), (256, 2)], [4, 8], [True, False]):
+            yield "pairs" if pairs else "bytes", {
+                "block_n": block_n, "num_stages": stages, "max_splits": most,
+                "programs_per_sm": 4, "num_warps": warps, "v_pairs": pairs}
         return
     splits = [16, 32, 64, 128]
     ppsm = [2, 4, 8]
@@ -90,7 +100,8 @@ def settings(mode: str, head_dim: int, group: int, fp8: bool):
 def apply(setting: dict, head_dim: int, group: int) -> dict:
     """The class's tuning set to ``setting`` (the FP8 tile too); returns it."""
     tune = {"num_warps": 4, "dot": True, **setting}
-    triton_paged.FP8_TILE = {k: setting[k] for k in ("block_n", "num_stages", "programs_per_sm")}
+    triton_paged.FP8_TILE = {k: setting[k] for k in ("block_n", "num_stages", "programs_per_sm",
+                                                     "num_warps", "v_pairs") if k in setting}
     triton_paged.DECODE_TUNING[(head_dim, group)] = tune
     return tune
 
@@ -309,17 +320,23 @@ def report_compare(rows):
               f"{old['us'] / new['us']:.2f}x | {others}", flush=True)
 
 
-def report(rows):
+def report(rows, shipped_class):
+    """The best setting per shape and overall; ``shipped_class``: (head dim, group, fp8)."""
     tri = [r for r in rows if r["kernel"] == "triton_paged"]
-    key = lambda r: (r["block_n"], r["num_stages"], r["max_splits"], r["programs_per_sm"])  # noqa: E731
+    key = lambda r: (r["block_n"], r["num_stages"], r["max_splits"], r["programs_per_sm"],  # noqa: E731
+                     r.get("num_warps", 4), r.get("v_pairs", False))
     by_setting = {}
     for r in tri:
         by_setting.setdefault(key(r), []).append(r)
     geo = {k: math.exp(sum(math.log(r["fraction"]) for r in v) / len(v))
            for k, v in by_setting.items() if len(v) == len(SHAPES)}
+    if not geo:
+        print("no setting ran at every shape")
+        return
     best = max(geo, key=geo.get)
-    current = (64, 3, 16, 4)
-    print(f"best overall (block_n, stages, max_splits, programs/SM) {best}: geomean "
+    current = key(dict({"v_pairs": False, "max_splits": triton_paged.MAX_SPLITS},
+                       **triton_paged.decode_tuning(*shipped_class)))
+    print(f"best overall (block_n, stages, max_splits, programs/SM, warps, v_pairs) {best}: geomean "
           f"{geo[best]:.1%}; current {current}: {geo.get(current, float('nan')):.1%}")
     for batch, ctx in SHAPES:
         shape = [r for r in rows if (r["batch"], r["context"]) == (batch, ctx)]
@@ -340,9 +357,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--bound", type=int, default=131072)
-    ap.add_argument("--mode", default="grid", choices=["grid", "quick", "compare", "prefill"],
+    ap.add_argument("--mode", default="grid", choices=["grid", "quick", "compare", "fp8", "prefill"],
                     help="grid: tiles x split rules; quick: one tile; compare: the shipped "
-                         "tuning against the one before; prefill: the prefill tiles")
+                         "tuning against the one before; fp8: tiles with V read in pairs or "
+                         "bytes; prefill: the prefill tiles")
     ap.add_argument("--classes", default=",".join(c[0] for c in CLASSES))
     ap.add_argument("--caches", default="bfloat16,float8_e4m3fn")
     ap.add_argument("--prefill-chunk", type=int, default=0,
@@ -360,7 +378,10 @@ def main():
             for cache in args.caches.split(","):
                 print(f"== {cls[0]} cache {cache}", flush=True)
                 rows = sweep(cls, getattr(torch, cache), args.bound, args.mode, peak, out)
-                (report_compare if args.mode == "compare" else report)(rows)
+                if args.mode == "compare":
+                    report_compare(rows)
+                else:
+                    report(rows, (cls[3], cls[1] // cls[2], cache != "bfloat16"))
             if args.prefill_chunk:
                 prefill(cls, args.prefill_chunk, out)
 

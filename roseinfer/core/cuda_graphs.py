@@ -75,14 +75,15 @@ def _smallest_at_least(sizes: list[int], n: int):
     return sizes[i] if i < len(sizes) else None
 
 
-def padding_step(runner, layout: Layout):
+def padding_step(runner, layout: Layout, adapted: bool = True):
     """(context, device inputs) of a step of padding only: its tokens write the scratch
-    block, and attention reads up to the longest context."""
+    block, and attention reads up to the longest context. ``adapted``: the graph holds
+    the LoRA launches (runner.context)."""
     host = runner.stager.host_views(layout.n_tok, layout.n_seq)
     fill(host, [], [], runner.block_size, runner.rows, runner.kv_cache.scratch_block)
     inp = runner.to_device(host)
     # a mixed graph holds the prefill attention kernel: any query length > 1 picks it
-    return runner.context(inp, 2 if layout.mixed else 1, runner.max_model_len), inp
+    return runner.context(inp, 2 if layout.mixed else 1, runner.max_model_len, adapted), inp
 
 
 class StepGraphs:
@@ -94,12 +95,16 @@ class StepGraphs:
         self.verify_sizes = verify_buckets(*verify_tokens)
         self.mixed_seqs = max_num_seqs + 1
         self.window_len = window
-        # keys: (tokens, KV-append backend); decode graphs have tokens == sequences
-        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
-        self.windows: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        # keys: (tokens, KV-append backend); decode graphs have tokens == sequences, and
+        # on an engine with LoRA adapters (runner.lora) a third part: whether the graph
+        # holds the LoRA launches. Base requests then pay nothing for them: 1.138x the
+        # base model's step on the 8B shape before (docs/benchmarks.md).
+        self.adapted = (False, True) if runner.lora else (False,)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.windows: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.mixed: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.verify: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, str], torch.Tensor] = {}
+        self.logits: dict[tuple, torch.Tensor] = {}
         self.verify_logits: dict[tuple[int, str], torch.Tensor] = {}
         self.mixed_backend = ""
         self.pool = None
@@ -143,22 +148,25 @@ class StepGraphs:
             self.verify[size, self.mixed_backend] = graph
             self.verify_logits[size, self.mixed_backend] = logits
         for size in reversed(self.sizes):
-            for name in sorted(self._variants(padding_step(self.runner, Layout(size, size, False))[0])):
-                # fresh inputs each time: the warm-up run advances them
-                self._capture_decode(size, name, *padding_step(self.runner, Layout(size, size, False)))
+            layout = Layout(size, size, False)
+            for name in sorted(self._variants(padding_step(self.runner, layout)[0])):
+                for adapted in self.adapted:
+                    # fresh inputs each time: the warm-up run advances them
+                    self._capture_decode((size, name, adapted),
+                                         *padding_step(self.runner, layout, adapted))
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs (%d for mixed steps, %d for verify steps) in %.1fs",
                  len(self.graphs) + len(self.windows) + len(self.mixed) + len(self.verify),
                  len(self.mixed), len(self.verify), time.perf_counter() - start)
 
-    def _capture_decode(self, size, name, ctx, inp) -> None:
-        step = self.runner.capture_step
+    def _capture_decode(self, key, ctx, inp) -> None:
+        step, name = self.runner.capture_step, key[1]
         if self.window_len > 1:
             window, one = self._capture(step, name, ctx, inp, (self.window_len, 1))
-            self.windows[size, name] = window[0]
+            self.windows[key] = window[0]
         else:
             (one,) = self._capture(step, name, ctx, inp, (1,))
-        self.graphs[size, name], self.logits[size, name] = one
+        self.graphs[key], self.logits[key] = one
 
     def _capture_mixed(self, size, ctx, inp) -> None:
         name = self.mixed_backend
@@ -203,7 +211,7 @@ class StepGraphs:
             host.offsets[n_seq:] = host.offsets[0]
         inp = r.to_device(host)
         slots = SlotBatch(inp.block_idx, inp.offsets, shared_offset=inp.offsets[:1] if shared else None)
-        key = layout.n_tok, r.kv_cache.select(slots)
+        key = layout.n_tok, r.kv_cache.select(slots), r.adapted(host)
         self.prepared = self.graphs, key
         graph, logits = self.graphs[key], self.logits[key]
         sample_idx = inp.sample_idx[:num_samples]

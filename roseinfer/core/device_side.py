@@ -68,7 +68,8 @@ def build_runner(model, kv_cache: KVCache, cfg: EngineConfig, plugins: PluginReg
                        cfg.max_num_batched_tokens, max_model_len, cfg.cuda_graphs,
                        cfg.decode_steps,
                        cfg.max_num_batched_tokens if mixed_tokens is None else mixed_tokens,
-                       peers, (min(verify_tokens, cfg.max_num_batched_tokens), per_seq))
+                       peers, (min(verify_tokens, cfg.max_num_batched_tokens), per_seq),
+                       cfg.enable_lora)
 
 
 def _cpu_weight_dtype(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:

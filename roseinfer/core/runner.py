@@ -68,8 +68,9 @@ class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, attention, device: torch.device,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  cuda_graphs: bool, decode_steps: int = 1, mixed_graph_tokens: int = 0,
-                 peers=None, verify_graph_tokens: tuple[int, int] = (0, 0)):
+                 peers=None, verify_graph_tokens: tuple[int, int] = (0, 0), lora: bool = False):
         self.model = model
+        self.lora = lora  # the model's projections take LoRA adapters (layers/lora.py)
         self.peers = peers  # tp_workers.Peers: the other ranks, on rank 0 of a group
         self.copies: list[tuple[int, int]] = []  # KV blocks copied since the last order
         self.kv_cache = kv_cache
@@ -124,12 +125,20 @@ class ModelRunner:
                                      verify_graph_tokens)
             self.graphs.capture()
 
-    def context(self, inp: PackedInputs, max_query_len: int, max_context_len: int) -> StepContext:
+    def context(self, inp: PackedInputs, max_query_len: int, max_context_len: int,
+                adapted: bool = True) -> StepContext:
+        """``adapted``: some token may run with a LoRA adapter; without, the adapted
+        projections launch only their base (layers/lora.py)."""
         offsets = inp.offsets
         slots = SlotBatch(inp.block_idx, offsets, shared_offset=offsets[:1])
         attn = AttnMetadata(None, inp.context_lens, inp.query_start,
                             max_query_len, max_context_len)
-        return StepContext(self.kv_cache, self.attention, attn, slots, lora_slots=inp.lora_slots)
+        return StepContext(self.kv_cache, self.attention, attn, slots,
+                           lora_slots=inp.lora_slots if adapted else None)
+
+    def adapted(self, host: PackedInputs) -> bool:
+        """Whether a token of the step runs with a LoRA adapter (padding rows have none)."""
+        return self.lora and bool((host.lora_slots >= 0).any())
 
     def remap(self, group: int, block: int, to: int) -> None:
         """KV group ``group``'s block for group 0's ``block`` is ``to`` from the next step
@@ -371,7 +380,7 @@ class ModelRunner:
         shared = bool((host.offsets == host.offsets[0]).all())
         max_context_len = int(host.context_lens.max())
         inp = self.to_device(host)
-        ctx = self.context(inp, max_query_len, max_context_len)
+        ctx = self.context(inp, max_query_len, max_context_len, self.adapted(host))
         if not shared:
             ctx.slots.shared_offset = None
 

@@ -4,7 +4,9 @@ Each adapted projection becomes a ``LoraLinear``: the base projection, plus a fi
 table of adapter slots, A and B of every slot, filled and emptied as adapters come and
 go (core/lora.py). A step's tokens name their slot (-1: none) and each projection adds
 its slots' products to the base output in two launches (layers/lora_kernels.py). The
-tables' addresses never change, so the steps' CUDA graphs hold these launches.
+tables' addresses never change, so the steps' CUDA graphs hold these launches. A step
+where no token has an adapter runs the base alone (its context has no ``lora_slots``):
+decode graphs are captured both ways (core/cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class LoraLinear(nn.Module):
                                                    dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if get_context().lora_slots is None:  # no adapter this step: no products to add
+            return self.base(x, *args, **kwargs)
         batch = step_batch(self.slots)
         if self._in_skinny(x):  # the expand in the linear's own launch: one launch fewer
             rank = self.lora_a.shape[2]
