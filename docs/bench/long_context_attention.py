@@ -72,21 +72,19 @@ def before_num_splits(attn, num_kv_heads, num_sms, tune, window=triton_paged.NO_
 
 def settings(mode: str, head_dim: int, group: int, fp8: bool):
     """(label, tile settings) to time: the grid, or the shipped tuning and the one before;
-    for an FP8 cache, ``fp8``: tiles x programs per SM, V read in 16-bit pairs or bytes."""
+    ``fp8``: the FP8 cache's tiles x warps."""
     shipped = triton_paged.decode_tuning(head_dim, group, fp8)
     if mode == "compare":
-        before = dict(BEFORE[(head_dim, group)], **({"block_n": 128, "v_pairs": False}
-                                                     if fp8 else {}))
+        before = dict(BEFORE[(head_dim, group)], **({"block_n": 128} if fp8 else {}))
         yield "shipped", {k: shipped.get(k, triton_paged.MAX_SPLITS) for k in before}
         yield "before", before
         return
     if mode == "fp8":
         most = shipped.get("max_splits", triton_paged.MAX_SPLITS)
-        for (block_n, stages), warps, pairs in itertools.product(
-                [(128, 2), (128, 3), (256, 2)], [4, 8], [True, False]):
-            yield "pairs" if pairs else "bytes", {
-                "block_n": block_n, "num_stages": stages, "max_splits": most,
-                "programs_per_sm": 4, "num_warps": warps, "v_pairs": pairs}
+        for (block_n, stages), warps in itertools.product([(64, 2), (128, 2), (128, 3), (256, 2)],
+                                                          [4, 8]):
+            yield "grid", {"block_n": block_n, "num_stages": stages, "max_splits": most,
+                           "programs_per_sm": 4, "num_warps": warps}
         return
     splits = [16, 32, 64, 128]
     ppsm = [2, 4, 8]
@@ -101,7 +99,7 @@ def apply(setting: dict, head_dim: int, group: int) -> dict:
     """The class's tuning set to ``setting`` (the FP8 tile too); returns it."""
     tune = {"num_warps": 4, "dot": True, **setting}
     triton_paged.FP8_TILE = {k: setting[k] for k in ("block_n", "num_stages", "programs_per_sm",
-                                                     "num_warps", "v_pairs") if k in setting}
+                                                     "num_warps") if k in setting}
     triton_paged.DECODE_TUNING[(head_dim, group)] = tune
     return tune
 
@@ -324,7 +322,7 @@ def report(rows, shipped_class):
     """The best setting per shape and overall; ``shipped_class``: (head dim, group, fp8)."""
     tri = [r for r in rows if r["kernel"] == "triton_paged"]
     key = lambda r: (r["block_n"], r["num_stages"], r["max_splits"], r["programs_per_sm"],  # noqa: E731
-                     r.get("num_warps", 4), r.get("v_pairs", False))
+                     r.get("num_warps", 4))
     by_setting = {}
     for r in tri:
         by_setting.setdefault(key(r), []).append(r)
@@ -334,9 +332,9 @@ def report(rows, shipped_class):
         print("no setting ran at every shape")
         return
     best = max(geo, key=geo.get)
-    current = key(dict({"v_pairs": False, "max_splits": triton_paged.MAX_SPLITS},
+    current = key(dict({"max_splits": triton_paged.MAX_SPLITS},
                        **triton_paged.decode_tuning(*shipped_class)))
-    print(f"best overall (block_n, stages, max_splits, programs/SM, warps, v_pairs) {best}: geomean "
+    print(f"best overall (block_n, stages, max_splits, programs/SM, warps) {best}: geomean "
           f"{geo[best]:.1%}; current {current}: {geo.get(current, float('nan')):.1%}")
     for batch, ctx in SHAPES:
         shape = [r for r in rows if (r["batch"], r["context"]) == (batch, ctx)]
@@ -359,8 +357,8 @@ def main():
     ap.add_argument("--bound", type=int, default=131072)
     ap.add_argument("--mode", default="grid", choices=["grid", "quick", "compare", "fp8", "prefill"],
                     help="grid: tiles x split rules; quick: one tile; compare: the shipped "
-                         "tuning against the one before; fp8: tiles with V read in pairs or "
-                         "bytes; prefill: the prefill tiles")
+                         "tuning against the one before; fp8: the FP8 cache's tiles x warps; "
+                         "prefill: the prefill tiles")
     ap.add_argument("--classes", default=",".join(c[0] for c in CLASSES))
     ap.add_argument("--caches", default="bfloat16,float8_e4m3fn")
     ap.add_argument("--prefill-chunk", type=int, default=0,

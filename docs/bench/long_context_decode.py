@@ -27,7 +27,7 @@ def run(spec: str, label: str) -> dict:
         for cls, tile in BEFORE.items():
             triton_paged.DECODE_TUNING[cls] = dict(shipped[0][cls], **tile)
         triton_paged.num_splits = before_num_splits
-        triton_paged.FP8_TILE = {"block_n": 128, "v_pairs": False}  # as settings() has it
+        triton_paged.FP8_TILE = {"block_n": 128}  # as settings() has it
     try:
         row = decode_profile.profile(model, int(batch), int(context))
     finally:
