@@ -254,7 +254,8 @@ def test_steps_without_an_adapter_launch_no_lora_kernels(adapters, monkeypatch):
             launches.append(1), _real(*a, **k))[1])
     prompts = mixed_prompts(2, seed=13)
     config = {**CPU, "max_loras": 2, "attention_backend": "torch_sdpa"}
-    graphed = {**config, "mixed_graph_max_tokens": 0, "attention_backend": "triton_paged"}
+    graphed = {**config, "mixed_graph_max_tokens": 0, "attention_backend": "triton_paged",
+               "device": "cuda" if torch.cuda.is_available() else "cpu"}
     for llm in (LLM(base, **config), llm_with_graphs(base, monkeypatch, **graphed)):
         llm.add_lora("all", found["all"][0])
         launches.clear()
