@@ -63,6 +63,10 @@ class EngineConfig:
     # calls in a chat output under tool_choice "auto"; "auto" picks by the model's family
     # (core/tools.py).
     tool_call_parser: str = "auto"
+    # The reasoning parser (a plugin name: qwen3, deepseek_r1) that splits a chat output's
+    # thinking from its answer; "auto" picks by the model's family, "none" splits nothing
+    # (core/reasoning.py).
+    reasoning_parser: str = "auto"
     # Processes (one per GPU, cuda:0..N-1) that each hold 1/N of every layer's
     # heads and MLP and of the vocabulary (docs/architecture.md, "Tensor parallelism").
     tensor_parallel_size: int = 1

@@ -98,6 +98,17 @@ def roseinfer_register_tool_parsers(register):
 
 
 @hookspec
+def roseinfer_register_reasoning_parsers(register):
+    """Register reasoning parsers: ``register(name, factory)``. Config picks one by name
+    (``reasoning_parser``; "auto": by the model's family, "none": no split).
+
+    ``factory()`` returns a parser with ``start`` and ``end``, the tags around the
+    reasoning, and ``opened(prompt) -> bool``: whether an output of that rendered chat
+    prompt begins inside the reasoning (``roseinfer.core.reasoning.ReasoningParser``).
+    """
+
+
+@hookspec
 def roseinfer_register_proposers(register):
     """Register speculative-decoding proposers: ``register(name, factory)``. Config picks
     one by name (``speculative``).

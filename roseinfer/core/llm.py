@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
+from roseinfer.core import reasoning
 from roseinfer.core.config import EngineConfig, config_from_args
 from roseinfer.core.engine import Engine, Prompt
 from roseinfer.core.outputs import RequestOutput
@@ -20,6 +21,7 @@ class ChatOutput:
     tool_calls: list[ToolCall]
     finish_reason: str
     output: RequestOutput
+    reasoning: str = ""  # a reasoning model's thinking (config reasoning_parser), apart
 
 
 class LLM:
@@ -80,33 +82,49 @@ class LLM:
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
              tools: list[dict] | None = None, tool_choice=None,
-             parallel_tool_calls: bool = True) -> ChatOutput:
+             parallel_tool_calls: bool = True,
+             chat_template_kwargs: dict | None = None) -> ChatOutput:
         """One assistant turn for ``messages``, rendered with the tools by the model's chat
         template, as a worker renders them (core/tools.py): tool_choice "auto" parses the
         calls out of the text with the model family's parser (config tool_call_parser),
-        "required" or a named function constrains the output to calls."""
+        "required" or a named function constrains the output to calls. A reasoning
+        model's thinking is split from the content (config reasoning_parser);
+        ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``)."""
         spec = check_tools(tools, tool_choice, parallel_tool_calls)
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("chat answers one turn: use n=1 (generate takes n > 1)")
         prompt = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True,
-            **({"tools": list(spec.tools)} if spec is not None else {}))
+            **({"tools": list(spec.tools)} if spec is not None else {}),
+            **(chat_template_kwargs or {}))
         if spec is not None and spec.forced:
             params = dataclasses.replace(params, response_format=spec.constraint())
             spec.prepare(self.engine.processors, params)
         (out,) = self.generate([prompt], params)
+        thought, text = self._split_reasoning(prompt, out.text)
         if spec is None:
-            return ChatOutput(out.text, [], out.finish_reason, out)
+            return ChatOutput(text, [], out.finish_reason, out, thought)
         parser = None
         if spec.choice == "auto":
             parser = self.engine.plugins.create("tool_parser", parser_name(
                 self.engine.config.tool_call_parser, self.engine.hf_config))
         stream = ToolStream(spec, parser)
-        content = stream.feed(out.text)
+        content = stream.feed(text)
         rest, calls = stream.finish()
         return ChatOutput(content + rest, calls, "tool_calls" if calls else out.finish_reason,
-                          out)
+                          out, thought)
+
+    def _split_reasoning(self, prompt: str, text: str) -> tuple[str, str]:
+        """(reasoning, content) of a chat output, as a worker splits it."""
+        name = reasoning.parser_name(self.engine.config.reasoning_parser, self.engine.hf_config)
+        if name is None:
+            return "", text
+        parser = self.engine.plugins.create("reasoning_parser", name)
+        stream = reasoning.ReasoningStream(parser, parser.opened(prompt))
+        thought, content = stream.feed(text)
+        more_thought, more_content = stream.finish()
+        return thought + more_thought, content + more_content
 
     def _drive(self, total: int, use_tqdm: bool) -> Iterable[RequestOutput]:
         bar = None

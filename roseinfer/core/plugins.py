@@ -12,6 +12,7 @@ from roseinfer.core import hookspecs
 # Built-ins are plugins like any other; core names them only as strings.
 BUILTIN_PLUGINS = (
     "roseinfer.plugins.tool_parsers",
+    "roseinfer.plugins.reasoning_parsers",
     "roseinfer.plugins.kv_append.torch_index",
     "roseinfer.plugins.kv_append.triton_append",
     "roseinfer.plugins.metadata.slots",
@@ -33,6 +34,7 @@ KINDS = {
     "quantization": "roseinfer_register_quantization_methods",
     "proposer": "roseinfer_register_proposers",
     "tool_parser": "roseinfer_register_tool_parsers",
+    "reasoning_parser": "roseinfer_register_reasoning_parsers",
 }
 
 

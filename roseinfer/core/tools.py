@@ -32,6 +32,18 @@ def parser_name(configured: str, hf_config) -> str:
     return FAMILY_PARSERS.get(getattr(hf_config, "model_type", None), DEFAULT_PARSER)
 
 
+def held_from(text: str, marker: str) -> int:
+    """Where ``marker`` starts in ``text``, or where a prefix of it ends the text (it may
+    be arriving); len(text) if neither."""
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return len(text) - n
+    return len(text)
+
+
 @dataclass(frozen=True)
 class ToolCall:
     id: str

@@ -13,7 +13,7 @@ import json
 import re
 
 from roseinfer.core.hookspecs import hookimpl
-from roseinfer.core.tools import ToolCall, new_call
+from roseinfer.core.tools import ToolCall, held_from, new_call
 
 
 @hookimpl
@@ -21,18 +21,6 @@ def roseinfer_register_tool_parsers(register):
     register("hermes", Hermes)
     register("llama3_json", Llama3Json)
     register("mistral", Mistral)
-
-
-def held_from(text: str, marker: str) -> int:
-    """Where ``marker`` starts in ``text``, or where a prefix of it ends the text (it may
-    be arriving); len(text) if neither."""
-    at = text.find(marker)
-    if at >= 0:
-        return at
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return len(text) - n
-    return len(text)
 
 
 def _call(obj, arguments_key: str) -> ToolCall:

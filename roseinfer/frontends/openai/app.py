@@ -220,9 +220,10 @@ class Gateway:
                     for obj in mapping.call_pieces(call, head, chunk, opening, sent, index):
                         yield {"data": json.dumps(obj)}
                 elif chunk.text or opening or chunk.finished or call.continuous_usage \
-                        or chunk.logprobs:
+                        or chunk.logprobs or (chunk.reasoning and call.reasoning):
                     obj = mapping.piece(call, head, chunk.text, chunk.finish_reason, opening,
-                                        chunk.logprobs, sent, chunk.prompt_logprobs, index)
+                                        chunk.logprobs, sent, chunk.prompt_logprobs, index,
+                                        chunk.reasoning)
                     if call.continuous_usage:  # prompt tokens are known at the end only
                         obj["usage"] = mapping.usage(chunk.usage or {
                             "completion_tokens": sample.tokens})

@@ -44,6 +44,7 @@ class Call:
     include_usage: bool
     chat: bool
     continuous_usage: bool = False  # usage in every streamed chunk (vLLM's extension)
+    reasoning: bool = True  # include_reasoning: a reasoning model's thinking goes out too
 
     @property
     def logprobs(self) -> bool:
@@ -134,7 +135,13 @@ def chat_call(body: dict) -> Call:
                             body.get("parallel_tool_calls", True))
     except InvalidRequestError as e:
         raise bad(e.field, str(e).partition(": ")[2]) from None
-    chat = Chat([_message(m, i) for i, m in enumerate(messages)], tools)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", f"chat_template_kwargs must be an object, got {kwargs!r}")
+    reasoning = body.get("include_reasoning", True)
+    if not isinstance(reasoning, bool):
+        raise bad("include_reasoning", f"include_reasoning must be true or false, got {reasoning!r}")
+    chat = Chat([_message(m, i) for i, m in enumerate(messages)], tools, kwargs or None)
     params = _sampling(body, CHAT_DEFAULT_MAX_TOKENS)
     wanted, k = body.get("logprobs"), body.get("top_logprobs")
     if wanted not in (None, True, False):
@@ -144,7 +151,8 @@ def chat_call(body: dict) -> Call:
                   "logprobs set to true")
     if wanted:
         params["logprobs"] = k or 0
-    return Call(chat, params, *_stream(body), chat=True, continuous_usage=_continuous(body))
+    return Call(chat, params, *_stream(body), chat=True, continuous_usage=_continuous(body),
+                reasoning=reasoning)
 
 
 def _message(m, i: int) -> dict:
@@ -271,10 +279,12 @@ class Sample:
     usage: Optional[dict] = None
     prompt_entries: Optional[list] = None
     tool_calls: list = field(default_factory=list)
+    reasoning: str = ""
 
     def add(self, chunk) -> None:
         self.tool_calls += chunk.tool_calls or []
         self.text += chunk.text
+        self.reasoning += chunk.reasoning or ""
         self.tokens += len(chunk.token_ids)
         self.entries += chunk.logprobs or []
         self.reason, self.usage = chunk.finish_reason, chunk.usage or self.usage
@@ -288,7 +298,8 @@ def whole(call: Call, rid: str, model: str, samples: list[Sample]) -> dict:
         if s.prompt_entries is not None:
             choice["prompt_logprobs"] = prompt_logprobs(s.prompt_entries)
         if call.chat:
-            choice["message"] = {"role": "assistant", "content": s.text}
+            choice["message"] = {"role": "assistant", "content": s.text,
+                                 **thinking(call, s.reasoning)}
             if s.tool_calls:  # OpenAI: content null when the turn is only calls
                 choice["message"].update(content=s.text or None, tool_calls=[
                     {k: v for k, v in c.items() if k != "index"} for c in s.tool_calls])
@@ -299,9 +310,18 @@ def whole(call: Call, rid: str, model: str, samples: list[Sample]) -> dict:
             "usage": usage(*(s.usage for s in samples))}
 
 
+def thinking(call: Call, reasoning: Optional[str]) -> dict:
+    """A message's or delta's reasoning fields: ``reasoning_content`` as vLLM and DeepSeek
+    name it, and ``reasoning``, vLLM's newer name; none where there is none or the
+    request set include_reasoning false."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning} \
+        if reasoning and call.reasoning else {}
+
+
 def piece(call: Call, head: dict, text: Optional[str], reason: Optional[str],
           first: bool = False, entries: Optional[list[dict]] = None, offset: int = 0,
-          prompt_entries: Optional[list] = None, index: int = 0) -> dict:
+          prompt_entries: Optional[list] = None, index: int = 0,
+          reasoning: Optional[str] = None) -> dict:
     """One streamed chunk of sample ``index``; text None means no content in it."""
     choice = {"index": index, "logprobs": logprobs(call, entries, offset),
               "finish_reason": finish(reason)}
@@ -311,6 +331,7 @@ def piece(call: Call, head: dict, text: Optional[str], reason: Optional[str],
         delta = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
+        delta.update(thinking(call, reasoning))
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
@@ -325,9 +346,9 @@ def call_pieces(call: Call, head: dict, chunk, opening: bool, offset: int,
     """A final chunk with tool calls as OpenAI streams them: its text, then for each call
     its id and name, then its arguments, then the finish."""
     out = []
-    if chunk.text or opening or chunk.logprobs:
+    if chunk.text or opening or chunk.logprobs or chunk.reasoning:
         out.append(piece(call, head, chunk.text, None, opening, chunk.logprobs, offset,
-                         chunk.prompt_logprobs, index))
+                         chunk.prompt_logprobs, index, chunk.reasoning))
     for c in chunk.tool_calls:
         fn = c["function"]
         for delta in ({"index": c["index"], "id": c["id"], "type": "function",

@@ -12,8 +12,10 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
+from roseinfer.core import reasoning
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.plugins import default_registry
+from roseinfer.core.reasoning import ReasoningStream
 from roseinfer.core.tools import ToolStream, parser_name
 from roseinfer.frontends.redis_streams.protocol import Chat, Limits, Request
 from roseinfer.frontends.redis_streams.request_entry import decode_request
@@ -33,15 +35,21 @@ class Admission:
         self.processors = getattr(engine, "processors", None)
         plugins = getattr(engine, "plugins", None) or default_registry()
         config = getattr(engine, "config", None)
+        hf_config = getattr(engine, "hf_config", None)
         self.tool_parser = plugins.create("tool_parser", parser_name(
-            getattr(config, "tool_call_parser", "auto"), getattr(engine, "hf_config", None)))
+            getattr(config, "tool_call_parser", "auto"), hf_config))
+        name = reasoning.parser_name(getattr(config, "reasoning_parser", "auto"), hf_config)
+        self.reasoning = plugins.create("reasoning_parser", name) if name else None
 
     def __call__(self, entry_id: str, fields: dict) -> Request:
         """The entry as a request whose text prompt is already token ids; raises
         InvalidRequestError naming what is wrong or too large."""
         req = decode_request(entry_id, fields, self.limits)
         if isinstance(req.prompt, Chat):
-            req.prompt = self.tokenizer.encode(self._render(req.prompt))
+            text = self._render(req.prompt)
+            if self.reasoning is not None:
+                req.reasoning_inside = self.reasoning.opened(text)
+            req.prompt = self.tokenizer.encode(text)
         elif isinstance(req.prompt, str) and self.tokenizer is not None:
             text = req.prompt if req.raw else self.templated(req.prompt)
             req.prompt = self.tokenizer.encode(text)
@@ -60,6 +68,20 @@ class Admission:
         parser = self.tool_parser if req.tools.choice == "auto" else None
         return lambda: ToolStream(req.tools, parser)
 
+    def reasoning_streams(self, req: Request, emitted_ids=None):
+        """A maker of each sample's ReasoningStream (by its index), for a request whose
+        output is split; else None. ``emitted_ids(index)``: a resumed request's ids sent
+        so far, whose text puts each stream where the first owner's was."""
+        if req.reasoning_inside is None:
+            return None
+
+        def make(index: int) -> ReasoningStream:
+            stream = ReasoningStream(self.reasoning, req.reasoning_inside)
+            if emitted_ids is not None:  # what it hands out was sent already
+                stream.feed(self.tokenizer.decode(emitted_ids(index)))
+            return stream
+        return make
+
     def templated(self, text: str) -> str:
         return as_chat(self.tokenizer, text) if self.chat_template else text
 
@@ -72,7 +94,8 @@ class Admission:
         # tools only when there are: without, a JsonTokenizer renders plain messages itself
         tools = {"tools": list(chat.tools.tools)} if chat.tools is not None else {}
         return self.tokenizer.apply_chat_template(chat.messages, tokenize=False,
-                                                  add_generation_prompt=True, **tools)
+                                                  add_generation_prompt=True, **tools,
+                                                  **(chat.template_kwargs or {}))
 
 
 def _max_prompt_chars(tokenizer, context: Optional[int]) -> Optional[int]:

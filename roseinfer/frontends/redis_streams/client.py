@@ -80,6 +80,7 @@ class Result:
     prompt_logprobs: Optional[list[Optional[dict]]] = None  # one per prompt token, if asked
     index: int = 0                          # the sample's, of a request with n > 1
     tool_calls: Optional[list[dict]] = None  # the calls of a request with tools (protocol Chunk)
+    reasoning: str = ""                     # a reasoning model's thinking, apart from text
 
 
 class RequestFailed(Exception):
@@ -261,7 +262,7 @@ def _result(rid: str, chunks: list[Chunk], index: int) -> Result:
             logprobs = (logprobs or []) + c.logprobs
         prompt_logprobs = prompt_logprobs or c.prompt_logprobs
     return Result(rid, "".join(text), ids, c.finish_reason, c.usage, logprobs, prompt_logprobs,
-                  index, c.tool_calls)
+                  index, c.tool_calls, "".join(c.reasoning or "" for c in chunks))
 
 
 class Client:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from roseinfer.frontends.redis_streams.metrics import Metrics
+from roseinfer.core.reasoning import ReasoningStream
 from roseinfer.core.tools import ToolStream
 from roseinfer.frontends.redis_streams.protocol import Chunk
 
@@ -20,6 +21,7 @@ class Held:
     """What one sample has produced since its last chunk."""
     ids: list[int] = field(default_factory=list)
     text: str = ""
+    reasoning: str = ""                     # split from the text (core/reasoning.py)
     logprobs: Optional[list[dict]] = None   # for requests that asked
     sent: bool = False                      # its first chunk is out
 
@@ -43,6 +45,9 @@ class InFlight:
     # A request with tools: makes each sample's stream of content and calls
     tools: Optional[Callable[[], ToolStream]] = None
     streams: dict[int, ToolStream] = field(default_factory=dict)
+    # A chat request whose output is split: makes each sample's reasoning stream, by index
+    reasoning: Optional[Callable[[int], ReasoningStream]] = None
+    thoughts: dict[int, ReasoningStream] = field(default_factory=dict)
 
     @property
     def alone(self) -> bool:
@@ -59,19 +64,20 @@ class InFlight:
             stream = self.streams.get(out.index) or self.streams.setdefault(out.index,
                                                                              self.tools())
         h.ids += out.new_token_ids
-        h.text += out.new_text if stream is None else stream.feed(out.new_text)
+        text = self._answer(out, h)
+        h.text += text if stream is None else stream.feed(text)
         if out.new_logprobs is not None:
             h.logprobs = (h.logprobs or []) + [_logprob_map(lp) for lp in out.new_logprobs]
         due = h.ids and (not h.sent or len(h.ids) >= self.stream_interval)
         if not (due or out.finished):
             return None
         chunk = Chunk(self.rid, self.seq, h.ids, h.text, logprobs=h.logprobs,
-                      index=out.index if self.n > 1 else None)
+                      index=out.index if self.n > 1 else None, reasoning=h.reasoning or None)
         if not h.sent and out.prompt_logprobs is not None:
             chunk.prompt_logprobs = [None] + [{"token_id": lp.token_id, **_logprob_map(lp)}
                                               for lp in out.prompt_logprobs[1:]]
         self.seq += 1
-        h.ids, h.text, h.logprobs, h.sent = [], "", None, True
+        h.ids, h.text, h.reasoning, h.logprobs, h.sent = [], "", "", None, True
         if out.finished:
             chunk.finish_reason = out.finish_reason
             if stream is not None and out.finish_reason in ("stop", "length"):
@@ -86,6 +92,19 @@ class InFlight:
                            "completion_tokens": len(out.token_ids),
                            "cached_tokens": out.num_cached_tokens}
         return chunk
+
+    def _answer(self, out, h: Held) -> str:
+        """The output's new text less its reasoning, which goes to ``h.reasoning``."""
+        if self.reasoning is None:
+            return out.new_text
+        stream = self.thoughts.get(out.index) or self.thoughts.setdefault(
+            out.index, self.reasoning(out.index))
+        thought, text = stream.feed(out.new_text)
+        if out.finished:
+            more_thought, more_text = stream.finish()
+            thought, text = thought + more_thought, text + more_text
+        h.reasoning += thought
+        return text
 
     def observe(self, out, metrics: Metrics) -> int:
         """Record the output's timing; returns how many tokens it had (for the caller to

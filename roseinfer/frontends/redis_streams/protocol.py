@@ -37,6 +37,7 @@ class Chat:
     chat template."""
     messages: list[dict]
     tools: Optional[Tools] = None
+    template_kwargs: Optional[dict] = None  # chat_template_kwargs: the template's own options
 
 
 Prompt = Union[str, list[int], Chat]  # text, token ids of the worker's model, or messages
@@ -179,6 +180,9 @@ class Request:
     raw: bool = False        # a text prompt skips the worker's chat template
     tools: Optional[Tools] = None
     lora: Optional[str] = None  # the LoRA adapter it runs with, None: the base model
+    # A chat request whose output a reasoning parser splits (core/reasoning.py): whether
+    # the output begins inside the reasoning (its template opened it); None: no split.
+    reasoning_inside: Optional[bool] = None
 
 
 @dataclass
@@ -205,6 +209,9 @@ class Chunk:
     # {"index", "id", "type": "function", "function": {"name", "arguments"}} (arguments:
     # JSON text); finish_reason is then "tool_calls". Their text is not in ``text``.
     tool_calls: Optional[list[dict]] = None
+    # Chat requests on a worker with a reasoning parser: the model's thinking since the
+    # previous chunk, apart from ``text`` (its answer). Absent when empty.
+    reasoning: Optional[str] = None
 
     @property
     def finished(self) -> bool:
@@ -223,6 +230,8 @@ def encode_request(prompt: Prompt, rid: Optional[str] = None, **params) -> dict:
         raise ValueError(f"rid {rid!r} must be 1-128 characters of [A-Za-z0-9_.:-]")
     if isinstance(prompt, Chat):
         body = {"messages": prompt.messages, **(prompt.tools.as_body() if prompt.tools else {})}
+        if prompt.template_kwargs:
+            body["chat_template_kwargs"] = prompt.template_kwargs
     else:
         body = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt}
     body.update((k, v) for k, v in params.items() if v is not None)
@@ -256,6 +265,8 @@ def chunk_body(chunk: Chunk) -> bytes:
         body["index"] = chunk.index
     if chunk.tool_calls is not None:
         body["tool_calls"] = chunk.tool_calls
+    if chunk.reasoning:
+        body["reasoning"] = chunk.reasoning
     return msgpack.packb(body)
 
 
@@ -264,7 +275,7 @@ def decode_chunk(fields: dict) -> Chunk:
     return Chunk(body["rid"], body["seq"], body["token_ids"], body["text"],
                  body["finish_reason"], body.get("usage"), body.get("error"),
                  body.get("logprobs"), body.get("prompt_logprobs"), body.get("index"),
-                 body.get("tool_calls"))
+                 body.get("tool_calls"), body.get("reasoning"))
 
 
 def error_chunk(rid: str, code: str, message: str, seq: int = 0,

@@ -78,6 +78,7 @@ def decode_request(entry_id: str, fields: dict, limits: Limits = Limits()) -> Re
         raise InvalidRequestError("lora", f"must be an adapter's name (a string of 1-256 "
                                   f"characters) or nil, got {_short(lora)}")
     sampling = {k: body[k] for k in SAMPLING_KEYS if k in body}
+    _template_kwargs(body, prompt)
     tools = _tools(body, prompt)
     if tools is not None and tools.forced:
         if sampling.get("response_format") not in (None, {"type": "text"}):
@@ -98,6 +99,30 @@ def _tools(body: dict, prompt: Prompt) -> Optional[Tools]:
     prompt.tools = check_tools(body.get("tools"), body.get("tool_choice"),
                                body.get("parallel_tool_calls", True))
     return prompt.tools
+
+
+# Template options that are the rendering's own: a request may not set them.
+RENDERING_KEYS = {"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                  "tokenize", "continue_final_message", "return_dict", "chat_template"}
+
+
+def _template_kwargs(body: dict, prompt: Prompt) -> None:
+    """chat_template_kwargs (e.g. Qwen3's enable_thinking): a map of names to scalars,
+    passed to a chat request's template."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return
+    if not isinstance(prompt, Chat):
+        raise InvalidRequestError("chat_template_kwargs", "goes with messages: only they are "
+                                  "rendered by the chat template")
+    if not isinstance(kwargs, dict) or len(kwargs) > 32 or not all(
+            isinstance(k, str) and k.isidentifier() and k not in RENDERING_KEYS
+            and (v is None or isinstance(v, (bool, int, float, str)) and len(str(v)) <= 4096)
+            for k, v in kwargs.items()):
+        raise InvalidRequestError("chat_template_kwargs", "must be a map of at most 32 names "
+                                  "to scalars (strings of at most 4096 characters), not "
+                                  f"{sorted(RENDERING_KEYS)}; got {_short(kwargs)}")
+    prompt.template_kwargs = kwargs
 
 
 def _decode_body(raw: bytes) -> dict:

@@ -509,7 +509,9 @@ class Worker:
         self._inflight[req.rid] = InFlight(req.rid, entry_id, req.stream_interval, deliveries,
                                             arrival, resume is not None, seq,
                                             req.params.n, running, req.params.priority,
-                                            tools=self.admission.tool_streams(req))
+                                            tools=self.admission.tool_streams(req),
+                                            reasoning=self.admission.reasoning_streams(
+                                                req, resume and resume.emitted_ids))
         if resume:
             self.metrics.resumed.inc()
             event("resumed", rid=req.rid, entry=entry_id, seq=seq, emitted_tokens=emitted_tokens,
@@ -530,14 +532,18 @@ class Worker:
         if resume is None:
             self.engine.add_request(req.rid, req.prompt, req.params, **adapter)
             return req.params.n
+        # A split output's chunks are not its text: all its tokens' text counts as handed
+        # out, and the reasoning streams pick up from it (Admission.reasoning_streams).
+        split = req.reasoning_inside is not None
         if req.params.n == 1:
             self.engine.add_request(req.rid, req.prompt, req.params, **adapter,
-                                    emitted_ids=resume.emitted_ids(), emitted_text=resume.text())
+                                    emitted_ids=resume.emitted_ids(),
+                                    emitted_text=None if split else resume.text())
             return 1
         left = [i for i in range(req.params.n) if i not in resume.finished_indexes]
         self.engine.add_request(req.rid, req.prompt, req.params, indexes=left, **adapter,
                                 emitted_ids={i: resume.emitted_ids(i) for i in left},
-                                emitted_text={i: resume.text(i) for i in left})
+                                emitted_text={} if split else {i: resume.text(i) for i in left})
         return len(left)
 
     def _fail(self, rid: str, entry_id: str, code: str, message: str, seq: int,

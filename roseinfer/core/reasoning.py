@@ -1,0 +1,84 @@
+"""Reasoning kept apart from the answer: models that think between tags before they answer
+(Qwen3, DeepSeek-R1, QwQ) have their output split, as it streams, into reasoning and
+content. A reasoning parser (a plugin: plugins/reasoning_parsers.py) names the tags and
+whether a prompt already opened them; a ``ReasoningStream`` splits one sample's text.
+
+Only chat requests are split (their prompt is the model's chat template's), and tool
+calls and the answer's text are found in the content alone.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+from roseinfer.core.tools import held_from
+
+# "auto" parsers by the model's family (its config's model_type), as vLLM names them.
+# DeepSeek-R1's distillations keep their base's family (qwen2, llama): name them
+# with reasoning_parser deepseek_r1.
+FAMILY_PARSERS = {"qwen3": "qwen3", "qwen3_moe": "qwen3"}
+OFF = "none"
+
+
+def parser_name(configured: str, hf_config) -> Optional[str]:
+    """The reasoning parser a worker uses: the one configured, its model family's for
+    "auto", or None (outputs are all content)."""
+    if configured == OFF:
+        return None
+    if configured != "auto":
+        return configured
+    return FAMILY_PARSERS.get(getattr(hf_config, "model_type", None))
+
+
+class ReasoningParser(Protocol):
+    """What a reasoning parser plugin's factory() returns."""
+    start: str  # the tag that opens the reasoning, e.g. "<think>"
+    end: str    # the tag that closes it
+
+    def opened(self, prompt: str) -> bool:
+        """Whether an output of this rendered ``prompt`` begins inside the reasoning (the
+        template opened the tag, or the model always thinks first)."""
+
+
+class ReasoningStream:
+    """One sample's output as (reasoning, content) pieces as it streams.
+
+    An output may open with the start tag (dropped); inside, text is reasoning up to the
+    first end tag (dropped), and everything after it is content. A tag's first characters
+    are held back until the next text shows whether the tag follows. So the pieces
+    together are the output without those two tags, whatever the chunk boundaries."""
+
+    def __init__(self, parser: ReasoningParser, inside: bool):
+        self.parser = parser
+        self.opening = True       # at the output's start: the start tag may come
+        self.inside = inside      # in the reasoning
+        self.held = ""            # text not handed out yet
+
+    def feed(self, new_text: str) -> tuple[str, str]:
+        """The (reasoning, content) that can go out now."""
+        text = self.held + new_text
+        start, end = self.parser.start, self.parser.end
+        if self.opening:
+            if start.startswith(text):  # the tag, or the start of it so far
+                if text == start:
+                    self.opening, self.inside, self.held = False, True, ""
+                else:
+                    self.held = text
+                return "", ""
+            self.opening = False
+            if text.startswith(start):
+                text, self.inside = text[len(start):], True
+        if not self.inside:
+            self.held = ""
+            return "", text
+        at = held_from(text, end)
+        if text.startswith(end, at):
+            self.inside, self.held = False, ""
+            return text[:at], text[at + len(end):]
+        self.held = text[at:]
+        return text[:at], ""
+
+    def finish(self) -> tuple[str, str]:
+        """(reasoning, content) held at the end of the output: a tag's beginning that the
+        output ended in was text, not a tag."""
+        held, self.held = self.held, ""
+        return (held, "") if self.inside else ("", held)

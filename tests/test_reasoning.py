@@ -1,0 +1,74 @@
+"""Reasoning split from the answer (core/reasoning.py, plugins/reasoning_parsers.py): at
+every chunk boundary the pieces reassemble the output without its tags, and no tag's
+characters leak into either."""
+import itertools
+
+import pytest
+
+from roseinfer.core.plugins import PluginRegistry
+from roseinfer.core.reasoning import ReasoningStream, parser_name
+
+REGISTRY = PluginRegistry(load_entry_points=False)
+# (output, opened by the prompt) -> (reasoning, content)
+CASES = {
+    ("<think>\nLet me see: 2 + 2.\n</think>\n\nIt is 4.", False):
+        ("\nLet me see: 2 + 2.\n", "\n\nIt is 4."),
+    ("It is 4.", False): ("", "It is 4."),                       # enable_thinking off
+    ("<thin", False): ("", "<thin"),                              # cut short: not a tag
+    ("a</think>b", False): ("", "a</think>b"),                    # never opened: all answer
+    ("\nso 4\n</think>\n\n4", True): ("\nso 4\n", "\n\n4"),      # the template opened it
+    ("<think>x</think>y", True): ("x", "y"),                      # opened, and written again
+    ("still thinking </thi", True): ("still thinking </thi", ""),  # max_tokens mid-tag
+    ("x</think>y</think>z", True): ("x", "y</think>z"),           # only the first closes
+    ("</think>", True): ("", ""),
+    ("<think></think>", False): ("", ""),
+    ("<<think>>", False): ("", "<<think>>"),
+}
+
+
+def split(parser, text, inside, cuts):
+    stream, reasoning, content = ReasoningStream(parser, inside), "", ""
+    for a, b in zip((0,) + cuts, cuts + (len(text),)):
+        r, c = stream.feed(text[a:b])
+        reasoning, content = reasoning + r, content + c
+    r, c = stream.finish()
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("case", list(CASES), ids=[repr(c[0][:12]) for c in CASES])
+def test_every_split_point_gives_the_same_pieces(name, case):
+    text, inside = case
+    parser = REGISTRY.create("reasoning_parser", name)
+    for n in range(3):  # up to three chunk boundaries anywhere, and one chunk a character
+        for cuts in itertools.combinations(range(1, len(text)), n):
+            assert split(parser, text, inside, cuts) == CASES[case], cuts
+    assert split(parser, text, inside, tuple(range(1, len(text)))) == CASES[case]
+
+
+def test_pieces_are_streamed_as_they_come():
+    """Reasoning goes out before the answer starts; only a tag's possible start waits."""
+    stream = ReasoningStream(REGISTRY.create("reasoning_parser", "qwen3"), False)
+    assert stream.feed("<th") == ("", "")
+    assert stream.feed("ink>one two") == ("one two", "")
+    assert stream.feed(" three</") == (" three", "")
+    assert stream.feed("think>Four") == ("", "Four")
+    assert stream.feed(" five") == ("", " five")
+    assert stream.finish() == ("", "")
+
+
+def test_which_prompts_open_the_reasoning():
+    qwen3 = REGISTRY.create("reasoning_parser", "qwen3")
+    assert qwen3.opened("<|im_start|>assistant\n<think>\n")
+    assert not qwen3.opened("<|im_start|>assistant\n")
+    assert not qwen3.opened("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
+    assert REGISTRY.create("reasoning_parser", "deepseek_r1").opened("<｜Assistant｜>")
+
+
+def test_parser_names():
+    class Config:
+        model_type = "qwen3"
+    assert parser_name("auto", Config) == "qwen3"
+    assert parser_name("auto", None) is None
+    assert parser_name("none", Config) is None
+    assert parser_name("deepseek_r1", None) == "deepseek_r1"
