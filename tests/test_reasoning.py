@@ -72,3 +72,27 @@ def test_parser_names():
     assert parser_name("auto", None) is None
     assert parser_name("none", Config) is None
     assert parser_name("deepseek_r1", None) == "deepseek_r1"
+
+
+def test_llm_chat_splits_the_reasoning_then_finds_calls_in_the_answer(monkeypatch):
+    """LLM.chat with a reasoning parser (the output scripted: the default model writes no
+    tags): the thinking apart, and a tool call found in the answer alone, though the
+    thinking wrote one too."""
+    from types import SimpleNamespace
+
+    from roseinfer import LLM
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    text = ('<think>Call {"name": "get_time", "parameters": {}}? No.</think>\n'
+            '{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    with LLM("SmolLM2-135M-Instruct", device="cpu", num_kv_blocks=64,
+             cpu_compiled_step="off", reasoning_parser="qwen3") as llm:
+        prompts = []
+        monkeypatch.setattr(llm, "generate", lambda p, params: prompts.append(p[0]) or [
+            SimpleNamespace(text=text, finish_reason="stop")])
+        out = llm.chat([{"role": "user", "content": "Weather in Oslo?"}], tools=[weather],
+                       chat_template_kwargs={"enable_thinking": False})
+    assert out.reasoning == 'Call {"name": "get_time", "parameters": {}}? No.'
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert out.finish_reason == "tool_calls" and prompts[0].endswith("assistant\n")

@@ -34,9 +34,11 @@ class ScriptedEngine(FakeEngine):
         self.tokenizer = tokenizer
         self.max_model_len = 256
         self.scripts = {}
+        self.prompts = []  # each request's prompt text, as the template rendered it
 
     def add_request(self, rid, prompt, params, emitted_ids=None, emitted_text=None):
         text = self.tokenizer.decode(prompt)
+        self.prompts.append(text)
         self.scripts[rid] = self.tokenizer.encode(
             ANSWER if text.endswith("</think>\n\n") else THINKING)
         self.seqs[rid] = _Seq(prompt, params)

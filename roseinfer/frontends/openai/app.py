@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from starlette.routing import Route
 from roseinfer.frontends.openai import mapping
 from roseinfer.frontends.openai.mapping import APIError, Call
 from roseinfer.frontends.openai.metrics import GatewayMetrics
+from roseinfer.frontends.openai.responses import DEFAULT_TTL_S, Responses
 from roseinfer.frontends.redis_streams import adapters
 from roseinfer.frontends.redis_streams.client import AsyncClient
 from roseinfer.frontends.redis_streams.heartbeat import read_heartbeats
@@ -41,6 +43,7 @@ class GatewayConfig:
     api_keys: list[str] = field(default_factory=list)
     queue_timeout: float = 60.0    # no first reply by then: 503 (no worker took it)
     request_timeout: float = 600.0  # the whole request
+    responses_ttl: int = DEFAULT_TTL_S  # how long a stored response is kept (seconds)
 
 
 class Gateway:
@@ -51,6 +54,7 @@ class Gateway:
         self._keys = Keys(config.prefix)
         self._redis: redis.Redis | None = None  # for the adapters' waits, in threads
         self._served: tuple[float, set[str]] | None = None  # (when, adapters) _adapters
+        self.responses = Responses(self, config.responses_ttl)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -59,6 +63,7 @@ class Gateway:
             yield
         finally:
             await self.client.close()
+            await self.responses.close()
             if self._redis is not None:
                 self._redis.close()
 
@@ -125,15 +130,19 @@ class Gateway:
         return self._redis
 
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, mapping.completion_call)
+        return await self._serve(request, functools.partial(self._answer,
+                                                            make_call=mapping.completion_call))
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, mapping.chat_call)
+        return await self._serve(request, functools.partial(self._answer,
+                                                            make_call=mapping.chat_call))
 
     # --- one call -------------------------------------------------------------------------
 
-    async def _serve(self, request: Request, make_call) -> Response:
-        """One call, counted: in flight until its last byte; by status when it ends."""
+    async def _serve(self, request: Request, answer) -> Response:
+        """One call, counted: in flight until its last byte; by status when it ends.
+        ``answer(request, endpoint, start, ended)`` makes the response; a streamed one
+        decrements in_flight and calls ``ended`` itself when its last event is out."""
         endpoint, start = request.url.path, time.monotonic()
 
         def ended(status: int) -> None:
@@ -141,7 +150,7 @@ class Gateway:
 
         self.metrics.in_flight.inc()
         try:
-            response = await self._answer(request, make_call, endpoint, start, ended)
+            response = await answer(request, endpoint, start, ended)
         except BaseException as e:
             self.metrics.in_flight.dec()
             ended(e.status if isinstance(e, APIError) else 500)
@@ -151,7 +160,8 @@ class Gateway:
             ended(response.status_code)
         return response
 
-    async def _answer(self, request: Request, make_call, endpoint, start, ended) -> Response:
+    async def body(self, request: Request) -> dict:
+        """The call's JSON object, from an authorized client."""
         self._authorize(request)
         try:
             body = await request.json()
@@ -159,7 +169,12 @@ class Gateway:
             raise APIError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        call = make_call(body)
+        return body
+
+    async def submit(self, request: Request, body: dict, call: Call, endpoint: str,
+                     start: float):
+        """The call into the queue: (rid, model name, its first chunk, the chunks after).
+        The first chunk is awaited before any byte is sent, so errors keep their status."""
         model = body.get("model")
         if isinstance(model, str) and model != self.config.model_name and \
                 model in await self._adapters():
@@ -170,13 +185,18 @@ class Gateway:
         await self.client.submit(call.prompt, rid=rid, **call.params)
         chunks = self._chunks(rid, call.n)
         try:
-            first = await anext(chunks)  # before any byte is sent: errors keep their status
+            first = await anext(chunks)
         except BaseException:
             await chunks.aclose()
             raise
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - start)
-        head = mapping.envelope(call, rid, call.params.get("lora") or self.config.model_name,
-                                int(time.time()))
+        return rid, call.params.get("lora") or self.config.model_name, first, chunks
+
+    async def _answer(self, request: Request, endpoint, start, ended, make_call) -> Response:
+        body = await self.body(request)
+        call = make_call(body)
+        rid, model, first, chunks = await self.submit(request, body, call, endpoint, start)
+        head = mapping.envelope(call, rid, model, int(time.time()))
         if call.stream:
             return EventSourceResponse(self._events(call, head, first, chunks, ended))
         return await self._whole(request, call, rid, first, chunks)
@@ -289,7 +309,10 @@ def create_app(config: GatewayConfig) -> Starlette:
               Route("/v1/load_lora_adapter", gw.load_lora_adapter, methods=["POST"]),
               Route("/v1/unload_lora_adapter", gw.unload_lora_adapter, methods=["POST"]),
               Route("/v1/completions", gw.completions, methods=["POST"]),
-              Route("/v1/chat/completions", gw.chat_completions, methods=["POST"])]
+              Route("/v1/chat/completions", gw.chat_completions, methods=["POST"]),
+              Route("/v1/responses", gw.responses.create, methods=["POST"]),
+              Route("/v1/responses/{rid}", gw.responses.retrieve, methods=["GET"]),
+              Route("/v1/responses/{rid}", gw.responses.delete, methods=["DELETE"])]
     return Starlette(routes=routes, lifespan=gw.lifespan,
                      exception_handlers={APIError: _api_error,
                                          redis.exceptions.ConnectionError: _queue_error,

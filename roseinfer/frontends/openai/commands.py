@@ -9,8 +9,8 @@ log = logging.getLogger("roseinfer.gateway")
 
 
 def add_commands(subparsers, engine_parent) -> None:
-    g = subparsers.add_parser("gateway", help="serve the OpenAI API (completions, chat) "
-                              "in front of the Redis queue")
+    g = subparsers.add_parser("gateway", help="serve the OpenAI API (completions, chat, "
+                              "responses) in front of the Redis queue")
     g.add_argument("--redis-url", default=DEFAULT_URL, help="(default: %(default)s)")
     g.add_argument("--prefix", default=DEFAULT_PREFIX, type=prefix_arg, help="(default: %(default)s)")
     g.add_argument("--host", default=None,
@@ -24,6 +24,9 @@ def add_commands(subparsers, engine_parent) -> None:
                    help="seconds to wait for a worker's reply before a 503 (default: %(default)s)")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a whole request may take (default: %(default)s)")
+    g.add_argument("--responses-ttl", type=int, default=30 * 24 * 3600,
+                   help="seconds a stored /v1/responses response is kept in Redis, for "
+                        "GET and previous_response_id (default: %(default)s, 30 days)")
     g.set_defaults(func=gateway_command)
 
 
@@ -37,7 +40,7 @@ def gateway_command(args) -> int:
         log.warning("no --api-key: anyone who can reach %s:%d may call the gateway%s", host,
                     args.port, "" if args.host else " (so it binds to 127.0.0.1 only)")
     config = GatewayConfig(args.redis_url, args.prefix, args.model_name, args.api_keys,
-                           args.queue_timeout, args.request_timeout)
+                           args.queue_timeout, args.request_timeout, args.responses_ttl)
     print(f"OpenAI API on http://{host}:{args.port}/v1, queue {args.redis_url} "
           f"(prefix {args.prefix!r}). Try:\n"
           f"  curl http://{'127.0.0.1' if host == '0.0.0.0' else host}:{args.port}"
