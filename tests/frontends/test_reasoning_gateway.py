@@ -5,6 +5,8 @@ chat_template_kwargs turning Qwen3-style thinking off in the template.
 
 The engine is scripted (it writes a fixed reply in GPT-2's tokens): a tiny random model
 never writes the tags."""
+import time
+
 import openai
 import pytest
 
@@ -44,6 +46,7 @@ class ScriptedEngine(FakeEngine):
         self.seqs[rid] = _Seq(prompt, params)
 
     def step(self):
+        time.sleep(self.step_s)
         outs = []
         for rid, s in list(self.seqs.items()):
             script = self.scripts[rid]

@@ -4,6 +4,7 @@ spec's events, storage read back by a second gateway process, previous_response_
 delete, function tools (a call, then its output continuing the response), and bad input
 refused with the field named."""
 import json
+import time
 
 import openai
 import pytest
@@ -107,7 +108,7 @@ def test_a_function_call_then_its_output(tool_llm, start_worker, gateway):  # no
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]"),
-    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": []}, "input"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
 ])
@@ -116,3 +117,47 @@ def test_bad_requests_name_the_field(engine, start_worker, gateway, body, param)
     with pytest.raises(openai.BadRequestError) as e:
         api(gateway()).responses.create(model="tiny", **body)
     assert e.value.body["param"] == param
+
+
+def until(fn, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if what(value):
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout} s: {value}")
+
+
+def test_background_responses_complete_cancel_and_survive_their_gateway(
+        engine, start_worker, gateway, redis_server, prefix):  # noqa: F811
+    """Queued at once and read by the gateway; GET shows them through to completed. A
+    cancelled one stays cancelled and its worker aborts it. One whose gateway stops
+    mid-way is finished by the next gateway that a client asks about it."""
+    engine.step_s = 0.05
+    start_worker(engine)
+    client = api(gateway())
+    queued = client.responses.create(model="tiny", input="2 + 2?", background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background
+    done = until(lambda: client.responses.retrieve(queued.id), lambda r: r.status == "completed")
+    assert done.output_text == SAID and done.output[0].type == "reasoning"
+
+    engine.step_s = 0.5  # long enough to cancel, and to stop a gateway, mid-way
+    doomed = client.responses.create(model="tiny", input="2 + 2?", background=True)
+    assert client.responses.cancel(doomed.id).status == "cancelled"
+    time.sleep(1.5)
+    assert client.responses.retrieve(doomed.id).status == "cancelled"
+
+    from roseinfer.frontends.openai.app import BackgroundGateway, GatewayConfig
+    config = GatewayConfig(redis_server.url, prefix, model_name="tiny")
+    first = BackgroundGateway(config, port=free_port()).start()
+    orphan = api(first).responses.create(model="tiny", input="2 + 2?", background=True)
+    until(lambda: api(first).responses.retrieve(orphan.id), lambda r: r.status == "in_progress")
+    first.stop()
+    second = BackgroundGateway(config, port=free_port()).start()
+    try:
+        done = until(lambda: api(second).responses.retrieve(orphan.id),
+                     lambda r: r.status == "completed")
+    finally:
+        second.stop()
+    assert done.output_text == SAID and done.output[0].content[0].text == THOUGHT

@@ -55,6 +55,7 @@ class Gateway:
         self._redis: redis.Redis | None = None  # for the adapters' waits, in threads
         self._served: tuple[float, set[str]] | None = None  # (when, adapters) _adapters
         self.responses = Responses(self, config.responses_ttl)
+        self.tasks: set[asyncio.Task] = set()  # background responses being read
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -62,6 +63,9 @@ class Gateway:
         try:
             yield
         finally:
+            for task in self.tasks:  # they give up their leases: another gateway reads them
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
             await self.client.close()
             await self.responses.close()
             if self._redis is not None:
@@ -312,7 +316,8 @@ def create_app(config: GatewayConfig) -> Starlette:
               Route("/v1/chat/completions", gw.chat_completions, methods=["POST"]),
               Route("/v1/responses", gw.responses.create, methods=["POST"]),
               Route("/v1/responses/{rid}", gw.responses.retrieve, methods=["GET"]),
-              Route("/v1/responses/{rid}", gw.responses.delete, methods=["DELETE"])]
+              Route("/v1/responses/{rid}", gw.responses.delete, methods=["DELETE"]),
+              Route("/v1/responses/{rid}/cancel", gw.responses.cancel, methods=["POST"])]
     return Starlette(routes=routes, lifespan=gw.lifespan,
                      exception_handlers={APIError: _api_error,
                                          redis.exceptions.ConnectionError: _queue_error,

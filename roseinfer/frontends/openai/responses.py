@@ -5,9 +5,17 @@ calls) and, streamed, the spec's typed events with contiguous ``sequence_number`
 With ``store`` (the default) a finished response and its conversation are kept in Redis
 under the fleet's prefix for ``--responses-ttl`` seconds, so any gateway answers ``GET``
 and ``DELETE`` for it and continues from it with ``previous_response_id``.
+
+A ``background`` response is stored at once as ``queued`` and its request goes to the
+fleet's backlog (priority BACKGROUND_PRIORITY); a task of the gateway reads its chunks and
+stores it ``in_progress``, then finished, holding a lease on it while it does. A gateway
+that reads one whose lease has lapsed (its gateway stopped) takes it over and reads its
+reply stream from the start, so nothing is lost that the workers wrote. Cancel aborts the
+request and stores it ``cancelled``.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -23,6 +31,9 @@ from roseinfer.frontends.openai.mapping import APIError
 from roseinfer.frontends.redis_streams.protocol import Keys
 
 DEFAULT_TTL_S = 30 * 24 * 3600
+BACKGROUND_PRIORITY = 5  # behind interactive requests (docs/protocol.md, "Priorities")
+LEASE_S = 15             # a background response's reader renews its lease every third of it
+RUNNING = ("queued", "in_progress")
 ECHOED = ("instructions", "max_output_tokens", "temperature", "top_p", "previous_response_id",
           "metadata")
 
@@ -172,24 +183,108 @@ class Responses:
         if self._redis is not None:
             await self._redis.aclose()
 
+    async def _get_both(self, rid: str):
+        """The record and the cancel mark, one key at a time (another slot in a Cluster)."""
+        return await self.redis.get(self._key(rid)), \
+            await self.redis.get(self._key(rid) + ":cancelled")
+
     async def _stored(self, rid: str, param: Optional[str] = None) -> dict:
-        raw = await self.redis.get(self._key(rid))
+        """The stored record; a running response that was cancelled reads as cancelled
+        (its reader may store its progress once more before it sees the abort)."""
+        raw, cancelled = await self._get_both(rid)
         if raw is None:
             raise APIError(404, f"Response with id {rid!r} not found: it was never stored "
                            "(store: false), was deleted, or is older than --responses-ttl",
                            param, code="response_not_found")
-        return json.loads(raw)
+        record = json.loads(raw)
+        if cancelled is not None and record["response"]["status"] in RUNNING:
+            record["response"]["status"] = "cancelled"
+        return record
 
     async def retrieve(self, request: Request) -> Response:
         self.gw._authorize(request)
-        return JSONResponse((await self._stored(request.path_params["rid"]))["response"])
+        record = await self._stored(request.path_params["rid"])
+        await self.adopt(record)
+        return JSONResponse(record["response"])
 
     async def delete(self, request: Request) -> Response:
         self.gw._authorize(request)
         rid = request.path_params["rid"]
         if not await self.redis.delete(self._key(rid)):
             await self._stored(rid)  # raises its 404
+        await self.redis.delete(self._key(rid) + ":cancelled")
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+
+    async def cancel(self, request: Request) -> Response:
+        self.gw._authorize(request)
+        rid = request.path_params["rid"]
+        record = await self._stored(rid)
+        if not record["response"].get("background"):
+            raise APIError(400, "only a background response can be cancelled", code="not_background")
+        if record["response"]["status"] in RUNNING:
+            await self.redis.set(self._key(rid) + ":cancelled", "1", ex=self.ttl_s)
+            await self.gw.client.cancel(record["rid"])
+            record["response"]["status"] = "cancelled"
+            await self._save(record)
+        return JSONResponse(record["response"])
+
+    async def _save(self, record: dict) -> None:
+        await self.redis.set(self._key(record["response"]["id"]), json.dumps(record),
+                             ex=self.ttl_s)
+
+    async def _background(self, record: dict) -> None:
+        """Read a background response's reply stream (from its start) into its record,
+        holding its lease meanwhile; the record says where it ended."""
+        rid = record["response"]["id"]
+        holding = asyncio.create_task(self._hold(rid))
+        output, sample = Output(record["response"]), mapping.Sample()
+        try:
+            async for chunk in self.gw.client.stream(record["rid"],
+                                                     timeout=self.gw.config.request_timeout):
+                if chunk.error:
+                    raise mapping.worker_error(chunk.error)
+                if not sample.tokens and not sample.text:
+                    await self._save({**record, "response": output.snapshot("in_progress")})
+                sample.add(chunk)
+                output.add(chunk, record["reasoning"])
+            *_, done = output.finish(sample)
+            status = done["response"]["status"]
+        except (APIError, TimeoutError) as e:
+            output.response["error"] = {"code": getattr(e, "code", None) or "server_error",
+                                        "message": str(e)}
+            status = "failed"
+        except asyncio.CancelledError:  # this gateway stops: another takes it over at once
+            await self.redis.delete(self._key(rid) + ":lease")
+            raise
+        finally:
+            holding.cancel()
+        latest, cancelled = await self._get_both(rid)
+        if latest is None:
+            return  # deleted meanwhile
+        if sample.reason == "abort" or cancelled is not None:
+            status = "cancelled"
+        record.update(response=output.snapshot(status),
+                      conversation=conversation_after(record["turns"], output.items))
+        await self._save(record)
+        await self.redis.delete(self._key(rid) + ":lease")
+
+    async def _hold(self, rid: str) -> None:
+        while True:
+            await self.redis.set(self._key(rid) + ":lease", "1", ex=LEASE_S)
+            await asyncio.sleep(LEASE_S / 3)
+
+    def _read_later(self, record: dict) -> None:
+        task = asyncio.create_task(self._background(record))
+        self.gw.tasks.add(task)
+        task.add_done_callback(self.gw.tasks.discard)
+
+    async def adopt(self, record: dict) -> None:
+        """Read a background response whose reader's lease lapsed (its gateway stopped),
+        unless another gateway took it first."""
+        lease = self._key(record["response"]["id"]) + ":lease"
+        if record["response"]["status"] in RUNNING and await self.redis.set(
+                lease, "1", ex=LEASE_S, nx=True):
+            self._read_later(record)
 
     async def create(self, request: Request) -> Response:
         return await self.gw._serve(request, self._answer)
@@ -202,22 +297,49 @@ class Responses:
         call = mapping.chat_call(chat)
         if call.n != 1:
             raise APIError(400, "a response has one output: n is not supported", "n")
+        if body.get("background"):
+            return await self._queue(request, body, call, turns)
         _, model, first, chunks = await self.gw.submit(request, body, call, endpoint, start)
-        output = Output({"id": new_id("resp"), "object": "response",
-                         "created_at": int(time.time()), "model": model, "error": None,
-                         "incomplete_details": None, "usage": None,
-                         **{k: body.get(k) for k in ECHOED},
-                         "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
-                         "parallel_tool_calls": body.get("parallel_tool_calls", True),
-                         "text": body.get("text") or {"format": {"type": "text"}},
-                         "store": body.get("store", True) is not False, "background": False,
-                         "truncation": "disabled", "reasoning": None})
+        output = self._new(body, model)
         events = self._events(call, output, first, chunks, turns)
         if call.stream:
             return EventSourceResponse(self._sent(events, ended))
         async for _ in events:
             pass
         return JSONResponse(output.snapshot(output.response["status"]))
+
+    async def _queue(self, request: Request, body: dict, call, turns) -> Response:
+        """A background response: stored as queued, its request in the backlog, a task
+        to read it; answered at once."""
+        if body.get("store") is False or call.stream:
+            raise APIError(400, "background responses are stored and read later: give "
+                           "store true (the default) and no stream", "background")
+        model = body.get("model")
+        if isinstance(model, str) and model in await self.gw._adapters():
+            call.params["lora"] = model
+        response = self._new(body, call.params.get("lora") or self.gw.config.model_name)
+        response.response.update(background=True, status="queued")
+        rid = f"resp-{response.response['id']}"
+        record = {"response": response.snapshot("queued"), "rid": rid, "turns": turns,
+                  "reasoning": call.reasoning, "conversation": None}
+        await self._save(record)
+        await self.redis.set(self._key(response.response["id"]) + ":lease", "1", ex=LEASE_S)
+        await self.gw.client.submit(call.prompt, rid=rid, **{
+            **call.params, "priority": call.params.get("priority") or BACKGROUND_PRIORITY})
+        self._read_later(record)
+        return JSONResponse(record["response"])
+
+    @staticmethod
+    def _new(body: dict, model: str) -> Output:
+        return Output({
+            "id": new_id("resp"), "object": "response", "created_at": int(time.time()),
+            "model": model, "error": None, "incomplete_details": None, "usage": None,
+            **{k: body.get(k) for k in ECHOED}, "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice", "auto"),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "store": body.get("store", True) is not False, "background": False,
+            "truncation": "disabled", "reasoning": None})
 
     async def _events(self, call, output: Output, first, chunks, turns):
         """Every event of the response, the chunks read as they come; stored at the end."""
