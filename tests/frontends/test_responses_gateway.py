@@ -161,3 +161,62 @@ def test_background_responses_complete_cancel_and_survive_their_gateway(
     finally:
         second.stop()
     assert done.output_text == SAID and done.output[0].content[0].text == THOUGHT
+
+
+def test_a_langchain_agent_step_over_the_responses_api(tool_llm, start_worker, gateway):  # noqa: F811
+    """ChatOpenAI(use_responses_api=True) with bind_tools: a call, its result sent back,
+    an answer."""
+    from typing import Literal
+
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def local_time(zone: Literal["UTC", "CET", "JST"]) -> str:
+        """The time now in a time zone."""
+        return {"UTC": "11:00", "CET": "12:00", "JST": "20:00"}[zone]
+
+    start_worker(tool_llm.engine)
+    chat = ChatOpenAI(base_url=f"{gateway().url}/v1", api_key="none", model="tiny",
+                      temperature=0, max_tokens=60, max_retries=0, use_responses_api=True)
+    history = [HumanMessage("What time is it in Tokyo?")]
+    step = chat.bind_tools([local_time], tool_choice="any",
+                           parallel_tool_calls=False).invoke(history)
+    (call,) = step.tool_calls
+    assert call["name"] == "local_time" and call["args"]["zone"] in ("UTC", "CET", "JST")
+    history += [step, ToolMessage(local_time.invoke(call["args"]), tool_call_id=call["id"])]
+    answer = chat.bind_tools([local_time]).invoke(history)
+    assert answer.text and not answer.tool_calls
+
+
+def test_an_agents_sdk_turn_calls_a_tool_and_answers(start_worker, gateway):
+    """The OpenAI Agents SDK on the default model, over the Responses API: the tool is
+    called (tool_choice required), its result fed back, and the run ends with an answer."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    from roseinfer import LLM
+
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    llm = LLM("SmolLM2-135M-Instruct", device="cpu", num_kv_blocks=128, cuda_graphs=False)
+    start_worker(llm.engine)
+    agents.set_tracing_disabled(True)
+    model = agents.OpenAIResponsesModel(
+        "tiny", AsyncOpenAI(base_url=f"{gateway().url}/v1", api_key="none", max_retries=0))
+    agent = agents.Agent(name="weather", instructions="Answer with the weather.", model=model,
+                         tools=[get_weather], model_settings=agents.ModelSettings(
+                             tool_choice="required", max_tokens=40, temperature=0))
+    result = agents.Runner.run_sync(agent, "Weather in Oslo?", max_turns=3)
+    llm.close()
+    assert len(calls) == 1 and isinstance(calls[0], str)
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
+    assert kinds[-1] == "message_output_item" and isinstance(result.final_output, str)

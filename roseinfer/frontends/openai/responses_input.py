@@ -7,8 +7,7 @@ from typing import Optional
 
 from roseinfer.frontends.openai.mapping import APIError, bad
 
-UNSUPPORTED = {"conversation": None, "prompt": None, "include": None,
-               "truncation": "disabled"}
+UNSUPPORTED = {"conversation": None, "prompt": None, "truncation": "disabled"}
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
