@@ -2,7 +2,8 @@
 and a worker: text and typed input, reasoning items, the SDK's stream helper over the
 spec's events, storage read back by a second gateway process, previous_response_id,
 delete, function tools (a call, then its output continuing the response), and bad input
-refused with the field named."""
+refused with the field named; an OpenAI Agents SDK turn. (LangChain over the Responses
+API: test_tools_gateway.py.)"""
 import json
 import time
 
@@ -161,33 +162,6 @@ def test_background_responses_complete_cancel_and_survive_their_gateway(
     finally:
         second.stop()
     assert done.output_text == SAID and done.output[0].content[0].text == THOUGHT
-
-
-def test_a_langchain_agent_step_over_the_responses_api(tool_llm, start_worker, gateway):  # noqa: F811
-    """ChatOpenAI(use_responses_api=True) with bind_tools: a call, its result sent back,
-    an answer."""
-    from typing import Literal
-
-    from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
-
-    @tool
-    def local_time(zone: Literal["UTC", "CET", "JST"]) -> str:
-        """The time now in a time zone."""
-        return {"UTC": "11:00", "CET": "12:00", "JST": "20:00"}[zone]
-
-    start_worker(tool_llm.engine)
-    chat = ChatOpenAI(base_url=f"{gateway().url}/v1", api_key="none", model="tiny",
-                      temperature=0, max_tokens=60, max_retries=0, use_responses_api=True)
-    history = [HumanMessage("What time is it in Tokyo?")]
-    step = chat.bind_tools([local_time], tool_choice="any",
-                           parallel_tool_calls=False).invoke(history)
-    (call,) = step.tool_calls
-    assert call["name"] == "local_time" and call["args"]["zone"] in ("UTC", "CET", "JST")
-    history += [step, ToolMessage(local_time.invoke(call["args"]), tool_call_id=call["id"])]
-    answer = chat.bind_tools([local_time]).invoke(history)
-    assert answer.text and not answer.tool_calls
 
 
 def test_an_agents_sdk_turn_calls_a_tool_and_answers(start_worker, gateway):

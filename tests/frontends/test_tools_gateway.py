@@ -232,9 +232,11 @@ def test_auto_parses_the_call_the_model_writes(tool_llm, start_worker, gateway):
     assert none.finish_reason == "stop"
 
 
-def test_a_langchain_agent_step(tool_llm, start_worker, gateway):
+@pytest.mark.parametrize("responses_api", [False, True], ids=["chat", "responses"])
+def test_a_langchain_agent_step(tool_llm, start_worker, gateway, responses_api):
     """langchain-openai as a user writes it: a tool from a typed function, bound to the
-    chat model; the call is run and its result sent back for the answer."""
+    chat model; the call is run and its result sent back for the answer. Over chat
+    completions and over the Responses API (use_responses_api)."""
     from typing import Literal
 
     from langchain_core.messages import HumanMessage, ToolMessage
@@ -248,7 +250,8 @@ def test_a_langchain_agent_step(tool_llm, start_worker, gateway):
 
     start_worker(tool_llm.engine)
     chat = ChatOpenAI(base_url=f"{gateway().url}/v1", api_key="none", model="tiny",
-                      temperature=0, max_tokens=60, max_retries=0)
+                      temperature=0, max_tokens=60, max_retries=0,
+                      use_responses_api=responses_api)
     history = [HumanMessage("What time is it in Tokyo?")]
     step = chat.bind_tools([local_time], tool_choice="any",
                            parallel_tool_calls=False).invoke(history)
@@ -256,7 +259,7 @@ def test_a_langchain_agent_step(tool_llm, start_worker, gateway):
     assert call["name"] == "local_time" and call["args"]["zone"] in ("UTC", "CET", "JST")
     history += [step, ToolMessage(local_time.invoke(call["args"]), tool_call_id=call["id"])]
     answer = chat.bind_tools([local_time]).invoke(history)
-    assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
+    assert answer.text and not answer.tool_calls
 
 
 def test_roseinfer_submit_with_a_tools_file(tool_llm, start_worker, redis_server, prefix,
