@@ -90,9 +90,50 @@ def test_llm_chat_splits_the_reasoning_then_finds_calls_in_the_answer(monkeypatc
              cpu_compiled_step="off", reasoning_parser="qwen3") as llm:
         prompts = []
         monkeypatch.setattr(llm, "generate", lambda p, params: prompts.append(p[0]) or [
-            SimpleNamespace(text=text, finish_reason="stop")])
+            SimpleNamespace(text=text, token_ids=[], finish_reason="stop")])
         out = llm.chat([{"role": "user", "content": "Weather in Oslo?"}], tools=[weather],
                        chat_template_kwargs={"enable_thinking": False})
     assert out.reasoning == 'Call {"name": "get_time", "parameters": {}}? No.'
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", '{"city": "Oslo"}')]
     assert out.finish_reason == "tool_calls" and prompts[0].endswith("assistant\n")
+
+
+HARMONY = {
+    "<|channel|>analysis<|message|>User asks 2+2. Easy.<|end|><|start|>assistant"
+    "<|channel|>final<|message|>It is 4 ✓.<|return|>": ("User asks 2+2. Easy.", "It is 4 ✓.", []),
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
+    "commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}"
+    "<|call|>": ("Need the weather.", "", [("get_weather", '{"city": "Oslo"}')]),
+    "<|channel|>analysis<|message|>Cut sh": ("Cut sh", "", []),   # max_tokens mid-thought
+    "<|channel|>final<|message|>Hi": ("", "Hi", []),
+}
+
+
+@pytest.fixture(scope="module")
+def harmony_tokenizer(tmp_path_factory):
+    """GPT-2's tokenizer with harmony's special tokens, as gpt-oss's has them."""
+    from roseinfer.models.tokenizers import gpt2_tokenizer
+    from roseinfer.plugins.reasoning_parsers import HarmonyStream
+    tokenizer = gpt2_tokenizer(str(tmp_path_factory.mktemp("tokenizer-cache")))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HarmonyStream.SPECIALS)})
+    return tokenizer
+
+
+@pytest.mark.parametrize("text", list(HARMONY), ids=[t[30:50] for t in HARMONY])
+def test_harmony_channels_at_every_split(harmony_tokenizer, text):
+    """gpt_oss: the analysis channel is reasoning, final the answer, commentary to a
+    function a call; at any token boundaries, and through multi-byte characters."""
+    from roseinfer.core.reasoning import stream_for
+    parser = REGISTRY.create("reasoning_parser", "gpt_oss")
+    ids = harmony_tokenizer.encode(text)
+    want = HARMONY[text]
+    for n in range(3):
+        for cuts in itertools.chain(itertools.combinations(range(1, len(ids)), n),
+                                    [tuple(range(1, len(ids)))]):
+            stream, got = stream_for(parser, harmony_tokenizer, False), ["", ""]
+            for a, b in zip((0,) + cuts, cuts + (len(ids),)):
+                piece = ids[a:b]
+                pair = stream.feed(harmony_tokenizer.decode(piece, skip_special_tokens=True), piece)
+                got = [g + p for g, p in zip(got, pair)]
+            got = [g + p for g, p in zip(got, stream.finish())]
+            assert (*got, [(c.name, c.arguments) for c in stream.calls]) == want, cuts

@@ -102,7 +102,7 @@ class LLM:
             params = dataclasses.replace(params, response_format=spec.constraint())
             spec.prepare(self.engine.processors, params)
         (out,) = self.generate([prompt], params)
-        thought, text = self._split_reasoning(prompt, out.text)
+        thought, text, found = self._split_reasoning(prompt, out)
         if spec is None:
             return ChatOutput(text, [], out.finish_reason, out, thought)
         parser = None
@@ -112,19 +112,21 @@ class LLM:
         stream = ToolStream(spec, parser)
         content = stream.feed(text)
         rest, calls = stream.finish()
+        calls += found
         return ChatOutput(content + rest, calls, "tool_calls" if calls else out.finish_reason,
                           out, thought)
 
-    def _split_reasoning(self, prompt: str, text: str) -> tuple[str, str]:
-        """(reasoning, content) of a chat output, as a worker splits it."""
+    def _split_reasoning(self, prompt: str, out) -> tuple[str, str, list[ToolCall]]:
+        """(reasoning, content, tool calls in its reasoning format) of a chat output, as a
+        worker splits it."""
         name = reasoning.parser_name(self.engine.config.reasoning_parser, self.engine.hf_config)
         if name is None:
-            return "", text
+            return "", out.text, []
         parser = self.engine.plugins.create("reasoning_parser", name)
-        stream = reasoning.ReasoningStream(parser, parser.opened(prompt))
-        thought, content = stream.feed(text)
+        stream = reasoning.stream_for(parser, self.tokenizer, parser.opened(prompt))
+        thought, content = stream.feed(out.text, out.token_ids)
         more_thought, more_content = stream.finish()
-        return thought + more_thought, content + more_content
+        return thought + more_thought, content + more_content, stream.calls
 
     def _drive(self, total: int, use_tqdm: bool) -> Iterable[RequestOutput]:
         bar = None

@@ -15,7 +15,7 @@ from roseinfer.core.tools import held_from
 # "auto" parsers by the model's family (its config's model_type), as vLLM names them.
 # DeepSeek-R1's distillations keep their base's family (qwen2, llama): name them
 # with reasoning_parser deepseek_r1.
-FAMILY_PARSERS = {"qwen3": "qwen3", "qwen3_moe": "qwen3"}
+FAMILY_PARSERS = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "gpt_oss": "gpt_oss"}
 OFF = "none"
 
 
@@ -38,6 +38,15 @@ class ReasoningParser(Protocol):
         """Whether an output of this rendered ``prompt`` begins inside the reasoning (the
         template opened the tag, or the model always thinks first)."""
 
+    # Optional: ``stream(tokenizer)``, a stream of its own (as ReasoningStream's, plus
+    # ``calls``) for a format that tags cannot describe (plugins' GptOss).
+
+
+def stream_for(parser: ReasoningParser, tokenizer, inside: bool):
+    """One sample's splitter: the parser's own, or ReasoningStream over its tags."""
+    make = getattr(parser, "stream", None)
+    return make(tokenizer) if make is not None else ReasoningStream(parser, inside)
+
 
 class ReasoningStream:
     """One sample's output as (reasoning, content) pieces as it streams.
@@ -52,9 +61,11 @@ class ReasoningStream:
         self.opening = True       # at the output's start: the start tag may come
         self.inside = inside      # in the reasoning
         self.held = ""            # text not handed out yet
+        self.calls = []           # tags hold no tool calls: the content's parser finds them
 
-    def feed(self, new_text: str) -> tuple[str, str]:
-        """The (reasoning, content) that can go out now."""
+    def feed(self, new_text: str, ids=()) -> tuple[str, str]:
+        """The (reasoning, content) that can go out now (of the text; ``ids``, its
+        tokens, are for parsers that read them)."""
         text = self.held + new_text
         start, end = self.parser.start, self.parser.end
         if self.opening:

@@ -18,8 +18,10 @@ from roseinfer.frontends.redis_streams.protocol import Chat
 
 from .conftest import FakeEngine, FakeOutput
 
-# Qwen3's way: with enable_thinking false the template writes an empty pair itself.
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+# Qwen3's way: with enable_thinking false the template writes an empty pair itself; and
+# gpt-oss's, the reasoning effort in the prompt.
+TEMPLATE = ("{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
             "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 THINKING = "<think>\nTwo and two make four.\n</think>\n\nIt is 4."
@@ -28,12 +30,13 @@ MESSAGES = [{"role": "user", "content": "2 + 2?"}]
 
 
 class ScriptedEngine(FakeEngine):
-    """Writes THINKING, or ANSWER where the prompt closed the thinking, a token a step."""
+    """Writes ``script`` (THINKING), or ANSWER where the prompt closed the thinking, a
+    token a step (its text without special tokens, as a worker's detokenizer has it)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, parser="qwen3", script=THINKING):
         super().__init__()
-        self.config = EngineConfig(device="cpu", max_num_seqs=4, reasoning_parser="qwen3")
-        self.tokenizer = tokenizer
+        self.config = EngineConfig(device="cpu", max_num_seqs=4, reasoning_parser=parser)
+        self.tokenizer, self.script = tokenizer, script
         self.max_model_len = 256
         self.scripts = {}
         self.prompts = []  # each request's prompt text, as the template rendered it
@@ -42,7 +45,7 @@ class ScriptedEngine(FakeEngine):
         text = self.tokenizer.decode(prompt)
         self.prompts.append(text)
         self.scripts[rid] = self.tokenizer.encode(
-            ANSWER if text.endswith("</think>\n\n") else THINKING)
+            ANSWER if text.endswith("</think>\n\n") else self.script)
         self.seqs[rid] = _Seq(prompt, params)
 
     def step(self):
@@ -57,8 +60,9 @@ class ScriptedEngine(FakeEngine):
             if reason:
                 del self.seqs[rid]
             outs.append(FakeOutput(rid, s.prompt_ids, list(s.out_ids),
-                                   self.tokenizer.decode(s.out_ids), new,
-                                   self.tokenizer.decode(new), reason is not None, reason))
+                                   self.tokenizer.decode(s.out_ids, skip_special_tokens=True),
+                                   new, self.tokenizer.decode(new, skip_special_tokens=True),
+                                   reason is not None, reason))
         return outs
 
 
@@ -101,6 +105,8 @@ def test_reasoning_apart_whole_and_streamed(engine, start_worker, gateway):
         "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
     assert (off.content, getattr(off, "reasoning_content", None)) == (ANSWER, None)
 
+    api.chat.completions.create(model="tiny", messages=MESSAGES, reasoning_effort="high")
+    assert engine.prompts[-1].startswith("Reasoning: high\n<|user|>")  # gpt-oss's way
     bad = {"chat_template_kwargs": {"messages": "x"}}
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
         api.chat.completions.create(model="tiny", messages=MESSAGES, extra_body=bad)
@@ -140,3 +146,38 @@ def test_a_resumed_request_splits_where_its_first_owner_stopped(engine):
         rest, stream = run(admission.reasoning_streams(req, lambda i: ids[:k]), ids[k:])
         rest = [a + b for a, b in zip(rest, stream.finish())]
         assert [a + b for a, b in zip(sent, rest)] == whole, k
+
+
+def test_gpt_oss_harmony_reasoning_and_a_call(tiny_gpt2_dir, start_worker, gateway):
+    """gpt_oss: the analysis channel comes as reasoning, a commentary message to a
+    function as a tool call, through the worker and the gateway."""
+    from transformers import AutoTokenizer
+
+    from roseinfer.plugins.reasoning_parsers import HarmonyStream
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HarmonyStream.SPECIALS)})
+    tokenizer.chat_template = TEMPLATE
+    script = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+              "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+              '{"city": "Oslo"}<|call|>')
+    start_worker(ScriptedEngine(tokenizer, "gpt_oss", script))
+    api = openai.OpenAI(base_url=f"{gateway().url}/v1", api_key="none", max_retries=0)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    for stream in (False, True):
+        reply = api.chat.completions.create(model="tiny", messages=MESSAGES, tools=[weather],
+                                            stream=stream)
+        if stream:
+            parts = list(reply)
+            thought = "".join(getattr(p.choices[0].delta, "reasoning_content", None) or ""
+                              for p in parts if p.choices)
+            calls = [c for p in parts if p.choices for c in p.choices[0].delta.tool_calls or []]
+            name, args = calls[0].function.name, "".join(c.function.arguments or "" for c in calls)
+            reason = [p.choices[0].finish_reason for p in parts if p.choices][-1]
+        else:
+            choice = reply.choices[0]
+            thought, reason = choice.message.reasoning_content, choice.finish_reason
+            (call,) = choice.message.tool_calls
+            name, args = call.function.name, call.function.arguments
+        assert (thought, name, args, reason) == (
+            "Need the weather.", "get_weather", '{"city": "Oslo"}', "tool_calls"), stream

@@ -138,6 +138,11 @@ def chat_call(body: dict) -> Call:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad("chat_template_kwargs", f"chat_template_kwargs must be an object, got {kwargs!r}")
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # gpt-oss's template writes it into its system message
+        if effort not in ("low", "medium", "high"):
+            raise bad("reasoning_effort", f"reasoning_effort must be low, medium or high, got {effort!r}")
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
     reasoning = body.get("include_reasoning", True)
     if not isinstance(reasoning, bool):
         raise bad("include_reasoning", f"include_reasoning must be true or false, got {reasoning!r}")

@@ -33,6 +33,10 @@ def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict]]:
         chat["tools"] = [function_tool(t, i) for i, t in enumerate(_list(body, "tools"))]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = tool_choice(body["tool_choice"])
+    effort = (body.get("reasoning") or {}).get("effort") \
+        if isinstance(body.get("reasoning"), dict) else None
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if fmt is not None:
         chat["response_format"] = response_format(fmt)

@@ -15,7 +15,6 @@ from typing import Optional
 from roseinfer.core import reasoning
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.plugins import default_registry
-from roseinfer.core.reasoning import ReasoningStream
 from roseinfer.core.tools import ToolStream, parser_name
 from roseinfer.frontends.redis_streams.protocol import Chat, Limits, Request
 from roseinfer.frontends.redis_streams.request_entry import decode_request
@@ -75,10 +74,11 @@ class Admission:
         if req.reasoning_inside is None:
             return None
 
-        def make(index: int) -> ReasoningStream:
-            stream = ReasoningStream(self.reasoning, req.reasoning_inside)
+        def make(index: int):
+            stream = reasoning.stream_for(self.reasoning, self.tokenizer, req.reasoning_inside)
             if emitted_ids is not None:  # what it hands out was sent already
-                stream.feed(self.tokenizer.decode(emitted_ids(index)))
+                ids = emitted_ids(index)
+                stream.feed(self.tokenizer.decode(ids), ids)
             return stream
         return make
 

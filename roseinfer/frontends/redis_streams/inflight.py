@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from roseinfer.frontends.redis_streams.metrics import Metrics
-from roseinfer.core.reasoning import ReasoningStream
 from roseinfer.core.tools import ToolStream
 from roseinfer.frontends.redis_streams.protocol import Chunk
 
@@ -46,8 +45,8 @@ class InFlight:
     tools: Optional[Callable[[], ToolStream]] = None
     streams: dict[int, ToolStream] = field(default_factory=dict)
     # A chat request whose output is split: makes each sample's reasoning stream, by index
-    reasoning: Optional[Callable[[int], ReasoningStream]] = None
-    thoughts: dict[int, ReasoningStream] = field(default_factory=dict)
+    reasoning: Optional[Callable[[int], object]] = None  # a reasoning.stream_for stream
+    thoughts: dict[int, object] = field(default_factory=dict)
 
     @property
     def alone(self) -> bool:
@@ -80,12 +79,16 @@ class InFlight:
         h.ids, h.text, h.reasoning, h.logprobs, h.sent = [], "", "", None, True
         if out.finished:
             chunk.finish_reason = out.finish_reason
+            calls = []
             if stream is not None and out.finish_reason in ("stop", "length"):
                 rest, calls = stream.finish()
                 chunk.text += rest
-                if calls:
-                    chunk.tool_calls = [c.as_dict(i) for i, c in enumerate(calls)]
-                    chunk.finish_reason = "tool_calls"
+            thoughts = self.thoughts.get(out.index)
+            if thoughts is not None and self.tools is not None:
+                calls = calls + thoughts.calls  # harmony's, in its commentary channel
+            if calls:
+                chunk.tool_calls = [c.as_dict(i) for i, c in enumerate(calls)]
+                chunk.finish_reason = "tool_calls"
             if out.error is not None:  # a step failed on this request alone (core/faults.py)
                 chunk.error = {"code": "internal", "message": out.error}
             chunk.usage = {"prompt_tokens": len(out.prompt_token_ids),
@@ -99,7 +102,7 @@ class InFlight:
             return out.new_text
         stream = self.thoughts.get(out.index) or self.thoughts.setdefault(
             out.index, self.reasoning(out.index))
-        thought, text = stream.feed(out.new_text)
+        thought, text = stream.feed(out.new_text, out.new_token_ids)
         if out.finished:
             more_thought, more_text = stream.finish()
             thought, text = thought + more_thought, text + more_text
