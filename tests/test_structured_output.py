@@ -221,3 +221,59 @@ def test_an_outside_logits_processor_is_chosen_by_name(hf, tok):
     assert e.value.field == "logits_processors"
     with pytest.raises(InvalidRequestError, match="ban_tokens, xgrammar"):
         llm.engine.add_request("y", [1], SamplingParams(logits_processors={"nope": {}}))
+
+
+class Script:
+    """Forces a given text's tokens first (then leaves the logits alone): a model that
+    thinks before it answers, for the answer gate below."""
+
+    def __init__(self, ctx):
+        self.tokenizer = ctx.tokenizer
+
+    def start(self, args, prompt_ids):
+        return ScriptState(self.tokenizer.encode(args))
+
+    def apply(self, logits, rows, states):
+        for row, state in zip(rows, states):
+            if state.at < len(state.ids):
+                keep = logits[row, state.ids[state.at]].clone()
+                logits[row] = float("-inf")
+                logits[row, state.ids[state.at]] = keep
+
+
+class ScriptState:
+    def __init__(self, ids):
+        self.ids, self.at = ids, 0
+
+    def accept(self, token_ids):
+        self.at += len(token_ids)
+
+
+class ScriptPlugin:
+    @hookimpl
+    def roseinfer_register_logits_processors(self, register):
+        register("script", Script)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["writes-the-tag", "prompt-opened"])
+def test_a_reasoning_models_answer_is_constrained_not_its_thinking(hf, tok, inside):
+    """With an answer gate (a reasoning parser's, core/reasoning.py) the grammar waits for
+    </think>: the thinking is free (here scripted), the answer matches the pattern. An
+    output that opens the tag itself may (the tag's first token kept beside the
+    grammar's), or may answer at once, constrained from its first token."""
+    from roseinfer.core.reasoning import answer_gate
+    reg = PluginRegistry(load_entry_points=False)
+    reg.register(ScriptPlugin(), name="script")
+    llm = llm_for(hf, tok, plugins=reg)
+    parser = reg.create("reasoning_parser", "qwen3")
+    thinking = ("" if inside else "<think>") + "Let me see.</think>"
+    out = llm.generate([[5, 6, 7]], SamplingParams(
+        max_tokens=24, temperature=0, response_format=CODE, logits_processors={"script": thinking},
+        answer_gate=answer_gate(parser, tok, inside)))[0]
+    assert out.text.startswith(thinking) and re.fullmatch(CODE["pattern"], out.text[len(thinking):])
+    assert out.finish_reason == "stop"
+    if not inside:  # no thinking at all: the grammar from the first token
+        free = llm.generate([[5, 6, 7]], SamplingParams(
+            max_tokens=24, temperature=0, response_format=CODE,
+            answer_gate=answer_gate(parser, tok, False)))[0]
+        assert re.fullmatch(CODE["pattern"], free.text)

@@ -101,6 +101,10 @@ class LLM:
         if spec is not None and spec.forced:
             params = dataclasses.replace(params, response_format=spec.constraint())
             spec.prepare(self.engine.processors, params)
+        parser = self._reasoning_parser()
+        if parser is not None:  # structured output constrains the answer alone
+            params = dataclasses.replace(params, answer_gate=reasoning.answer_gate(
+                parser, self.tokenizer, parser.opened(prompt)))
         (out,) = self.generate([prompt], params)
         thought, text, found = self._split_reasoning(prompt, out)
         if spec is None:
@@ -116,13 +120,16 @@ class LLM:
         return ChatOutput(content + rest, calls, "tool_calls" if calls else out.finish_reason,
                           out, thought)
 
+    def _reasoning_parser(self):
+        name = reasoning.parser_name(self.engine.config.reasoning_parser, self.engine.hf_config)
+        return None if name is None else self.engine.plugins.create("reasoning_parser", name)
+
     def _split_reasoning(self, prompt: str, out) -> tuple[str, str, list[ToolCall]]:
         """(reasoning, content, tool calls in its reasoning format) of a chat output, as a
         worker splits it."""
-        name = reasoning.parser_name(self.engine.config.reasoning_parser, self.engine.hf_config)
-        if name is None:
+        parser = self._reasoning_parser()
+        if parser is None:
             return "", out.text, []
-        parser = self.engine.plugins.create("reasoning_parser", name)
         stream = reasoning.stream_for(parser, self.tokenizer, parser.opened(prompt))
         thought, content = stream.feed(out.text, out.token_ids)
         more_thought, more_content = stream.finish()

@@ -31,6 +31,7 @@ import torch
 
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.plugins import PluginRegistry, UnknownPluginError
+from roseinfer.core.reasoning import Gated
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,15 @@ class Processors:
 
     def start(self, params, prompt_ids: list[int]) -> list[tuple[Any, Any]]:
         """(processor, state) for each processor ``params`` names; raises
-        InvalidRequestError for an unknown name or args the processor refuses."""
-        return [(processor, _refuse_bad_args(field, processor.start, args, prompt_ids))
-                for processor, args, field in self._wanted(params)]
+        InvalidRequestError for an unknown name or args the processor refuses. The
+        structured output of a request with an ``answer_gate`` waits for its answer."""
+        started = []
+        for processor, args, field in self._wanted(params):
+            state = _refuse_bad_args(field, processor.start, args, prompt_ids)
+            if params.answer_gate is not None and field == "response_format":
+                state = Gated(state, params.answer_gate, self.context.tokenizer)
+            started.append((processor, state))
+        return started
 
     def _wanted(self, params):
         wanted = dict(params.logits_processors)
@@ -91,15 +98,27 @@ def _refuse_bad_args(field: str, call, *args):
 
 
 def apply(logits: torch.Tensor, seqs) -> None:
-    """Every processor of ``seqs`` (row i of ``logits`` is seqs[i]) on its rows, in place."""
+    """Every processor of ``seqs`` (row i of ``logits`` is seqs[i]) on its rows, in place.
+    A gated state (Gated) is skipped while closed; while "maybe", its row keeps the
+    thinking's opening token besides the processor's."""
     groups: dict[int, tuple[Any, list[int], list[Any]]] = {}
+    opening = []  # (row, token) of "maybe" rows
     for row, seq in enumerate(seqs):
         for processor, state in seq.constraints:
+            if isinstance(state, Gated):
+                if state.phase == "closed":
+                    continue
+                if state.phase == "maybe":
+                    opening.append((row, state.gate.start))
+                state = state.inner
             _, rows, states = groups.setdefault(id(processor), (processor, [], []))
             rows.append(row)
             states.append(state)
+    kept = [logits[row, token].clone() for row, token in opening]
     for processor, rows, states in groups.values():
         processor.apply(logits, rows, states)
+    for (row, token), value in zip(opening, kept):
+        logits[row, token] = value
 
 
 def accept_early(seq, token: int) -> None:

@@ -8,6 +8,7 @@ calls and the answer's text are found in the content alone.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from roseinfer.core.tools import held_from
@@ -93,3 +94,55 @@ class ReasoningStream:
         output ended in was text, not a tag."""
         held, self.held = self.held, ""
         return (held, "") if self.inside else ("", held)
+
+
+@dataclass(frozen=True)
+class AnswerGate:
+    """Where a reasoning model's answer begins, so that structured output
+    (response_format, forced tool calls) constrains the answer, not the thinking:
+    after the text ``end`` (special tokens written out); ``start``, the first id of the
+    thinking's opening tag where the output may or may not open it (None: the output
+    begins inside the thinking)."""
+    start: Optional[int]
+    end: str
+
+
+def answer_gate(parser: ReasoningParser, tokenizer, inside: bool) -> AnswerGate:
+    """The gate for an output of a prompt that ``inside`` says opened the thinking or
+    not. A parser may name where its answer begins itself: ``answer_marker`` (the text
+    after which the answer comes) and ``always_inside``."""
+    inside = inside or getattr(parser, "always_inside", False)
+    start = None if inside else tokenizer.encode(parser.start, add_special_tokens=False)[0]
+    return AnswerGate(start, getattr(parser, "answer_marker", parser.end))
+
+
+class Gated:
+    """A logits processor's state for one request behind an AnswerGate: "maybe" (the
+    first token: the grammar's tokens or the thinking's opening one), "closed" (in the
+    thinking: no constraint) until the output's text holds the gate's end, then "open":
+    the state sees the tokens after the one that completed it. The text is decoded
+    here, as tags split into different tokens in context than alone."""
+
+    def __init__(self, inner, gate: AnswerGate, tokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        from roseinfer.core.detokenizer import backend_of
+        self.inner, self.gate = inner, gate
+        self.phase = "closed" if gate.start is None else "maybe"
+        self.backend, self.decoder, self.text = backend_of(tokenizer), \
+            DecodeStream(skip_special_tokens=False), ""
+
+    def accept(self, token_ids: list[int]) -> None:
+        for i, token in enumerate(token_ids):
+            if self.phase == "maybe":
+                self.phase = "closed" if token == self.gate.start else "open"
+            if self.phase == "open":
+                self.inner.accept(list(token_ids[i:]))
+                return
+            self.text = (self.text + (self.decoder.step(self.backend, token) or ""))[
+                -2 * len(self.gate.end):]
+            if self.gate.end in self.text:
+                self.phase = "open"
+                if token_ids[i + 1:]:
+                    self.inner.accept(list(token_ids[i + 1:]))
+                return

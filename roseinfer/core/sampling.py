@@ -60,6 +60,9 @@ class SamplingParams:
     # Lower runs first (vLLM's meaning): the waiting queue is ordered by it, then by
     # arrival, and under KV pressure the lowest-priority running sequence is preempted.
     priority: int = 0
+    # A reasoning model's request (core/reasoning.py): response_format constrains only
+    # its answer, after it has thought. Set by frontends from their reasoning parser.
+    answer_gate: Optional[Any] = None  # reasoning.AnswerGate
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -44,6 +44,8 @@ class GptOss:
     the model's own tokenizer. openai-harmony does the same, but loads its o200k encoding
     from the network on first use, which a worker need not reach."""
     start, end = "<|channel|>analysis<|message|>", "<|end|>"  # for docs and listings
+    # structured output constrains the final channel's text (core/reasoning.AnswerGate)
+    answer_marker, always_inside = "<|channel|>final<|message|>", True
 
     def opened(self, prompt: str) -> bool:
         return False

@@ -48,6 +48,9 @@ class Admission:
             text = self._render(req.prompt)
             if self.reasoning is not None:
                 req.reasoning_inside = self.reasoning.opened(text)
+                # response_format and forced tool calls constrain the answer alone
+                req.params.answer_gate = reasoning.answer_gate(self.reasoning, self.tokenizer,
+                                                               req.reasoning_inside)
             req.prompt = self.tokenizer.encode(text)
         elif isinstance(req.prompt, str) and self.tokenizer is not None:
             text = req.prompt if req.raw else self.templated(req.prompt)
