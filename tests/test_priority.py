@@ -137,3 +137,38 @@ def test_priority_aging_must_be_positive():
     for bad in (0, -1.0, "10"):
         with pytest.raises(ConfigError, match="priority_aging_s"):
             EngineConfig(priority_aging_s=bad)
+
+
+def test_background_decodes_sit_out_an_urgent_prefill():
+    """A request more urgent than the running ones prefills in steps of its own: the
+    less urgent decodes wait a step each (Scheduler._sit_out), and every request still
+    ends with all its tokens, as transformers' greedy has them."""
+    from tests.models import hf_greedy
+    hf = tiny_llama()
+    with LLM(hf, device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=64,
+             cpu_compiled_step="off") as llm:
+        engine, steps = llm.engine, []
+        schedule = engine.scheduler.schedule
+
+        def recorded():
+            batch = schedule()
+            steps.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_tokens)])
+            return batch
+        engine.scheduler.schedule = recorded
+        greedy = dict(max_tokens=8, temperature=0, ignore_eos=True)
+        for rid in ("bg1", "bg2"):
+            engine.add_request(rid, [5, 6, 7, 8], SamplingParams(priority=5, **greedy))
+        outs = {}
+        for i in range(30):
+            if i == 3:
+                engine.add_request("chat", [9, 8, 7, 6, 5, 4], SamplingParams(**greedy))
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.token_ids
+            if not engine.has_unfinished():
+                break
+    (first,) = [s for s in steps if ("chat", 6) in s]
+    assert first == [("chat", 6)]  # the background decodes sat it out
+    assert any(("bg1", 1) in s and ("chat", 1) in s for s in steps)  # then all decode
+    assert outs == {"bg1": hf_greedy(hf, [5, 6, 7, 8], 8), "bg2": hf_greedy(hf, [5, 6, 7, 8], 8),
+                    "chat": hf_greedy(hf, [9, 8, 7, 6, 5, 4], 8)}

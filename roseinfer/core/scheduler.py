@@ -118,6 +118,8 @@ class Scheduler:
         self._schedule_running(batch, budget)
         if self.num_preemptions == preemptions:  # admit nothing while preempting
             self._admit_waiting(batch, budget)
+        if self.prioritized:
+            self._sit_out(batch)
         if self.decode_steps > 1 and len(batch.seqs) >= self.window_min_seqs:
             self._widen(batch)
         return batch
@@ -130,6 +132,23 @@ class Scheduler:
                and self.rank(running[-1]) > self.rank(waiting[0])
                and not waiting[0].pending):
             self._preempt(running.pop())
+
+    @staticmethod
+    def _sit_out(batch: ScheduledBatch) -> None:
+        """Decodes less urgent than a prefill in the step sit it out: a new interactive
+        request's first steps run without the background rows, whose decodes would make
+        them longer (docs/benchmarks.md, "Background responses beside interactive
+        chat"). They lose a step each time; their blocks stay reserved for the next."""
+        rows = list(zip(batch.seqs, batch.num_tokens))
+        prefills = [s.params.priority for s, n in rows if n > 1 or s.num_computed + n <
+                    len(s.token_ids) + s.pending]
+        if not prefills:
+            return
+        urgent = min(prefills)
+        kept = [(s, n) for s, n in rows if n > 1 or s.params.priority <= urgent
+                or s.draft is not None or s.num_computed + n < len(s.token_ids) + s.pending]
+        if len(kept) < len(rows):
+            batch.seqs, batch.num_tokens = [s for s, _ in kept], [n for _, n in kept]
 
     def _widen(self, batch: ScheduledBatch) -> None:
         """Make a decode-only batch a window of several steps, as many as every
