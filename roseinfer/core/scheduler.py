@@ -15,7 +15,9 @@ sequence, that one gives its slot up (vLLM's priority preemption). A preempted s
 goes back ahead of every waiting one of its rank or a later one. The mixed-prefill cap,
 which keeps a prefill from slowing the sequences that decode beside it, does not hold a
 prefill more urgent (a lower priority value) than every one of them. With every priority
-equal, all of this is the order above (arrival). Starvation is bounded: a request waits
+equal, all of this is the order above (arrival). A step that prefills a request leaves
+out the decodes less urgent than it, so that background work does not lengthen an
+interactive request's first steps. Starvation is bounded: a request waits
 behind later arrivals of a lower priority value q for at most (p - q) x priority_aging_s.
 A request whose LoRA adapter finds no free slot (core/lora.py) waits where it is, and
 the requests behind it are admitted.
