@@ -67,9 +67,6 @@ NO_WINDOW = 2 ** 30    # the decode kernel's window where a layer has none: past
 # context read K/V at 83 % of the copy rate, 16 at 49 % (H200, docs/kernels.md "Long
 # contexts").
 MAX_SPLITS = 64
-# The splits' merge in the decode kernel (the last split of a row's group merges them)
-# instead of a launch of its own.
-FOLD_MERGE = True
 
 
 @_kernel
@@ -262,14 +259,14 @@ def _decode_tile(q, k, v, k_ok, m_i, l_i, acc, scale_log2, softcap_log2,
 
 @_kernel
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, final_ptr, count_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
     block_tables_ptr, context_lens_ptr,
-    sq_n, sq_h, sq_d, so_s, so_n, so_h, sm_s, sm_n, sf_n, sf_h, sc_b, sc_h, sc_o, sc_d,
+    sq_n, sq_h, sq_d, so_s, so_n, so_h, sm_s, sm_n, sc_b, sc_h, sc_o, sc_d,
     bt_stride, head_dim, scale_log2, n_splits, window, sinks_ptr, softcap_log2,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
-    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, MERGE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Decode rows only: program (seq, kv_head, split) owns query row ``seq``
     and the ``G`` query heads of ``kv_head`` (tiles: ``_decode_tile``)."""
@@ -318,43 +315,9 @@ def _paged_decode_kernel(
         ml_off = split.to(tl.int64) * sm_s + row * sm_n + head
         tl.store(m_ptr + ml_off, m_i, mask=g_ok)
         tl.store(l_ptr + ml_off, l_i, mask=g_ok)
-        if MERGE:  # the last split of (seq, kv_head) to finish merges them all
-            count = count_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(count, 1, sem="acq_rel") == n_splits - 1:
-                _merge_group(out_ptr, m_ptr, l_ptr, final_ptr, row, head, g_ok, d, d_ok,
-                             so_s, so_n, so_h, sm_s, sm_n, sf_n, sf_h, n_splits, BLOCK_G,
-                             BLOCK_D)
-                tl.atomic_xchg(count, 0)  # ready for the next call (a graph's replay)
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@_kernel
-def _merge_group(acc_ptr, m_ptr, l_ptr, out_ptr, row, head, g_ok, d, d_ok, sa_s, sa_n, sa_h,
-                 sm_s, sm_n, so_n, so_h, n_splits, BLOCK_G: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """The splits' partials of one row's group of heads merged into its output, split by
-    split (the other programs' stores, read past the L1 cache)."""
-    m_run = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for sp in range(n_splits):
-        off = sp * sm_s + row * sm_n + head
-        m = tl.load(m_ptr + off, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(l_ptr + off, mask=g_ok, other=0.0, cache_modifier=".cg")
-        part = tl.load(acc_ptr + sp * sa_s + row[:, None] * sa_n + head[:, None] * sa_h
-                       + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0,
-                       cache_modifier=".cg")
-        m_new = tl.maximum(m_run, m)
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: weights 0, not NaN
-        a, b = tl.exp2(m_run - base), tl.exp2(m - base)
-        acc = acc * a[:, None] + part * b[:, None]
-        l_run = l_run * a + l * b
-        m_run = m_new
-    tl.store(out_ptr + row[:, None] * so_n + head[:, None] * so_h + d[None, :],
-             (acc / l_run[:, None]).to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
 
 
 @_kernel
@@ -378,20 +341,6 @@ def _merge_splits_kernel(
     w = tl.exp2(m - tl.max(m, 0))
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + row * so_n + head * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-
-_COUNTS: dict = {}  # device -> every counter buffer made there, the latest last
-
-
-def _split_counts(device: torch.device, rows: int) -> torch.Tensor:
-    """Per (row, KV head): how many splits have stored their partial, back at 0 after
-    each call. A zeroed buffer per device, replaced by a larger one when a batch needs it
-    (graphs capture their largest batch first, after a warm-up call); none is freed, as
-    captured graphs keep pointing at theirs."""
-    made = _COUNTS.setdefault(device, [])
-    if not made or made[-1].numel() < rows:
-        made.append(torch.zeros(max(rows, 1024), dtype=torch.int32, device=device))
-    return made[-1]
 
 
 @functools.lru_cache
@@ -473,22 +422,19 @@ class TritonPagedAttention:
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         splits = num_splits(attn, num_kv_heads, _num_sms(q.device), tune, window)
-        merge = splits > 1 and tune.get("fold_merge", FOLD_MERGE)
         if splits == 1:
             dest, m, l = out.unsqueeze(0), out, out  # m, l unused without splits
         else:
             dest = torch.empty(splits, n, num_heads, head_dim, dtype=torch.float32, device=q.device)
             m = torch.empty(splits, n, num_heads, dtype=torch.float32, device=q.device)
             l = torch.empty_like(m)
-        counts = _split_counts(q.device, n * num_kv_heads) if merge else m
         _paged_decode_kernel[(n, num_kv_heads, splits)](
-            q, k_cache, v_cache, dest, m, l, out, counts, attn.block_tables, attn.context_lens,
-            *q.stride(), *dest.stride()[:3], *m.stride()[:2], *out.stride()[:2],
-            *k_cache.stride(), attn.block_tables.stride(0), head_dim, scale_log2, splits,
-            window, sinks, softcap_log2,
-            BLOCK_G=max(16 if tune["dot"] else 1, triton.next_power_of_2(const["G"])),
-            PARTIAL=splits > 1, DOT=tune["dot"], MERGE=merge, **const)
-        if splits > 1 and not merge:
+            q, k_cache, v_cache, dest, m, l, attn.block_tables, attn.context_lens,
+            *q.stride(), *dest.stride()[:3], *m.stride()[:2], *k_cache.stride(),
+            attn.block_tables.stride(0), head_dim, scale_log2, splits, window, sinks,
+            softcap_log2, BLOCK_G=max(16 if tune["dot"] else 1, triton.next_power_of_2(const["G"])),
+            PARTIAL=splits > 1, DOT=tune["dot"], **const)
+        if splits > 1:
             _merge_splits_kernel[(n, num_heads)](
                 out, dest, m, l, *out.stride()[:2], *dest.stride()[:3], *m.stride()[:2],
                 splits, head_dim,
