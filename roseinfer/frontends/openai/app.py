@@ -175,14 +175,20 @@ class Gateway:
             raise APIError(400, "the request body must be a JSON object")
         return body
 
+    async def route_adapter(self, body: dict, call: Call) -> str:
+        """The model name replies carry: a LoRA adapter a live worker serves, named as the
+        call's model (vLLM's convention), runs the call; else the base model."""
+        model = body.get("model")
+        if isinstance(model, str) and model != self.config.model_name and \
+                model in await self._adapters():
+            call.params["lora"] = model
+        return call.params.get("lora") or self.config.model_name
+
     async def submit(self, request: Request, body: dict, call: Call, endpoint: str,
                      start: float):
         """The call into the queue: (rid, model name, its first chunk, the chunks after).
         The first chunk is awaited before any byte is sent, so errors keep their status."""
-        model = body.get("model")
-        if isinstance(model, str) and model != self.config.model_name and \
-                model in await self._adapters():
-            call.params["lora"] = model  # vLLM's convention: an adapter by its name
+        model = await self.route_adapter(body, call)
         rid = request.headers.get("x-request-id") or f"oai-{uuid.uuid4().hex}"
         if not RID_PATTERN.fullmatch(rid):
             raise APIError(400, "X-Request-Id must be 1-128 characters of [A-Za-z0-9_.:-]")
@@ -194,7 +200,7 @@ class Gateway:
             await chunks.aclose()
             raise
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - start)
-        return rid, call.params.get("lora") or self.config.model_name, first, chunks
+        return rid, model, first, chunks
 
     async def _answer(self, request: Request, endpoint, start, ended, make_call) -> Response:
         body = await self.body(request)

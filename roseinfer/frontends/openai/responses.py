@@ -314,10 +314,7 @@ class Responses:
         if body.get("store") is False or call.stream:
             raise APIError(400, "background responses are stored and read later: give "
                            "store true (the default) and no stream", "background")
-        model = body.get("model")
-        if isinstance(model, str) and model in await self.gw._adapters():
-            call.params["lora"] = model
-        response = self._new(body, call.params.get("lora") or self.gw.config.model_name)
+        response = self._new(body, await self.gw.route_adapter(body, call))
         response.response.update(background=True, status="queued")
         rid = f"resp-{response.response['id']}"
         record = {"response": response.snapshot("queued"), "rid": rid, "turns": turns,
