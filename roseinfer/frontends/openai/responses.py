@@ -239,8 +239,9 @@ class Responses:
         holding = asyncio.create_task(self._hold(rid))
         output, sample = Output(record["response"]), mapping.Sample()
         try:
-            async for chunk in self.gw.client.stream(record["rid"],
-                                                     timeout=self.gw.config.request_timeout):
+            # no timeout: queued work may wait long in the backlog; while it does, the
+            # response reads queued (a gateway that stops hands the wait on, by the lease)
+            async for chunk in self.gw.client.stream(record["rid"]):
                 if chunk.error:
                     raise mapping.worker_error(chunk.error)
                 if not sample.tokens and not sample.text:
@@ -249,7 +250,7 @@ class Responses:
                 output.add(chunk, record["reasoning"])
             *_, done = output.finish(sample)
             status = done["response"]["status"]
-        except (APIError, TimeoutError) as e:
+        except APIError as e:
             output.response["error"] = {"code": getattr(e, "code", None) or "server_error",
                                         "message": str(e)}
             status = "failed"
