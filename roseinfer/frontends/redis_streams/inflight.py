@@ -79,12 +79,12 @@ class InFlight:
         h.ids, h.text, h.reasoning, h.logprobs, h.sent = [], "", "", None, True
         if out.finished:
             chunk.finish_reason = out.finish_reason
-            calls = []
-            if stream is not None and out.finish_reason in ("stop", "length"):
+            calls, ended = [], out.finish_reason in ("stop", "length")
+            if stream is not None and ended:
                 rest, calls = stream.finish()
                 chunk.text += rest
             thoughts = self.thoughts.get(out.index)
-            if thoughts is not None and self.tools is not None:
+            if thoughts is not None and stream is not None and ended:
                 calls = calls + thoughts.calls  # harmony's, in its commentary channel
             if calls:
                 chunk.tool_calls = [c.as_dict(i) for i, c in enumerate(calls)]
