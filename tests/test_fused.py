@@ -10,12 +10,13 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 # Phi-3's rotates the first cos.shape[-1] dims (partial rotary) and equals Llama's at full width.
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
-from roseinfer.layers.fused import add_layer_norm, add_rms_norm, apply_rope, gelu_tanh_and_mul, \
-    silu_and_mul
+from roseinfer.layers.fused import ROPE_HEAD_ROWS, HeadNorms, add_layer_norm, add_rms_norm, apply_rope, \
+    gelu_tanh_and_mul, silu_and_mul
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -209,6 +210,48 @@ def test_apply_rope(gen, head_dim, rotary, fused, dtype):
         assert_close(q, expected_q, dtype)
         assert_close(k, expected_k, dtype)
         assert torch.equal(work[:, q_size + kv_size:], qkv[:, q_size + kv_size:])
+
+
+@dtypes
+@pytest.mark.parametrize("norm_class", [LlamaRMSNorm, Gemma3RMSNorm], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("rows", [5, ROPE_HEAD_ROWS + 4], ids=["head-programs", "token-programs"])
+def test_apply_rope_with_head_norms(gen, norm_class, rows, dtype):
+    """Qwen3's and Gemma 3's q/k norms folded into the RoPE kernel: each head normed by
+    transformers' norm (Qwen3's is LlamaRMSNorm), then rotated; the fused kernel and the
+    unfused torch path agree with that and with each other, with a program per head (few
+    tokens) and per token's q or k."""
+    head_dim = 16
+    q_size, kv_size = H * head_dim, HKV * head_dim
+    qkv = randn(gen, rows, q_size + 2 * kv_size, dtype=dtype)
+    positions = torch.randperm(MAX_POS, generator=gen)[:rows].to(torch.int32).to(DEVICE)
+    cos, sin = rope_tables(head_dim)
+    refs = []
+    for _ in range(2):
+        norm = norm_class(head_dim, eps=EPS).to(DEVICE)
+        norm.weight.data = randn(gen, head_dim, dtype=dtype)
+        refs.append(norm)
+    norms = HeadNorms(refs[0].weight.data, refs[1].weight.data, EPS,
+                      unit_offset=norm_class is Gemma3RMSNorm)
+
+    def normed(x, norm):
+        with torch.no_grad():
+            return norm(x.reshape(-1, head_dim)).reshape(x.shape)
+
+    expected_q = rope_reference(normed(qkv[:, :q_size], refs[0]), H, positions, cos, sin)
+    expected_k = rope_reference(normed(qkv[:, q_size:q_size + kv_size], refs[1]), HKV,
+                                positions, cos, sin)
+    results = []
+    for use_triton in (True, False):
+        work = qkv.clone()
+        q, k = work[:, :q_size], work[:, q_size:q_size + kv_size]
+        q, k = apply_rope(q, k, positions, cos, sin, H, HKV, use_triton=use_triton, norms=norms)
+        assert_close(q, expected_q, dtype)
+        assert_close(k, expected_k, dtype)
+        assert torch.equal(work[:, q_size + kv_size:], qkv[:, q_size + kv_size:])
+        results.append((q, k))
+    (fused_q, fused_k), (plain_q, plain_k) = results
+    assert_close(fused_q, plain_q, dtype)
+    assert_close(fused_k, plain_k, dtype)
 
 
 @pytest.mark.gpu

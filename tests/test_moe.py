@@ -8,7 +8,7 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeSparseMoeBlock,
                                                               Qwen3MoeTopKRouter)
 
-from roseinfer.layers.moe import align_blocks, fused_experts, select_experts
+from roseinfer.layers.moe import align_blocks, fused_experts, route, select_experts
 
 from tests.conftest import DEVICE
 
@@ -63,6 +63,28 @@ def test_the_routing_kernel_equals_torch(tokens, experts, top_k, renormalize):
     got = select_experts(logits.to(DEVICE), top_k, renormalize, use_triton=True)
     assert got[1].tolist() == want[1].tolist()
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17])
+@pytest.mark.parametrize("hidden, experts, bias", [(64, 8, False), (200, 60, True),
+                                                   (128, 160, False)],
+                         ids=["qwen3", "bias-odd-hidden", "two-expert-blocks"])
+def test_route_splits_the_router_and_equals_the_unfused_one(tokens, hidden, experts, bias):
+    """The router's GEMV split over hidden slices, its partials summed (with the bias) by
+    the routing kernel, against the linear then the routing: the same experts and weights.
+    17 tokens take the unfused way."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    gate = torch.nn.Linear(hidden, experts, bias=bias)
+    with torch.no_grad():
+        for p in gate.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    gate = gate.to(DEVICE)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        want = select_experts(gate(x), 4, True, use_triton=False)
+        got = route(x, gate, 4, True, use_triton=True)
+    assert got[1].tolist() == want[1].tolist()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
 
 
 def test_the_routing_kernel_breaks_ties_toward_the_lower_expert():

@@ -6,7 +6,8 @@ kernel:
 
 - ``add_layer_norm`` / ``add_rms_norm``: residual add + norm (one shared kernel).
 - ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` on the fused gate_up output.
-- ``apply_rope``: gather cos/sin by position and rotate q and k, in place.
+- ``apply_rope``: gather cos/sin by position and rotate q and k, in place; with
+  ``HeadNorms``, each head's q/k RMSNorm first, in the same kernel.
 
 Every op has a plain-torch twin with the same semantics, used off CUDA.
 ``use_triton=None`` picks Triton iff the input is on CUDA; ``True`` forces it
@@ -15,6 +16,8 @@ float32 and return the input dtype. The kernels do no host syncs and allocate
 only shape-dependent outputs, so they are CUDA-graph capturable.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -219,37 +222,67 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> 
 
 # ---------------------------------------------------------------- RoPE
 
+ROPE_HEAD_ROWS = 16  # tokens up to which RoPE runs a program per head
+
 @_kernel
-def _rotate_heads(ptr, row_offset, num_heads, head_dim, cos, sin, half,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(ptr, row_offset, num_heads, head_dim, cos, sin, half, w_ptr, eps,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+                  UNIT_OFFSET: tl.constexpr):
     """Rotate-half RoPE of one token's heads, in place: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
-    over each head's first ``2 * half`` dims (partial rotary leaves the rest)."""
+    over each head's first ``2 * half`` dims (partial rotary leaves the rest). NORM: each
+    head is first RMS-normed by ``w_ptr`` (full rotary only), rounded as the unfused norm
+    stores it, so the rotation sees the same values."""
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (j < half)
     first = ptr + row_offset + h * head_dim + j
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / head_dim + eps)[:, None]
+        x1 = _head_norm(x1 * rstd, w_ptr + j, j < half, ptr.dtype.element_ty, UNIT_OFFSET)
+        x2 = _head_norm(x2 * rstd, w_ptr + half + j, j < half, ptr.dtype.element_ty,
+                        UNIT_OFFSET)
     tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
     tl.store(first + half, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
 
 
 @_kernel
+def _head_norm(y, w_ptrs, w_ok, dtype, UNIT_OFFSET: tl.constexpr):
+    """``rms_norm_row``'s scaling and rounding of normalised values ``y``, stored as ``dtype``
+    and read back, as the unfused norm's output is."""
+    w = tl.load(w_ptrs, mask=w_ok, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        return (y * (1.0 + w)).to(dtype).to(tl.float32)
+    return (y.to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+
+
+@_kernel
 def _rope_kernel(
-    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
+    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
     s_q, s_k, s_pos, s_table,                    # row strides (q/k may be slices of qkv)
     num_heads, num_kv_heads, head_dim, half,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr = False, UNIT_OFFSET: tl.constexpr = False,
 ):
+    """Program (token, j) turns ``BLOCK_H`` heads of the token's q (the first programs)
+    or k (the rest)."""
     wait_for_inputs(PDL)
-    # One program per token: its cos/sin row is gathered once for all q and k heads.
     row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    q_programs = tl.cdiv(num_heads, BLOCK_H)
     pos = tl.load(pos_ptr + row * s_pos).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cos_ptr + pos * s_table + j, mask=j < half, other=0.0)
-    sin = tl.load(sin_ptr + pos * s_table + j, mask=j < half, other=0.0)
-    _rotate_heads(q_ptr, row * s_q, num_heads, head_dim, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr, row * s_k, num_kv_heads, head_dim, cos, sin, half, BLOCK_HK, BLOCK_HALF)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_ptr + pos * s_table + cols, mask=cols < half, other=0.0)
+    sin = tl.load(sin_ptr + pos * s_table + cols, mask=cols < half, other=0.0)
+    if j < q_programs:
+        first = j * BLOCK_H
+        _rotate_heads(q_ptr, row * s_q + first * head_dim, num_heads - first, head_dim, cos,
+                      sin, half, qw_ptr, eps, BLOCK_H, BLOCK_HALF, NORM, UNIT_OFFSET)
+    else:
+        first = (j - q_programs) * BLOCK_H
+        _rotate_heads(k_ptr, row * s_k + first * head_dim, num_kv_heads - first, head_dim,
+                      cos, sin, half, kw_ptr, eps, BLOCK_H, BLOCK_HALF, NORM, UNIT_OFFSET)
 
 
 def rope_rows(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -293,28 +326,57 @@ def rotate_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-               use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               use_triton: bool | None = None, norms: "HeadNorms | None" = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE, IN PLACE: overwrites ``q`` [N, H*D] and ``k`` [N, Hkv*D] and returns them.
 
     ``q`` and ``k`` need unit column stride only (column slices of a fused qkv
     tensor are fine); ``positions`` [N] must index rows of the float32
     ``cos``/``sin`` tables [max_pos, R/2] (not bounds-checked on the Triton path); the
     first R dims of each head rotate (R < D: partial rotary, as Phi-4-mini's).
+    ``norms``: each head of q and k is RMS-normed first (Qwen3's and Gemma 3's q/k norms),
+    in the same kernel; full rotary only.
     """
     half, head_dim = cos.shape[1], q.shape[1] // num_heads
     assert k.shape[1] == num_kv_heads * head_dim and 2 * half <= head_dim
+    assert norms is None or 2 * half == head_dim, "q/k norms fuse with full rotary only"
     if not _use_triton(use_triton, q):
+        if norms is not None:
+            q, k = norms.apply(q, k, head_dim)
         return rotate_qk_(q, k, *rope_rows(positions, cos, sin), num_heads, num_kv_heads)
     assert q.stride(1) == k.stride(1) == cos.stride(1) == 1 and sin.stride() == cos.stride()
     block_half = triton.next_power_of_2(half)
-    pdl = dependent_launch(q.device, q.shape[0])
-    _rope_kernel[(q.shape[0],)](
-        q, k, positions, cos, sin,
+    rows = q.shape[0]
+    # A program per head where few tokens would leave most SMs idle (a head's norm is a
+    # reduction: a decode row's whole q and k in one program took 7.5 µs on an H200);
+    # a program per token's q or k where there are tokens enough.
+    block_h = 1 if rows <= ROPE_HEAD_ROWS else triton.next_power_of_2(max(num_heads, num_kv_heads))
+    programs = triton.cdiv(num_heads, block_h) + triton.cdiv(num_kv_heads, block_h)
+    pdl = dependent_launch(q.device, rows)
+    qw, kw, eps = (q, k, 0.0) if norms is None else (norms.q, norms.k, norms.eps)
+    _rope_kernel[(rows, programs)](
+        q, k, positions, cos, sin, qw, kw, eps,
         q.stride(0), k.stride(0), positions.stride(0), cos.stride(0),
         num_heads, num_kv_heads, head_dim, half,
-        BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=block_half, PDL=pdl,
-        num_warps=_warps(triton.next_power_of_2(num_heads + num_kv_heads) * block_half),
-        launch_pdl=pdl,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, PDL=pdl, NORM=norms is not None,
+        UNIT_OFFSET=norms is not None and norms.unit_offset,
+        num_warps=_warps(block_h * block_half), launch_pdl=pdl,
     )
     return q, k
+
+
+@dataclass(frozen=True)
+class HeadNorms:
+    """The per-head RMSNorm weights of q and k (``unit_offset``: Gemma's 1 + weight)."""
+    q: torch.Tensor
+    k: torch.Tensor
+    eps: float
+    unit_offset: bool = False
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, head_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unfused norms: new tensors of q's and k's shapes."""
+        def norm(x, w):
+            heads = x.reshape(-1, head_dim)
+            return add_rms_norm(heads, None, w, self.eps, False, self.unit_offset)[0].view(x.shape)
+        return norm(q, self.q), norm(k, self.k)

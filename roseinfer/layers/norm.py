@@ -9,6 +9,8 @@ from roseinfer.layers.fused import add_rms_norm
 
 
 class RMSNorm(nn.Module):
+    unit_offset = False  # Gemma's scale by 1 + weight (GemmaRMSNorm)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -31,6 +33,7 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scaled by 1 + weight (its weights are offsets from one), in
     float32, rounded once. ``first``: a norm ``x`` goes through before the add (a block's
     post-norm), in the same kernel."""
+    unit_offset = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 first: "GemmaRMSNorm | None" = None):

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from roseinfer.core.attention import get_context
-from roseinfer.layers.fused import apply_rope, rope_rows, rotate_qk_
+from roseinfer.layers.fused import HeadNorms, apply_rope, rope_rows, rotate_qk_
 
 
 def rope_params(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -47,10 +47,13 @@ class RotaryEmbedding(nn.Module):
         self.cos = (freqs.cos() * scaling).to(device)
         self.sin = (freqs.sin() * scaling).to(device)
 
-    def forward(self, positions, q, k, num_heads, num_kv_heads):
-        """Rotates q and k in place (they may be column slices of a fused qkv)."""
-        if q.is_cuda:  # one kernel gathers and rotates
-            return apply_rope(q, k, positions, self.cos, self.sin, num_heads, num_kv_heads)
+    def forward(self, positions, q, k, num_heads, num_kv_heads, norms: HeadNorms | None = None):
+        """Rotates q and k in place (they may be column slices of a fused qkv); ``norms``
+        (CUDA): each head's q/k RMSNorm first, in the same kernel."""
+        if q.is_cuda:  # one kernel gathers (norms) and rotates
+            return apply_rope(q, k, positions, self.cos, self.sin, num_heads, num_kv_heads,
+                              norms=norms)
+        assert norms is None, "q/k norms fuse into RoPE on CUDA only"
         memo = get_context().attn.memo
         if self not in memo:  # the first layer gathers the step's rows for all
             memo[self] = rope_rows(positions, self.cos, self.sin)

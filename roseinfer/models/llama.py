@@ -14,7 +14,7 @@ from torch import nn
 from roseinfer.core import tp
 from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
-from roseinfer.layers.fused import silu_and_mul
+from roseinfer.layers.fused import HeadNorms, silu_and_mul
 from roseinfer.layers.norm import RMSNorm, ShardedRMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_params
 from roseinfer.models import sharding
@@ -94,14 +94,26 @@ def self_attention(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor,
     ``qk_norm``, ``clip_qkv``, ``rotary``, ``attn``, ``o_proj``), summed over the ranks
     (``summed=False``: this rank's part)."""
     q, k, v = layer.qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-    if layer.qk_norm:
+    norms = _rope_norms(layer, q)
+    if layer.qk_norm and norms is None:
         q = layer.q_norm(q.reshape(-1, layer.q_norm.weight.numel()))[0].view(-1, layer.q_size)
         k = layer.k_norm(k.reshape(-1, layer.k_norm.weight.numel()))[0].view(-1, layer.kv_size)
     if layer.clip_qkv is not None:
         q, k, v = (t.clamp(-layer.clip_qkv, layer.clip_qkv) for t in (q, k, v))
-    q, k = layer.rotary(positions, q, k, layer.h, layer.hkv)  # in place, inside qkv
+    q, k = layer.rotary(positions, q, k, layer.h, layer.hkv, norms)  # in place, inside qkv
     out = layer.o_proj(layer.attn(q, k, v))
     return tp.all_reduce(out) if summed else out
+
+
+def _rope_norms(layer: nn.Module, q: torch.Tensor) -> HeadNorms | None:
+    """The layer's q/k norms where the RoPE kernel applies them itself (two launches a
+    layer fewer): per head, with nothing between them and RoPE, on CUDA."""
+    if not (layer.qk_norm and q.is_cuda and layer.clip_qkv is None) or \
+            isinstance(layer.q_norm, ShardedRMSNorm) or \
+            2 * layer.rotary.cos.shape[-1] != layer.q_size // layer.h:  # partial rotary
+        return None
+    return HeadNorms(layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps,
+                     layer.q_norm.unit_offset)
 
 
 class LlamaForCausalLM(nn.Module):
