@@ -67,6 +67,9 @@ class EngineConfig:
     # thinking from its answer; "auto" picks by the model's family, "none" splits nothing
     # (core/reasoning.py).
     reasoning_parser: str = "auto"
+    # generate, or pooling (embed, score, classify: core/pooling_engine.py); "auto": pooling
+    # for a model that only pools (an encoder such as BERT), generate otherwise.
+    runner: str = "auto"
     # Processes (one per GPU, cuda:0..N-1) that each hold 1/N of every layer's
     # heads and MLP and of the vocabulary (docs/architecture.md, "Tensor parallelism").
     tensor_parallel_size: int = 1
@@ -149,6 +152,8 @@ class EngineConfig:
         if self.cpu_weight_dtype not in ("float32", "bfloat16", "int8"):
             raise ConfigError(f"cpu_weight_dtype must be float32, bfloat16 or int8, got "
                               f"{self.cpu_weight_dtype!r}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ConfigError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.cpu_compiled_step not in ("auto", "build", "off"):

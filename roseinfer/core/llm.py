@@ -8,7 +8,10 @@ from typing import Iterable, Optional, Union
 from roseinfer.core import reasoning
 from roseinfer.core.config import EngineConfig, config_from_args
 from roseinfer.core.engine import Engine, Prompt
-from roseinfer.core.outputs import RequestOutput
+from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, \
+    ScoringOutput
+from roseinfer.core.pooling_engine import PoolingEngine, pooling_runner
 from roseinfer.core.sampling import SamplingParams
 from roseinfer.core.tools import ToolCall, ToolStream, check_tools, parser_name
 
@@ -25,8 +28,13 @@ class ChatOutput:
 
 
 class LLM:
+    """Generates (``generate``, ``chat``), or, for a model that pools (config ``runner``),
+    embeds, scores and classifies (``embed``, ``score``, ``classify``)."""
+
     def __init__(self, model, tokenizer=None, plugins=None, **config):
-        self.engine = Engine(model, tokenizer, EngineConfig.from_kwargs(**config), plugins)
+        config = EngineConfig.from_kwargs(**config)
+        pooling = pooling_runner(model, config.runner, plugins)
+        self.engine = (PoolingEngine if pooling else Engine)(model, tokenizer, config, plugins)
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:
@@ -55,6 +63,7 @@ class LLM:
         """Run every prompt to completion; outputs in prompt order. A prompt whose
         params ask for n > 1 samples gets the list of its n outputs, by index. ``lora``:
         the adapter every prompt runs with, or one per prompt (None: the base model)."""
+        self._check_runner(Engine, "generate")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list: [\"text\", ...] or [[ids], ...]")
         params = params or SamplingParams()
@@ -90,6 +99,7 @@ class LLM:
         "required" or a named function constrains the output to calls. A reasoning
         model's thinking is split from the content (config reasoning_parser);
         ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``)."""
+        self._check_runner(Engine, "chat")
         spec = check_tools(tools, tool_choice, parallel_tool_calls)
         params = params or SamplingParams()
         if params.n != 1:
@@ -120,6 +130,41 @@ class LLM:
         return ChatOutput(content + rest, calls, "tool_calls" if calls else out.finish_reason,
                           out, thought)
 
+    def embed(self, inputs: list[Union[str, list[int]]], dimensions: int | None = None,
+              truncate: str | None = None, prompt_name: str | None = None
+              ) -> list[EmbeddingOutput]:
+        """One vector per input (a text, or token ids), pooled and normalised as the model
+        declares (a sentence-transformers directory's modules); ``dimensions``: cut to
+        that many (Matryoshka models only); ``truncate`` ("right" or "left"): an input
+        over the model's length is cut on that side instead of refused; ``prompt_name``:
+        one of the model's prompts (e.g. "query") put before each text."""
+        self._check_runner(PoolingEngine, "embed")
+        rows = self.engine.embed(_listed(inputs), dimensions, truncate, prompt_name)
+        return [EmbeddingOutput(r.value.tolist(), r.tokens) for r in rows]
+
+    def score(self, query: Union[str, list[int]], documents: list[Union[str, list[int]]],
+              truncate: str | None = None) -> list[ScoringOutput]:
+        """Each document's relevance to ``query``: a cross-encoder's score of the pair (its
+        activation applied, sentence-transformers' sigmoid for one label), or an
+        embedder's cosine similarity."""
+        self._check_runner(PoolingEngine, "score")
+        rows = self.engine.score(query, _listed(documents), truncate)
+        return [ScoringOutput(float(r.value), r.tokens) for r in rows]
+
+    def classify(self, inputs: list[Union[str, list[int]]], truncate: str | None = None
+                 ) -> list[ClassificationOutput]:
+        """Each input's class probabilities, by the model's ``id2label`` order."""
+        self._check_runner(PoolingEngine, "classify")
+        rows = self.engine.classify(_listed(inputs), truncate)
+        return [ClassificationOutput(r.value.tolist(), r.tokens) for r in rows]
+
+    def _check_runner(self, kind: type, task: str) -> None:
+        if not isinstance(self.engine, kind):
+            other = "a model that pools (runner='pooling')" if kind is PoolingEngine else \
+                "a model that generates (runner='generate')"
+            raise InvalidRequestError("task", f"{task} needs {other}; this LLM's model "
+                                      f"{'pools' if kind is Engine else 'generates'}")
+
     def _reasoning_parser(self):
         name = reasoning.parser_name(self.engine.config.reasoning_parser, self.engine.hf_config)
         return None if name is None else self.engine.plugins.create("reasoning_parser", name)
@@ -148,6 +193,13 @@ class LLM:
                     yield out
         if bar is not None:
             bar.close()
+
+
+def _listed(inputs) -> list:
+    if isinstance(inputs, str) or not isinstance(inputs, (list, tuple)) or (
+            inputs and isinstance(inputs[0], int)):
+        raise TypeError("inputs must be a list: [\"text\", ...] or [[ids], ...]")
+    return list(inputs)
 
 
 def llm_from_args(args) -> LLM:

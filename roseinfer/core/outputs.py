@@ -58,3 +58,21 @@ class RequestOutput:
     def num_cached_tokens(self) -> int:
         """Prompt tokens taken from the prefix cache when the request was first scheduled."""
         return self.seq.num_cached_tokens or 0
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]
+    num_tokens: int  # the input's, after its prompt and special tokens
+
+
+@dataclass(frozen=True)
+class ScoringOutput:
+    score: float
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ClassificationOutput:
+    probs: list[float]
+    num_tokens: int

@@ -1,0 +1,58 @@
+"""Bidirectional attention over packed sequences: an encoder's tokens run one row a token,
+without padding, through every linear; only attention pads, per batch, to its longest
+sequence, each query seeing its own sequence's keys."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Sequences packed one row a token: each token's position in its sequence, its
+    segment (``token_types``: 1 on a pair's second text), and its place in the [B, L]
+    padding attention uses."""
+    lens: list[int]
+    positions: torch.Tensor    # [N] int64
+    token_types: torch.Tensor  # [N] int64
+    seq_index: torch.Tensor    # [N] int64: each token's sequence
+    starts: torch.Tensor       # [B] int64: each sequence's first row
+    slots: torch.Tensor        # [N] int64: b * L + position
+    keys_ok: torch.Tensor | None  # [B, 1, 1, L] bool; None where every length is L
+
+    @classmethod
+    def of(cls, lens: list[int], token_types: list[int] | None, device) -> "Packed":
+        longest = max(lens)
+        seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+        positions = torch.arange(len(seq_index)) - starts[seq_index]
+        keys_ok = None
+        if min(lens) < longest:
+            keys_ok = (torch.arange(longest)[None, :] < torch.tensor(lens)[:, None])[:, None, None]
+        types = torch.zeros_like(positions) if token_types is None else torch.tensor(token_types)
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return cls(lens, move(positions), move(types), move(seq_index), move(starts),
+                   move(seq_index * longest + positions), move(keys_ok))
+
+    @property
+    def ends(self) -> torch.Tensor:
+        """Each sequence's last row."""
+        return self.starts + torch.tensor(self.lens, device=self.starts.device) - 1
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
+                      packed: Packed) -> torch.Tensor:
+    """Softmax attention of ``q``, ``k``, ``v`` ([N, heads * D]) within each sequence of
+    ``packed``; [N, heads * D]."""
+    batch, longest, width = len(packed.lens), max(packed.lens), q.shape[-1]
+
+    def padded(x):
+        out = x.new_zeros(batch * longest, width)
+        out[packed.slots] = x
+        return out.view(batch, longest, heads, -1).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v),
+                                         attn_mask=packed.keys_ok)
+    return out.transpose(1, 2).reshape(batch * longest, width)[packed.slots]

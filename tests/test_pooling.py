@@ -1,0 +1,180 @@
+"""The pooling runner (core/pooling_engine.py) against sentence-transformers: tiny random
+BERT and XLM-RoBERTa encoders saved as sentence-transformers directories (mean or CLS
+pooling, with and without Normalize), cross-encoders against ``CrossEncoder.predict``,
+classifiers against transformers' own logits; bad inputs refused by name."""
+import json
+import shutil
+
+import pytest
+import torch
+from sentence_transformers import CrossEncoder, SentenceTransformer
+from sentence_transformers.sentence_transformer import modules as models
+from transformers import (BertConfig, BertForSequenceClassification, BertModel,
+                          BertTokenizerFast, XLMRobertaConfig, XLMRobertaForSequenceClassification,
+                          XLMRobertaModel)
+
+from roseinfer import LLM
+from roseinfer.core.errors import InvalidRequestError
+
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789.,!?",
+         *("##" + c for c in "abcdefghijklmnopqrstuvwxyz")]
+TEXTS = ["hello world", "abc", "the quick brown fox jumps over the lazy dog 123",
+         "a", "pack my box with five dozen liquor jugs!", "zz top"]
+SHAPE = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             intermediate_size=64, max_position_embeddings=72)
+
+
+def tokenizer(folder, token_types: bool):
+    """A WordPiece tokenizer over VOCAB; without ``token_types`` it gives none, as
+    XLM-RoBERTa's does."""
+    (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
+    return BertTokenizerFast(vocab=str(folder / "vocab.txt"), model_input_names=names)
+
+
+def save(model, folder):
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.save_pretrained(folder)
+    tokenizer(folder, model.config.type_vocab_size > 1).save_pretrained(folder)
+    return str(folder)
+
+
+def encoder(tmp_path_factory, family: str) -> str:
+    folder = tmp_path_factory.mktemp(family)
+    if family == "bert":
+        return save(BertModel(BertConfig(**SHAPE)), folder)
+    return save(XLMRobertaModel(XLMRobertaConfig(**SHAPE, type_vocab_size=1, pad_token_id=0)), folder)
+
+
+def sentence_model(tmp_path_factory, family: str, mode: str, normalize: bool) -> str:
+    base = encoder(tmp_path_factory, family)
+    transformer = models.Transformer(base, max_seq_length=40)
+    modules = [transformer, models.Pooling(transformer.get_embedding_dimension(), mode)]
+    folder = tmp_path_factory.mktemp("st")
+    SentenceTransformer(modules=modules + ([models.Normalize()] if normalize else [])).save(
+        str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def mean_bert(tmp_path_factory):
+    return sentence_model(tmp_path_factory, "bert", "mean", normalize=True)
+
+
+def embeddings(llm, texts, **kw):
+    return torch.tensor([o.embedding for o in llm.embed(texts, **kw)])
+
+
+@pytest.mark.parametrize("family, mode, normalize", [
+    ("bert", "mean", True), ("bert", "mean", False), ("bert", "cls", True),
+    ("xlm-roberta", "cls", False), ("xlm-roberta", "mean", True)])
+def test_embeddings_equal_sentence_transformers(tmp_path_factory, family, mode, normalize):
+    folder = sentence_model(tmp_path_factory, family, mode, normalize)
+    want = torch.tensor(SentenceTransformer(folder).encode(TEXTS))
+    llm = LLM(folder)  # an encoder: the pooling runner, unasked
+    got = embeddings(llm, TEXTS)
+    cosine = torch.nn.functional.cosine_similarity(got, want)
+    assert cosine.min() >= 0.99999, cosine
+    torch.testing.assert_close(got.norm(dim=-1), want.norm(dim=-1), rtol=1e-4, atol=1e-5)
+    if not normalize:
+        assert not torch.allclose(got.norm(dim=-1), torch.ones(len(TEXTS)))
+
+
+def test_batches_by_token_budget_give_the_same_vectors(mean_bert):
+    whole = embeddings(LLM(mean_bert), TEXTS * 3)
+    small = embeddings(LLM(mean_bert, max_num_batched_tokens=40), TEXTS * 3)
+    torch.testing.assert_close(small, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_token_ids_embed_as_their_text(mean_bert):
+    llm = LLM(mean_bert)
+    ids = llm.tokenizer(TEXTS[2])["input_ids"]
+    (by_ids, by_text) = embeddings(llm, [ids, TEXTS[2]])
+    torch.testing.assert_close(by_ids, by_text)
+    assert llm.embed([ids])[0].num_tokens == len(ids)
+
+
+def test_too_long_is_refused_unless_truncated(mean_bert):
+    """The model's max length (sentence-transformers' 40): over it, ``too_long``, naming
+    the item; truncated on the right, as sentence-transformers truncates."""
+    llm = LLM(mean_bert)
+    long = " ".join(["abc"] * 60)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.embed(["ok", long])
+    assert e.value.code == "too_long" and "item 1" in str(e.value)
+    want = torch.tensor(SentenceTransformer(mean_bert).encode([long]))
+    got = embeddings(llm, [long], truncate="right")
+    assert torch.nn.functional.cosine_similarity(got, want).item() >= 0.99999
+    left = embeddings(llm, [long + " zz"], truncate="left")
+    assert not torch.allclose(left, got)
+
+
+@pytest.mark.parametrize("bad, field", [
+    ([""], "input"), ([[]], "input"), ([[len(VOCAB) + 5]], "input"), ([3.5], "input"),
+    ([["a", "b"]], "input")])
+def test_bad_inputs_are_refused_by_name(mean_bert, bad, field):
+    with pytest.raises(InvalidRequestError) as e:
+        LLM(mean_bert).embed(bad)
+    assert e.value.field == field
+
+
+def test_dimensions_need_a_matryoshka_model(mean_bert, tmp_path):
+    with pytest.raises(InvalidRequestError) as e:
+        LLM(mean_bert).embed(["abc"], dimensions=8)
+    assert e.value.field == "dimensions"
+    matryoshka = tmp_path / "matryoshka"
+    shutil.copytree(mean_bert, matryoshka)
+    config = json.loads((matryoshka / "config.json").read_text())
+    (matryoshka / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [8, 16]}))
+    llm = LLM(str(matryoshka))
+    cut = embeddings(llm, TEXTS, dimensions=8)
+    full = embeddings(llm, TEXTS)
+    assert cut.shape == (len(TEXTS), 8)
+    torch.testing.assert_close(cut, torch.nn.functional.normalize(full[:, :8], dim=-1))
+    with pytest.raises(InvalidRequestError):
+        llm.embed(["abc"], dimensions=12)
+
+
+def cross_encoder(tmp_path_factory, family: str, labels: int) -> str:
+    folder = tmp_path_factory.mktemp(f"{family}-ce")
+    if family == "bert":
+        return save(BertForSequenceClassification(BertConfig(**SHAPE, num_labels=labels)), folder)
+    return save(XLMRobertaForSequenceClassification(
+        XLMRobertaConfig(**SHAPE, type_vocab_size=1, pad_token_id=0, num_labels=labels)), folder)
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_cross_encoder_scores_equal_sentence_transformers(tmp_path_factory, family):
+    folder = cross_encoder(tmp_path_factory, family, labels=1)
+    query, docs = "where is the fox", TEXTS
+    want = CrossEncoder(folder).predict([(query, d) for d in docs])
+    got = [o.score for o in LLM(folder).score(query, docs)]
+    assert max(abs(g - w) for g, w in zip(got, want)) <= 1e-4
+
+
+def test_classifier_probabilities_equal_transformers(tmp_path_factory):
+    folder = cross_encoder(tmp_path_factory, "bert", labels=3)
+    hf = BertForSequenceClassification.from_pretrained(folder).eval()
+    enc = BertTokenizerFast.from_pretrained(folder)(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = torch.softmax(hf(**enc).logits, -1)
+    got = torch.tensor([o.probs for o in LLM(folder).classify(TEXTS)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_embedder_scores_by_cosine(mean_bert):
+    llm = LLM(mean_bert)
+    vectors = embeddings(llm, ["where is the fox", *TEXTS[:3]])
+    got = [o.score for o in llm.score("where is the fox", TEXTS[:3])]
+    torch.testing.assert_close(torch.tensor(got), vectors[1:] @ vectors[0], rtol=1e-5, atol=1e-6)
+
+
+def test_runners_refuse_each_others_tasks(mean_bert, llama_model):
+    with pytest.raises(InvalidRequestError, match="generate needs a model that generates"):
+        LLM(mean_bert).generate(["hi"])
+    with pytest.raises(InvalidRequestError, match="embed needs a model that pools"):
+        LLM(llama_model, device="cpu", num_kv_blocks=16).embed(["hi"])
+    with pytest.raises(InvalidRequestError, match="classification head"):
+        LLM(mean_bert).classify(["hi"])
