@@ -11,6 +11,7 @@ from roseinfer.core.engine import Engine, Prompt
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, \
     ScoringOutput
+from roseinfer.core.pooling import PoolingTask
 from roseinfer.core.pooling_engine import PoolingEngine, pooling_runner
 from roseinfer.core.sampling import SamplingParams
 from roseinfer.core.tools import ToolCall, ToolStream, check_tools, parser_name
@@ -139,24 +140,36 @@ class LLM:
         over the model's length is cut on that side instead of refused; ``prompt_name``:
         one of the model's prompts (e.g. "query") put before each text."""
         self._check_runner(PoolingEngine, "embed")
-        rows = self.engine.embed(_listed(inputs), dimensions, truncate, prompt_name)
-        return [EmbeddingOutput(r.value.tolist(), r.tokens) for r in rows]
+        out = self._pool(PoolingTask("embed", _listed(inputs), dimensions=dimensions,
+                                     truncate=truncate, prompt_name=prompt_name))
+        return [EmbeddingOutput(v.tolist(), n) for v, n in zip(out.result, out.item_tokens)]
 
     def score(self, query: Union[str, list[int]], documents: list[Union[str, list[int]]],
               truncate: str | None = None) -> list[ScoringOutput]:
         """Each document's relevance to ``query``: a cross-encoder's score of the pair (its
         activation applied, sentence-transformers' sigmoid for one label), or an
-        embedder's cosine similarity."""
+        embedder's cosine similarity (``num_tokens``: the document's)."""
         self._check_runner(PoolingEngine, "score")
-        rows = self.engine.score(query, _listed(documents), truncate)
-        return [ScoringOutput(float(r.value), r.tokens) for r in rows]
+        out = self._pool(PoolingTask("score", _listed(documents), query=query,
+                                     truncate=truncate))
+        tokens = out.item_tokens[-len(out.result):]  # an embedder's first is the query's
+        return [ScoringOutput(s, n) for s, n in zip(out.result, tokens)]
 
     def classify(self, inputs: list[Union[str, list[int]]], truncate: str | None = None
                  ) -> list[ClassificationOutput]:
         """Each input's class probabilities, by the model's ``id2label`` order."""
         self._check_runner(PoolingEngine, "classify")
-        rows = self.engine.classify(_listed(inputs), truncate)
-        return [ClassificationOutput(r.value.tolist(), r.tokens) for r in rows]
+        out = self._pool(PoolingTask("classify", _listed(inputs), truncate=truncate))
+        return [ClassificationOutput(p, n) for p, n in zip(out.result, out.item_tokens)]
+
+    def _pool(self, task: PoolingTask):
+        """One pooling request through the engine's queue, to its output."""
+        rid = f"pool-{id(task)}"
+        self.engine.add_request(rid, self.engine.prepare(task))
+        while True:
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    return out
 
     def _check_runner(self, kind: type, task: str) -> None:
         if not isinstance(self.engine, kind):

@@ -139,3 +139,58 @@ def activate(logits: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:
         return logits.float()
     raise ValueError(f"activation {activation!r} is not supported (sigmoid, Identity)")
+
+
+@dataclass
+class PoolingTask:
+    """What a pooling request asks: ``task`` embed, score or classify over ``inputs``
+    (texts or token-id lists; for score the documents, beside ``query``)."""
+    task: str
+    inputs: list
+    query: object = None
+    dimensions: int | None = None
+    truncate: str | None = None
+    prompt_name: str | None = None
+    normalize: bool | None = None
+    encoding_format: str = "binary"  # the protocol's: float32 bytes, or "float" lists
+
+
+@dataclass
+class Prepared:
+    """A task tokenized and checked: its items' (ids, token types) in input order, the
+    order they run in (longest first), and whether their rows are pooled vectors or a
+    classifier's logits."""
+    task: PoolingTask
+    items: list
+    order: list[int]
+    logits: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids, _ in self.items)
+
+
+@dataclass
+class PoolingOutput:
+    """A finished pooling request, as the worker's publisher reads outputs: one final
+    output, no tokens. ``result``: [n, dim] vectors (embed), or a list of floats (score)
+    or of probability lists (classify); ``item_tokens``: each input's token count."""
+    request_id: str
+    finish_reason: str
+    task: PoolingTask | None = None
+    result: object = None
+    item_tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    index: int = 0
+    finished: bool = True
+    new_token_ids: tuple = ()
+    new_text: str = ""
+    new_logprobs: None = None
+    prompt_logprobs: None = None
+    token_ids: tuple = ()
+    num_cached_tokens: int = 0
+
+    @property
+    def prompt_token_ids(self) -> range:
+        """As long as the inputs' tokens together (usage counts its length)."""
+        return range(sum(self.item_tokens))

@@ -1,36 +1,57 @@
 """The pooling runner: models that embed, score or classify instead of generating.
 
-Inputs are tokenized (with the model's prompt for embeddings, as pairs for a
-cross-encoder), sorted by length and packed into batches of at most
-``max_num_batched_tokens`` tokens without padding; each batch runs the model once and is
-pooled (core/pooling.py). There is no KV cache and nothing to schedule between steps."""
+A request's inputs are tokenized and checked first (``prepare``: on a worker's reader
+thread), with the model's prompt for embeddings and as pairs for a cross-encoder. Each
+``step`` packs the queued requests' inputs, in priority order and longest first, into a
+batch of at most ``max_num_batched_tokens`` tokens without padding, runs the model once
+and pools it (core/pooling.py); a request ends in the step that runs its last input.
+There is no KV cache. ``add_request``, ``step``, ``abort`` and ``stats`` are the
+generate engine's, so a Redis worker serves either."""
 from __future__ import annotations
 
+import itertools
 import os
-from dataclasses import dataclass
-from typing import Sequence, Union
+from dataclasses import dataclass, field
+from typing import Union
 
 import torch
 
 from roseinfer.core.config import EngineConfig
 from roseinfer.core.device_side import resolve_device, resolve_dtype
+from roseinfer.core.engine import EngineStats
 from roseinfer.core.errors import InvalidRequestError
-from roseinfer.core.pooling import activate, finish, pool, spec_of
+from roseinfer.core.plugins import default_registry
+from roseinfer.core.pooling import (PoolingOutput, PoolingTask, Prepared, activate, finish,
+                                    pool, spec_of)
 from roseinfer.layers.encoder_attention import Packed
 from roseinfer.models import loader
 
 Input = Union[str, list[int]]
+TASKS = ("embed", "score", "classify")
 TRUNCATE = (None, "right", "left")
 
 
+@dataclass
+class _Queued:
+    rid: str
+    prepared: Prepared
+    priority: int
+    arrival: int
+    next: int = 0                                    # of prepared.order
+    rows: dict = field(default_factory=dict)         # input index -> its row
+
+
 class PoolingEngine:
+    step_kind = "pool"
+
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None,
                  plugins=None):
         self.config = config = config or EngineConfig()
+        self.plugins = plugins or default_registry()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.hf_config, _ = loader.load(
-            model, None, self.dtype, self.device, seed=config.seed or 0, plugins=plugins)
+            model, None, self.dtype, self.device, seed=config.seed or 0, plugins=self.plugins)
         path = tokenizer or (model if isinstance(model, (str, os.PathLike)) else None)
         self.tokenizer = _tokenizer(path)
         self.spec = spec_of(model, self.hf_config, decoder=False)
@@ -38,115 +59,159 @@ class PoolingEngine:
                   self.spec.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)
         self.classifier = self.model.head is not None
+        self.loras = None
+        self._queue: list[_Queued] = []
+        self._aborted: list[str] = []
+        self._arrivals = itertools.count()
 
     def close(self) -> None:
         self.model = None
 
-    @torch.inference_mode()
-    def embed(self, inputs: Sequence[Input], dimensions: int | None = None,
-              truncate: str | None = None, prompt_name: str | None = None,
-              normalize: bool | None = None) -> list[Pooled]:
-        """One float32 vector per input, in order."""
-        width = self.hf_config.hidden_size
-        self.spec.check_dimensions(dimensions, width)
-        prompt = self.spec.prompt(prompt_name)
-        encoded = [self._encode(x, None, truncate, prompt, i) for i, x in enumerate(inputs)]
-        norm = self.spec.normalize if normalize is None else normalize
-        return self._run(encoded, lambda h, p: finish(pool(h, p, self.spec.mode), norm,
-                                                      dimensions))
+    # ---- the generate engine's interface, as a worker drives it ------------------------
+    def add_request(self, rid: str, prompt, params=None, **_) -> None:
+        """``prompt``: a ``prepare``d task, or token ids (embedded as one input: the
+        worker's health probe sends those)."""
+        prepared = prompt if isinstance(prompt, Prepared) else self.prepare(
+            PoolingTask("embed", [list(prompt)]))
+        priority = getattr(params, "priority", 0)
+        self._queue.append(_Queued(rid, prepared, priority, next(self._arrivals)))
+        self._queue.sort(key=lambda q: (q.priority, q.arrival))
+
+    def abort(self, rid: str) -> None:
+        if any(q.rid == rid for q in self._queue):
+            self._queue = [q for q in self._queue if q.rid != rid]
+            self._aborted.append(rid)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue or self._aborted)
+
+    def num_unfinished(self) -> int:
+        return len(self._queue)
+
+    def stats(self) -> EngineStats:
+        started = sum(q.next > 0 for q in self._queue)
+        return EngineStats(started, len(self._queue) - started, 0.0, 0)
 
     @torch.inference_mode()
-    def score(self, query: Input, documents: Sequence[Input],
-              truncate: str | None = None) -> list[Pooled]:
-        """Each document's relevance to ``query`` (a float tensor): a cross-encoder's score
-        of the pair, or an embedder's cosine similarity of the two (tokens: both's)."""
-        if not self.classifier:
-            q, *docs = self.embed([query, *documents], truncate=truncate, normalize=True)
-            return [Pooled(q.value @ d.value, q.tokens + d.tokens) for d in docs]
-        pairs = [self._encode(query, d, truncate, "", i) for i, d in enumerate(documents)]
-        return [Pooled(activate(p.value, self.spec.activation)[0], p.tokens)
-                for p in self._run(pairs, self._logits)]
+    def step(self) -> list[PoolingOutput]:
+        outputs = [PoolingOutput(rid, "abort") for rid in self._aborted]
+        self._aborted = []
+        batch = self._take_batch()
+        if batch:
+            self._run(batch)
+        for q in [q for q in self._queue if len(q.rows) == len(q.prepared.items)]:
+            self._queue.remove(q)
+            p = q.prepared
+            outputs.append(PoolingOutput(q.rid, "stop", p.task, self._result(q),
+                                         [len(ids) for ids, _ in p.items]))
+        return outputs
 
-    @torch.inference_mode()
-    def classify(self, inputs: Sequence[Input], truncate: str | None = None
-                 ) -> list[Pooled]:
-        """Each input's class probabilities: a softmax over the labels (a sigmoid of one)."""
-        if not self.classifier:
-            raise InvalidRequestError("task", "this model has no classification head: "
-                                      "use embed")
-        encoded = [self._encode(x, None, truncate, "", i) for i, x in enumerate(inputs)]
-        return [Pooled(_probs(p.value), p.tokens) for p in self._run(encoded, self._logits)]
-
-    def _logits(self, hidden: torch.Tensor, packed: Packed) -> torch.Tensor:
-        return self.model.classify(hidden, packed).float()
-
-    def _encode(self, text: Input, pair: Input | None, truncate, prompt: str, index: int):
-        """(ids, token types) of one input; too long without ``truncate``: refused."""
-        if truncate not in TRUNCATE:
-            raise InvalidRequestError("truncate", f"must be left, right or unset, got {truncate!r}")
-        if not isinstance(text, str) or (pair is not None and not isinstance(pair, str)):
-            if pair is not None or not _ids(text):
-                raise InvalidRequestError("input", f"item {index} must be a string or a list "
-                                          "of token ids (a pair: two strings)")
-            ids, types = list(text), None
-            if any(not 0 <= i < self.hf_config.vocab_size for i in ids):
-                raise InvalidRequestError("input", f"item {index} has token ids outside the "
-                                          f"vocabulary (0 to {self.hf_config.vocab_size - 1})")
-            if truncate and len(ids) > self.max_model_len:
-                ids = ids[:self.max_model_len] if truncate == "right" else ids[-self.max_model_len:]
+    # ---- inputs --------------------------------------------------------------------------
+    def prepare(self, task: PoolingTask, tokenizer=None) -> Prepared:
+        """The task tokenized (by ``tokenizer``, a copy for another thread, else the
+        engine's) and checked; raises InvalidRequestError naming the field at fault."""
+        if task.task not in TASKS:
+            raise InvalidRequestError("task", f"must be one of {', '.join(TASKS)} on this "
+                                      f"worker, whose model pools; got {task.task!r}")
+        if task.truncate not in TRUNCATE:
+            raise InvalidRequestError("truncate", f"must be left, right or unset, got "
+                                      f"{task.truncate!r}")
+        if not task.inputs:
+            raise InvalidRequestError("documents" if task.task == "score" else "input",
+                                      "is empty: give at least one")
+        tok = tokenizer or self.tokenizer
+        logits = task.task == "classify" or (task.task == "score" and self.classifier)
+        if task.task == "classify" and not self.classifier:
+            raise InvalidRequestError("task", "this model has no classification head: use embed")
+        if task.task == "score" and self.classifier:
+            items = [self._encode(tok, task.query, d, task, i) for i, d in enumerate(task.inputs)]
         else:
+            self.spec.check_dimensions(task.dimensions, self.hf_config.hidden_size)
+            prompt = self.spec.prompt(task.prompt_name)
+            texts = [task.query, *task.inputs] if task.task == "score" else task.inputs
+            items = [self._encode(tok, x, None, task, i, prompt) for i, x in enumerate(texts)]
+        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
+        return Prepared(task, items, order, logits)
+
+    def _encode(self, tok, text: Input, pair, task: PoolingTask, index: int, prompt: str = ""):
+        """(ids, token types) of one input; too long without ``truncate``: refused."""
+        field_name = "documents" if task.task == "score" else "input"
+        truncate = task.truncate
+        if isinstance(text, str) and (pair is None or isinstance(pair, str)):
             if not text or pair == "":
-                raise InvalidRequestError("input", f"item {index} is an empty string")
-            tok = self.tokenizer
+                raise InvalidRequestError(field_name, f"item {index} is an empty string")
             if tok is None:
-                raise InvalidRequestError("input", "this model has no tokenizer: send token ids")
+                raise InvalidRequestError(field_name, "this model has no tokenizer: send ids")
             tok.truncation_side = truncate or "right"
-            enc = tok(prompt + text, pair, truncation="only_second" if pair else True,
-                      max_length=self.max_model_len) if truncate else tok(prompt + text, pair)
+            limit = {"truncation": "only_second" if pair else True,
+                     "max_length": self.max_model_len} if truncate else {}
+            enc = tok(prompt + text, pair, **limit)
             ids, types = enc["input_ids"], None
             if pair is not None and self.hf_config.type_vocab_size > 1:  # not RoBERTa's
                 types = enc.get("token_type_ids")
-        if not ids or len(ids) > self.max_model_len:
-            what = "is empty" if not ids else (
-                f"has {len(ids)} tokens, over the model's {self.max_model_len}: shorten it or "
-                "set truncate")
-            raise InvalidRequestError("input", f"item {index} {what}",
-                                      code="too_long" if ids else "bad_request")
+        elif pair is None and _ids(text):
+            ids, types = list(text), None
+            if any(not 0 <= i < self.hf_config.vocab_size for i in ids):
+                raise InvalidRequestError(field_name, f"item {index} has token ids outside "
+                                          f"the vocabulary (0 to {self.hf_config.vocab_size - 1})")
+            if truncate and len(ids) > self.max_model_len:
+                keep = self.max_model_len
+                ids = ids[:keep] if truncate == "right" else ids[-keep:]
+        else:
+            raise InvalidRequestError(field_name, f"item {index} must be a string or a list "
+                                      "of token ids (a cross-encoder's documents: strings)")
+        if not ids:
+            raise InvalidRequestError(field_name, f"item {index} is empty")
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(field_name, f"item {index} has {len(ids)} tokens, over "
+                                      f"the model's {self.max_model_len}: shorten it or set "
+                                      "truncate", code="too_long")
         return ids, types
 
-    def _run(self, encoded: list, reduce) -> list[Pooled]:
-        """``reduce(hidden, packed)`` -> [B, ...] over batches of at most the token budget,
-        longest inputs first; rows back in input order."""
-        order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))
-        out: list = [None] * len(encoded)
+    # ---- batches ---------------------------------------------------------------------
+    def _take_batch(self) -> list[tuple[_Queued, int]]:
+        """(request, input index) pairs of the next batch: queued inputs in order until
+        the token budget."""
         budget = max(self.config.max_num_batched_tokens, self.max_model_len)
         batch, tokens = [], 0
-        for i in order + [None]:
-            size = 0 if i is None else len(encoded[i][0])
-            if batch and (i is None or tokens + size > budget):
-                for j, row in zip(batch, self._batch([encoded[j] for j in batch], reduce)):
-                    out[j] = Pooled(row, len(encoded[j][0]))
-                batch, tokens = [], 0
-            if i is not None:
-                batch.append(i)
+        for q in self._queue:
+            order, items = q.prepared.order, q.prepared.items
+            while q.next < len(order):
+                size = len(items[order[q.next]][0])
+                if batch and tokens + size > budget:
+                    return batch
+                batch.append((q, order[q.next]))
                 tokens += size
-        return out
+                q.next += 1
+        return batch
 
-    def _batch(self, encoded: list, reduce) -> torch.Tensor:
+    def _run(self, batch: list[tuple[_Queued, int]]) -> None:
+        encoded = [q.prepared.items[i] for q, i in batch]
         lens = [len(ids) for ids, _ in encoded]
         types = None
         if any(t is not None for _, t in encoded):
             types = [x for ids, t in encoded for x in (t or [0] * len(ids))]
         packed = Packed.of(lens, types, self.device)
         ids = torch.tensor([x for ids, _ in encoded for x in ids], device=self.device)
-        return reduce(self.model(ids, packed), packed).cpu()
+        hidden = self.model(ids, packed)
+        vectors = pool(hidden, packed, self.spec.mode).cpu()
+        logits = self.model.classify(hidden, packed).float().cpu() if any(
+            q.prepared.logits for q, _ in batch) else None
+        for row, (q, i) in enumerate(batch):
+            q.rows[i] = (logits if q.prepared.logits else vectors)[row]
 
-
-@dataclass(frozen=True)
-class Pooled:
-    """One input's result (a vector, a score's logits, class logits) and its token count."""
-    value: torch.Tensor
-    tokens: int
+    def _result(self, q: _Queued):
+        p, task = q.prepared, q.prepared.task
+        rows = torch.stack([q.rows[i] for i in range(len(p.items))])
+        if task.task == "classify":
+            return [_probs(r).tolist() for r in rows]
+        if task.task == "score" and p.logits:
+            return activate(rows[:, 0], self.spec.activation).tolist()
+        normalize = self.spec.normalize if task.normalize is None else task.normalize
+        if task.task == "score":  # an embedder's: the cosine of each document to the query
+            unit = finish(rows, True, None)
+            return (unit[1:] @ unit[0]).tolist()
+        return finish(rows, normalize, task.dimensions)
 
 
 def pooling_runner(model, runner: str, plugins=None) -> bool:
