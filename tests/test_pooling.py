@@ -8,54 +8,11 @@ import shutil
 import pytest
 import torch
 from sentence_transformers import CrossEncoder, SentenceTransformer
-from sentence_transformers.sentence_transformer import modules as models
-from transformers import (BertConfig, BertForSequenceClassification, BertModel,
-                          BertTokenizerFast, XLMRobertaConfig, XLMRobertaForSequenceClassification,
-                          XLMRobertaModel)
+from transformers import BertForSequenceClassification, BertTokenizerFast
 
 from roseinfer import LLM
 from roseinfer.core.errors import InvalidRequestError
-
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789.,!?",
-         *("##" + c for c in "abcdefghijklmnopqrstuvwxyz")]
-TEXTS = ["hello world", "abc", "the quick brown fox jumps over the lazy dog 123",
-         "a", "pack my box with five dozen liquor jugs!", "zz top"]
-SHAPE = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-             intermediate_size=64, max_position_embeddings=72)
-
-
-def tokenizer(folder, token_types: bool):
-    """A WordPiece tokenizer over VOCAB; without ``token_types`` it gives none, as
-    XLM-RoBERTa's does."""
-    (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
-    return BertTokenizerFast(vocab=str(folder / "vocab.txt"), model_input_names=names)
-
-
-def save(model, folder):
-    torch.manual_seed(0)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    model.save_pretrained(folder)
-    tokenizer(folder, model.config.type_vocab_size > 1).save_pretrained(folder)
-    return str(folder)
-
-
-def encoder(tmp_path_factory, family: str) -> str:
-    folder = tmp_path_factory.mktemp(family)
-    if family == "bert":
-        return save(BertModel(BertConfig(**SHAPE)), folder)
-    return save(XLMRobertaModel(XLMRobertaConfig(**SHAPE, type_vocab_size=1, pad_token_id=0)), folder)
-
-
-def sentence_model(tmp_path_factory, family: str, mode: str, normalize: bool) -> str:
-    base = encoder(tmp_path_factory, family)
-    transformer = models.Transformer(base, max_seq_length=40)
-    modules = [transformer, models.Pooling(transformer.get_embedding_dimension(), mode)]
-    folder = tmp_path_factory.mktemp("st")
-    SentenceTransformer(modules=modules + ([models.Normalize()] if normalize else [])).save(
-        str(folder))
-    return str(folder)
+from tests.pooling_models import TEXTS, VOCAB, cross_encoder, sentence_model
 
 
 @pytest.fixture(scope="module")
@@ -135,14 +92,6 @@ def test_dimensions_need_a_matryoshka_model(mean_bert, tmp_path):
     torch.testing.assert_close(cut, torch.nn.functional.normalize(full[:, :8], dim=-1))
     with pytest.raises(InvalidRequestError):
         llm.embed(["abc"], dimensions=12)
-
-
-def cross_encoder(tmp_path_factory, family: str, labels: int) -> str:
-    folder = tmp_path_factory.mktemp(f"{family}-ce")
-    if family == "bert":
-        return save(BertForSequenceClassification(BertConfig(**SHAPE, num_labels=labels)), folder)
-    return save(XLMRobertaForSequenceClassification(
-        XLMRobertaConfig(**SHAPE, type_vocab_size=1, pad_token_id=0, num_labels=labels)), folder)
 
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])

@@ -11,7 +11,7 @@ from roseinfer.core.engine import Engine, Prompt
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, \
     ScoringOutput
-from roseinfer.core.pooling import PoolingTask
+from roseinfer.core.pooling_task import PoolingTask
 from roseinfer.core.pooling_engine import PoolingEngine, pooling_runner
 from roseinfer.core.sampling import SamplingParams
 from roseinfer.core.tools import ToolCall, ToolStream, check_tools, parser_name

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from roseinfer.core.errors import InvalidRequestError
+from roseinfer.core.pooling_task import PoolingTask
 from roseinfer.layers.encoder_attention import Packed
 
 MODES = ("cls", "mean", "last")
@@ -139,20 +140,6 @@ def activate(logits: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:
         return logits.float()
     raise ValueError(f"activation {activation!r} is not supported (sigmoid, Identity)")
-
-
-@dataclass
-class PoolingTask:
-    """What a pooling request asks: ``task`` embed, score or classify over ``inputs``
-    (texts or token-id lists; for score the documents, beside ``query``)."""
-    task: str
-    inputs: list
-    query: object = None
-    dimensions: int | None = None
-    truncate: str | None = None
-    prompt_name: str | None = None
-    normalize: bool | None = None
-    encoding_format: str = "binary"  # the protocol's: float32 bytes, or "float" lists
 
 
 @dataclass

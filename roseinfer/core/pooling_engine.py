@@ -21,8 +21,8 @@ from roseinfer.core.device_side import resolve_device, resolve_dtype
 from roseinfer.core.engine import EngineStats
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.plugins import default_registry
-from roseinfer.core.pooling import (PoolingOutput, PoolingTask, Prepared, activate, finish,
-                                    pool, spec_of)
+from roseinfer.core.pooling import PoolingOutput, Prepared, activate, finish, pool, spec_of
+from roseinfer.core.pooling_task import PoolingTask
 from roseinfer.layers.encoder_attention import Packed
 from roseinfer.models import loader
 

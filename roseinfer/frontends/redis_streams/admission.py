@@ -39,11 +39,21 @@ class Admission:
             getattr(config, "tool_call_parser", "auto"), hf_config))
         name = reasoning.parser_name(getattr(config, "reasoning_parser", "auto"), hf_config)
         self.reasoning = plugins.create("reasoning_parser", name) if name else None
+        self.prepare = getattr(engine, "prepare", None)  # a pooling engine's (core/pooling_engine.py)
 
     def __call__(self, entry_id: str, fields: dict) -> Request:
         """The entry as a request whose text prompt is already token ids; raises
         InvalidRequestError naming what is wrong or too large."""
         req = decode_request(entry_id, fields, self.limits)
+        if (req.pooling is None) == (self.prepare is not None):
+            raise InvalidRequestError("task", "this worker's model pools: send task embed, "
+                                      "score or classify" if self.prepare else
+                                      f"task {req.pooling.task} needs a worker whose model "
+                                      "pools (an embedding or scoring model); this one "
+                                      "generates")
+        if req.pooling is not None:  # tokenized and checked here, off the step loop
+            req.prompt = self.prepare(req.pooling, self.tokenizer)
+            return req
         if isinstance(req.prompt, Chat):
             text = self._render(req.prompt)
             if self.reasoning is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import struct
 import threading
 import time
 import uuid
@@ -18,6 +19,7 @@ from typing import AsyncIterator, Iterable, Iterator, Optional, Union
 import redis
 import redis.asyncio
 
+from roseinfer.core.pooling_task import PoolingTask
 from roseinfer.frontends.redis_streams.connection import (by_slot, connect, connect_async,
                                                          disconnect, disconnect_async,
                                                          is_cluster)
@@ -81,6 +83,37 @@ class Result:
     index: int = 0                          # the sample's, of a request with n > 1
     tool_calls: Optional[list[dict]] = None  # the calls of a request with tools (protocol Chunk)
     reasoning: str = ""                     # a reasoning model's thinking, apart from text
+
+
+@dataclass
+class Pooled:
+    """A pooling request's result: ``embeddings`` (lists of floats), ``scores`` or
+    ``probs``, by input; ``usage``: its tokens."""
+    rid: str
+    usage: dict
+    embeddings: Optional[list[list[float]]] = None
+    scores: Optional[list[float]] = None
+    probs: Optional[list[list[float]]] = None
+
+
+def _pooled(rid: str, chunks: list[Chunk]) -> Pooled:
+    final = chunks[-1]
+    if final.error is not None:
+        raise RequestFailed(rid, final.error["code"], final.error["message"])
+    fields = dict(final.pooled or {})
+    rows = fields.pop("embeddings", None)
+    dim = fields.pop("dimensions", None)
+    if isinstance(rows, bytes):  # float32, little-endian, row after row
+        flat = struct.unpack(f"<{len(rows) // 4}f", rows)
+        rows = [list(flat[i:i + dim]) for i in range(0, len(flat), dim)]
+    return Pooled(rid, final.usage, embeddings=rows, **fields)
+
+
+def _task(task: str, inputs, query=None, **options) -> PoolingTask:
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    return PoolingTask(task, list(inputs), query, options.get("dimensions"),
+                       options.get("truncate"), options.get("prompt_name"))
 
 
 class RequestFailed(Exception):
@@ -353,6 +386,28 @@ class Client:
         n = params.get("n") or 1
         return _results(rid, self.stream(rid, timeout, n), n)
 
+    def embed(self, inputs, *, dimensions: Optional[int] = None, truncate: Optional[str] = None,
+              prompt_name: Optional[str] = None, timeout: Optional[float] = None,
+              **params) -> Pooled:
+        """Embeddings of ``inputs`` (a text, or a list of texts or token-id lists) from a
+        worker whose model pools; ``params``: ``priority`` (above 0: the backlog)."""
+        return self._pool(_task("embed", inputs, dimensions=dimensions, truncate=truncate,
+                                prompt_name=prompt_name), timeout, params)
+
+    def score(self, query, documents, *, truncate: Optional[str] = None,
+              timeout: Optional[float] = None, **params) -> Pooled:
+        """Each document's relevance to ``query`` (``scores``)."""
+        return self._pool(_task("score", documents, query, truncate=truncate), timeout, params)
+
+    def classify(self, inputs, *, truncate: Optional[str] = None,
+                 timeout: Optional[float] = None, **params) -> Pooled:
+        """Each input's class probabilities (``probs``)."""
+        return self._pool(_task("classify", inputs, truncate=truncate), timeout, params)
+
+    def _pool(self, task: PoolingTask, timeout: Optional[float], params: dict) -> Pooled:
+        rid = self.submit(task, **params)
+        return _pooled(rid, list(self.stream(rid, timeout)))
+
     def cancel(self, rid: str) -> None:
         _retried(lambda: self.redis.xadd(self.keys.cancel, {"rid": rid}, maxlen=CANCEL_MAXLEN,
                                           approximate=True))
@@ -445,6 +500,26 @@ class AsyncClient:
         rid = await self.submit(prompt, **params)
         n = params.get("n") or 1
         return _results(rid, [c async for c in self.stream(rid, timeout, n)], n)
+
+    async def embed(self, inputs, *, dimensions: Optional[int] = None,
+                    truncate: Optional[str] = None, prompt_name: Optional[str] = None,
+                    timeout: Optional[float] = None, **params) -> Pooled:
+        return await self._pool(_task("embed", inputs, dimensions=dimensions,
+                                      truncate=truncate, prompt_name=prompt_name),
+                                timeout, params)
+
+    async def score(self, query, documents, *, truncate: Optional[str] = None,
+                    timeout: Optional[float] = None, **params) -> Pooled:
+        return await self._pool(_task("score", documents, query, truncate=truncate), timeout,
+                                params)
+
+    async def classify(self, inputs, *, truncate: Optional[str] = None,
+                       timeout: Optional[float] = None, **params) -> Pooled:
+        return await self._pool(_task("classify", inputs, truncate=truncate), timeout, params)
+
+    async def _pool(self, task: PoolingTask, timeout: Optional[float], params: dict) -> Pooled:
+        rid = await self.submit(task, **params)
+        return _pooled(rid, [c async for c in self.stream(rid, timeout)])
 
     async def cancel(self, rid: str) -> None:
         await _retried_async(lambda: self.redis.xadd(self.keys.cancel, {"rid": rid},

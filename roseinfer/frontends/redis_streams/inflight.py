@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 from roseinfer.frontends.redis_streams.metrics import Metrics
 from roseinfer.core.tools import ToolStream
-from roseinfer.frontends.redis_streams.protocol import Chunk
+from roseinfer.frontends.redis_streams.protocol import Chunk, pooled_fields
 
 # From this delivery on, an entry runs alone: when a batch keeps failing, running its
 # requests one by one tells the poison entry from the ones that only shared its batches.
@@ -94,6 +94,8 @@ class InFlight:
             chunk.usage = {"prompt_tokens": len(out.prompt_token_ids),
                            "completion_tokens": len(out.token_ids),
                            "cached_tokens": out.num_cached_tokens}
+            if getattr(out, "result", None) is not None:  # a pooling request's (core/pooling.py)
+                chunk.pooled = pooled_fields(out.task, out.result)
         return chunk
 
     def _answer(self, out, h: Held) -> str:

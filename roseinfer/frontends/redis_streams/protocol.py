@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 import msgpack
 
+from roseinfer.core.pooling_task import PoolingTask
 from roseinfer.core.sampling import SamplingParams
 from roseinfer.core.tools import Tools
 
@@ -40,7 +41,8 @@ class Chat:
     template_kwargs: Optional[dict] = None  # chat_template_kwargs: the template's own options
 
 
-Prompt = Union[str, list[int], Chat]  # text, token ids of the worker's model, or messages
+# text, token ids of the worker's model, messages, or a pooling task (embed, score, classify)
+Prompt = Union[str, list[int], Chat, PoolingTask]
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,8 @@ class Request:
     # A chat request whose output a reasoning parser splits (core/reasoning.py): whether
     # the output begins inside the reasoning (its template opened it); None: no split.
     reasoning_inside: Optional[bool] = None
+    # task embed, score or classify (core/pooling.py): its inputs, and no prompt
+    pooling: Optional[PoolingTask] = None
 
 
 @dataclass
@@ -212,6 +216,9 @@ class Chunk:
     # Chat requests on a worker with a reasoning parser: the model's thinking since the
     # previous chunk, apart from ``text`` (its answer). Absent when empty.
     reasoning: Optional[str] = None
+    # Pooling requests (task embed, score or classify), final chunk only: "embeddings"
+    # and "dimensions", or "scores", or "probs" (pooled_fields).
+    pooled: Optional[dict] = None
 
     @property
     def finished(self) -> bool:
@@ -228,7 +235,9 @@ def encode_request(prompt: Prompt, rid: Optional[str] = None, **params) -> dict:
         raise TypeError(f"unknown request parameter(s) {unknown}; known: {list(PARAM_KEYS)}")
     if rid is not None and not RID_PATTERN.fullmatch(rid):
         raise ValueError(f"rid {rid!r} must be 1-128 characters of [A-Za-z0-9_.:-]")
-    if isinstance(prompt, Chat):
+    if isinstance(prompt, PoolingTask):
+        body = pooling_body(prompt)
+    elif isinstance(prompt, Chat):
         body = {"messages": prompt.messages, **(prompt.tools.as_body() if prompt.tools else {})}
         if prompt.template_kwargs:
             body["chat_template_kwargs"] = prompt.template_kwargs
@@ -241,6 +250,21 @@ def encode_request(prompt: Prompt, rid: Optional[str] = None, **params) -> dict:
     if rid is not None:
         fields["rid"] = rid
     return fields
+
+
+def pooling_body(task: PoolingTask) -> dict:
+    """A pooling request's body: ``task`` and its inputs, the options only where set."""
+    body = {"task": task.task}
+    if task.task == "score":
+        body.update(query=task.query, documents=task.inputs)
+    else:
+        body["input"] = task.inputs
+    for key in ("dimensions", "truncate", "prompt_name"):
+        if getattr(task, key) is not None:
+            body[key] = getattr(task, key)
+    if task.encoding_format != "binary":
+        body["encoding_format"] = task.encoding_format
+    return body
 
 
 # --- replies ----------------------------------------------------------------------------
@@ -267,15 +291,35 @@ def chunk_body(chunk: Chunk) -> bytes:
         body["tool_calls"] = chunk.tool_calls
     if chunk.reasoning:
         body["reasoning"] = chunk.reasoning
+    if chunk.pooled:
+        body.update(chunk.pooled)
     return msgpack.packb(body)
+
+
+POOLED_KEYS = ("embeddings", "dimensions", "scores", "probs")
+
+
+def pooled_fields(task: PoolingTask, result) -> dict:
+    """A pooling result as its final chunk carries it: embeddings as little-endian
+    float32 bytes, row after row (``dimensions`` a row), or lists of floats (encoding
+    ``float``); scores; class probabilities."""
+    if task.task == "score":
+        return {"scores": list(result)}
+    if task.task == "classify":
+        return {"probs": list(result)}
+    rows = result.float().numpy()
+    if task.encoding_format == "float":
+        return {"embeddings": rows.tolist(), "dimensions": rows.shape[1]}
+    return {"embeddings": rows.astype("<f4").tobytes(), "dimensions": rows.shape[1]}
 
 
 def decode_chunk(fields: dict) -> Chunk:
     body = msgpack.unpackb(fields[b"body"], raw=False)
+    pooled = {k: body[k] for k in POOLED_KEYS if k in body}
     return Chunk(body["rid"], body["seq"], body["token_ids"], body["text"],
                  body["finish_reason"], body.get("usage"), body.get("error"),
                  body.get("logprobs"), body.get("prompt_logprobs"), body.get("index"),
-                 body.get("tool_calls"), body.get("reasoning"))
+                 body.get("tool_calls"), body.get("reasoning"), pooled or None)
 
 
 def error_chunk(rid: str, code: str, message: str, seq: int = 0,

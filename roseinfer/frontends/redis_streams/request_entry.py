@@ -13,6 +13,7 @@ import msgpack
 from roseinfer.core.errors import InvalidRequestError, short as _short
 from roseinfer.core.sampling import MAX_N, SamplingParams, is_int
 from roseinfer.core.tools import Tools, check_tools
+from roseinfer.frontends.redis_streams.pooling_entry import pooling_task
 from roseinfer.frontends.redis_streams.protocol import (
     RID_PATTERN, ROLES, SAMPLING_KEYS, TOOL_KEYS, VERSION, Chat, Limits, Prompt, Request,
     entry_time)
@@ -59,6 +60,10 @@ def decode_request(entry_id: str, fields: dict, limits: Limits = Limits()) -> Re
     elif not RID_PATTERN.fullmatch(rid):
         raise InvalidRequestError("rid", "must be 1-128 characters of [A-Za-z0-9_.:-]")
     body = _decode_body(fields[b"body"]) if b"body" in fields else _shell_body(fields)
+    pooling = pooling_task(body)
+    if pooling is not None:  # one final chunk, no sampling: only the priority applies
+        return Request(rid, None, SamplingParams(priority=body.get("priority", 0)),
+                       pooling=pooling)
     prompt = _prompt(body, limits)
     stream_interval = body.get("stream_interval", 1)
     if not is_int(stream_interval) or stream_interval < 1:
@@ -268,6 +273,13 @@ def _json_map(s: str) -> dict:
     return value
 
 
+def _json_list(s: str) -> list:
+    value = json.loads(s)
+    if not isinstance(value, list):
+        raise ValueError("not a JSON array")
+    return value
+
+
 def _bias(s: str) -> dict[int, float]:
     pairs = (p.split(":") for p in s.replace(",", " ").split())
     return {int(token): float(b) for token, b in pairs}
@@ -281,10 +293,12 @@ _SHELL_PARSERS = {
     "logprobs": int, "prompt_logprobs": int, "repetition_penalty": float, "frequency_penalty": float,
     "presence_penalty": float, "logit_bias": _bias, "response_format": _json_map,
     "logits_processors": _json_map,
+    "task": str, "input": str, "query": str, "documents": _json_list, "dimensions": int,
+    "truncate": str, "prompt_name": str, "encoding_format": str,
 }
 _SHELL_KINDS = {int: "an integer", float: "a number", _ids: "integers separated by commas",
                 _bool: "true or false", _bias: "id:bias pairs separated by commas",
-                _json_map: "a JSON object"}
+                _json_map: "a JSON object", _json_list: "a JSON array"}
 
 
 def _shell_body(fields: dict) -> dict:
