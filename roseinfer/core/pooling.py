@@ -167,6 +167,7 @@ class PoolingOutput:
     task: PoolingTask | None = None
     result: object = None
     item_tokens: list[int] = field(default_factory=list)
+    labels: list[str] | None = None  # classify: the classes' names, by index
     error: str | None = None
     index: int = 0
     finished: bool = True

@@ -59,6 +59,10 @@ class PoolingEngine:
                   self.spec.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)
         self.classifier = self.model.head is not None
+        names = getattr(self.hf_config, "id2label", None) or {}
+        self.labels = [names.get(i, f"LABEL_{i}") for i in range(self.hf_config.num_labels)] \
+            if self.classifier else None
+        self.tasks = ("embed", "score", "classify") if self.classifier else ("embed", "score")
         self.loras = None
         self._queue: list[_Queued] = []
         self._aborted: list[str] = []
@@ -102,8 +106,9 @@ class PoolingEngine:
         for q in [q for q in self._queue if len(q.rows) == len(q.prepared.items)]:
             self._queue.remove(q)
             p = q.prepared
+            labels = self.labels if p.task.task == "classify" else None
             outputs.append(PoolingOutput(q.rid, "stop", p.task, self._result(q),
-                                         [len(ids) for ids, _ in p.items]))
+                                         [len(ids) for ids, _ in p.items], labels))
         return outputs
 
     # ---- inputs --------------------------------------------------------------------------

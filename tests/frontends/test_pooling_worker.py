@@ -2,7 +2,12 @@
 classify): the Python client's results equal the engine's own, a rerank goes through, and
 bad inputs are refused by name with nothing left pending; a generate worker and a pooling
 worker each refuse the other's tasks."""
+import base64
+import struct
+
+import httpx
 import msgpack
+import openai
 import pytest
 import torch
 
@@ -106,3 +111,71 @@ def test_a_generate_worker_refuses_pooling_tasks(tiny_llm, client, start_worker)
         client.embed(["hello"], timeout=30)
     assert e.value.code == "bad_request" and e.value.message.startswith("task:")
     assert "pools" in e.value.message
+
+
+# --- the gateway ---------------------------------------------------------------------------
+
+def api(g):
+    return openai.OpenAI(base_url=f"{g.url}/v1", api_key="none", max_retries=0)
+
+
+def test_openai_embeddings_equal_the_engines(embedder, start_worker, gateway):
+    """The official client's embeddings.create, float and base64 (its default), and
+    LangChain's OpenAIEmbeddings, against LLM.embed."""
+    _, llm = embedder
+    start_worker(llm.engine)
+    g = gateway()
+    want = torch.tensor([o.embedding for o in llm.embed(TEXTS)])
+    for encoding in ("float", "base64", None):  # None: the client asks base64, decodes it
+        reply = api(g).embeddings.create(model="tiny", input=TEXTS,
+                                         **({"encoding_format": encoding} if encoding else {}))
+        rows = [d.embedding for d in reply.data]
+        if encoding == "base64":  # asked for: the client hands the text over as it came
+            rows = [struct.unpack(f"<{len(b) // 4}f", b) for b in map(base64.b64decode, rows)]
+        torch.testing.assert_close(torch.tensor(rows), want)
+        assert [d.index for d in reply.data] == list(range(len(TEXTS)))
+        assert reply.usage.prompt_tokens == sum(o.num_tokens for o in llm.embed(TEXTS))
+    one = api(g).embeddings.create(model="tiny", input="hello world").data[0].embedding
+    torch.testing.assert_close(torch.tensor(one), want[0])
+    from langchain_openai import OpenAIEmbeddings
+    lc = OpenAIEmbeddings(model="tiny", base_url=f"{g.url}/v1", api_key="none",
+                          check_embedding_ctx_length=False)
+    torch.testing.assert_close(torch.tensor(lc.embed_documents(TEXTS)), want)
+    models = api(g).models.list().data
+    assert models[0].tasks == ["embed", "score"]
+
+
+def test_openai_embeddings_refuse_bad_input_by_name(embedder, start_worker, gateway):
+    _, llm = embedder
+    start_worker(llm.engine)
+    g = gateway()
+    for kwargs, param in [(dict(input="abc", dimensions=8), "dimensions"),
+                          (dict(input=[]), "input"),
+                          (dict(input=" ".join(["abc"] * 500)), "input")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            api(g).embeddings.create(model="tiny", **kwargs)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_rerank_score_and_classify_routes(reranker, start_worker, gateway, tmp_path_factory):
+    start_worker(reranker.engine)
+    g = gateway()
+    query, docs = "where is the fox", TEXTS[:4]
+    want = [o.score for o in reranker.score(query, docs)]
+    for path in ("/v1/rerank", "/rerank"):
+        reply = httpx.post(g.url + path, json={"model": "tiny", "query": query, "top_n": 3,
+                                               "documents": [{"text": d} for d in docs]}).json()
+        ranked = sorted(range(len(docs)), key=lambda i: -want[i])[:3]
+        assert [r["index"] for r in reply["results"]] == ranked
+        assert [r["document"]["text"] for r in reply["results"]] == [docs[i] for i in ranked]
+        assert [r["relevance_score"] for r in reply["results"]] == pytest.approx(
+            [want[i] for i in ranked], abs=1e-6)
+    scored = httpx.post(g.url + "/v1/score", json={"model": "tiny", "text_1": query,
+                                                   "text_2": docs}).json()
+    assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=1e-6)
+    classes = httpx.post(g.url + "/classify", json={"model": "tiny", "input": docs}).json()
+    torch.testing.assert_close(torch.tensor([d["probs"] for d in classes["data"]]),
+                               torch.tensor([o.probs for o in reranker.classify(docs)]))
+    assert classes["data"][0]["label"] == "LABEL_0" and classes["data"][0]["num_classes"] == 1
+    missing = httpx.post(g.url + "/v1/rerank", json={"model": "tiny", "documents": docs})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "query"

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from roseinfer.frontends.openai import mapping
 from roseinfer.frontends.openai.mapping import APIError, Call
 from roseinfer.frontends.openai.metrics import GatewayMetrics
+from roseinfer.frontends.openai.pooling import Pooling
 from roseinfer.frontends.openai.responses import DEFAULT_TTL_S, Responses
 from roseinfer.frontends.redis_streams import adapters
 from roseinfer.frontends.redis_streams.client import AsyncClient
@@ -55,6 +56,7 @@ class Gateway:
         self._redis: redis.Redis | None = None  # for the adapters' waits, in threads
         self._served: tuple[float, set[str]] | None = None  # (when, adapters) _adapters
         self.responses = Responses(self, config.responses_ttl)
+        self.pooling = Pooling(self)  # embeddings, rerank, score, classify
         self.tasks: set[asyncio.Task] = set()  # background responses being read
 
     @contextlib.asynccontextmanager
@@ -85,8 +87,10 @@ class Gateway:
         self._authorize(request)
         name = self.config.model_name
         adapters = sorted(await self._adapters(fresh=True))
+        tasks = sorted(await self._tasks())
         return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "roseinfer"},
+            {"id": name, "object": "model", "created": 0, "owned_by": "roseinfer",
+             "tasks": tasks},
             *({"id": a, "object": "model", "created": 0, "owned_by": "roseinfer",
                "parent": name} for a in adapters)]})
 
@@ -127,6 +131,12 @@ class Gateway:
             beats = await asyncio.to_thread(read_heartbeats, self._sync_redis(), self._keys)
             self._served = now, {a for beat in beats for a in beat.get("adapters", ())}
         return self._served[1]
+
+    async def _tasks(self) -> set[str]:
+        """What the live workers do: generate, or embed, score and classify (a worker whose
+        model pools); generate where none says (workers from before the field)."""
+        beats = await asyncio.to_thread(read_heartbeats, self._sync_redis(), self._keys)
+        return {t for beat in beats for t in beat.get("tasks", ("generate",))} or {"generate"}
 
     def _sync_redis(self) -> redis.Redis:
         if self._redis is None:
@@ -193,7 +203,7 @@ class Gateway:
         if not RID_PATTERN.fullmatch(rid):
             raise APIError(400, "X-Request-Id must be 1-128 characters of [A-Za-z0-9_.:-]")
         await self.client.submit(call.prompt, rid=rid, **call.params)
-        chunks = self._chunks(rid, call.n)
+        chunks = self.chunks(rid, call.n)
         try:
             first = await anext(chunks)
         except BaseException:
@@ -211,7 +221,7 @@ class Gateway:
             return EventSourceResponse(self._events(call, head, first, chunks, ended))
         return await self._whole(request, call, rid, first, chunks)
 
-    async def _chunks(self, rid: str, n: int) -> AsyncIterator:
+    async def chunks(self, rid: str, n: int) -> AsyncIterator:
         """The request's chunks (of its n samples); a worker error raises it as an OpenAI
         error. Ending early (a disconnect, a timeout) cancels the request, so its worker
         frees the slot."""
@@ -323,7 +333,12 @@ def create_app(config: GatewayConfig) -> Starlette:
               Route("/v1/responses", gw.responses.create, methods=["POST"]),
               Route("/v1/responses/{rid}", gw.responses.retrieve, methods=["GET"]),
               Route("/v1/responses/{rid}", gw.responses.delete, methods=["DELETE"]),
-              Route("/v1/responses/{rid}/cancel", gw.responses.cancel, methods=["POST"])]
+              Route("/v1/responses/{rid}/cancel", gw.responses.cancel, methods=["POST"]),
+              Route("/v1/embeddings", gw.pooling.embeddings, methods=["POST"]),
+              Route("/v1/rerank", gw.pooling.rerank, methods=["POST"]),
+              Route("/rerank", gw.pooling.rerank, methods=["POST"]),
+              Route("/v1/score", gw.pooling.score, methods=["POST"]),
+              Route("/classify", gw.pooling.classify, methods=["POST"])]
     return Starlette(routes=routes, lifespan=gw.lifespan,
                      exception_handlers={APIError: _api_error,
                                          redis.exceptions.ConnectionError: _queue_error,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import struct
 import threading
 import time
 import uuid
@@ -25,8 +24,8 @@ from roseinfer.frontends.redis_streams.connection import (by_slot, connect, conn
                                                          is_cluster)
 from roseinfer.frontends.redis_streams.outage import is_transient
 from roseinfer.frontends.redis_streams.protocol import (  # noqa: F401 - DEFAULT_URL: the API's
-    DEFAULT_PREFIX, DEFAULT_URL, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, encode_request,
-    rid_for)
+    DEFAULT_PREFIX, DEFAULT_URL, Chunk, ChunkOrder, Keys, Prompt, decode_chunk, embedding_rows,
+    encode_request, rid_for)
 
 CANCEL_MAXLEN = 10_000  # cancels matter for seconds; the cap keeps the stream small
 RETRY_S = 0.2  # between reads while Redis is away (a restart, a failover)
@@ -94,6 +93,7 @@ class Pooled:
     embeddings: Optional[list[list[float]]] = None
     scores: Optional[list[float]] = None
     probs: Optional[list[list[float]]] = None
+    labels: Optional[list[str]] = None  # classify: the classes' names, by index
 
 
 def _pooled(rid: str, chunks: list[Chunk]) -> Pooled:
@@ -101,11 +101,8 @@ def _pooled(rid: str, chunks: list[Chunk]) -> Pooled:
     if final.error is not None:
         raise RequestFailed(rid, final.error["code"], final.error["message"])
     fields = dict(final.pooled or {})
-    rows = fields.pop("embeddings", None)
-    dim = fields.pop("dimensions", None)
-    if isinstance(rows, bytes):  # float32, little-endian, row after row
-        flat = struct.unpack(f"<{len(rows) // 4}f", rows)
-        rows = [list(flat[i:i + dim]) for i in range(0, len(flat), dim)]
+    rows = embedding_rows(fields) if "embeddings" in fields else None
+    fields.pop("embeddings", None), fields.pop("dimensions", None)
     return Pooled(rid, final.usage, embeddings=rows, **fields)
 
 

@@ -95,7 +95,7 @@ class InFlight:
                            "completion_tokens": len(out.token_ids),
                            "cached_tokens": out.num_cached_tokens}
             if getattr(out, "result", None) is not None:  # a pooling request's (core/pooling.py)
-                chunk.pooled = pooled_fields(out.task, out.result)
+                chunk.pooled = pooled_fields(out.task, out.result, out.labels)
         return chunk
 
     def _answer(self, out, h: Held) -> str:

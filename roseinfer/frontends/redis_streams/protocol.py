@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import struct
 import uuid
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -296,17 +297,26 @@ def chunk_body(chunk: Chunk) -> bytes:
     return msgpack.packb(body)
 
 
-POOLED_KEYS = ("embeddings", "dimensions", "scores", "probs")
+POOLED_KEYS = ("embeddings", "dimensions", "scores", "probs", "labels")
 
 
-def pooled_fields(task: PoolingTask, result) -> dict:
+def embedding_rows(pooled: dict) -> list[list[float]]:
+    """A final chunk's embeddings as lists of floats, from either encoding."""
+    rows, dim = pooled["embeddings"], pooled["dimensions"]
+    if isinstance(rows, bytes):  # float32, little-endian, row after row
+        flat = struct.unpack(f"<{len(rows) // 4}f", rows)
+        return [list(flat[i:i + dim]) for i in range(0, len(flat), dim)]
+    return rows
+
+
+def pooled_fields(task: PoolingTask, result, labels: Optional[list[str]] = None) -> dict:
     """A pooling result as its final chunk carries it: embeddings as little-endian
     float32 bytes, row after row (``dimensions`` a row), or lists of floats (encoding
-    ``float``); scores; class probabilities."""
+    ``float``); scores; class probabilities and the classes' names."""
     if task.task == "score":
         return {"scores": list(result)}
     if task.task == "classify":
-        return {"probs": list(result)}
+        return {"probs": list(result), "labels": labels}
     rows = result.float().numpy()
     if task.encoding_format == "float":
         return {"embeddings": rows.tolist(), "dimensions": rows.shape[1]}

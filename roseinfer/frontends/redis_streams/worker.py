@@ -109,7 +109,8 @@ class Worker:
         self.metrics = metrics or Metrics(model_name)
         self.ownership = Ownership(self.keys, group, self.consumer, claim_idle_ms)
         self.heartbeat = Heartbeat(self.keys, self.consumer, heartbeat_s, model=model_name,
-                                   max_num_seqs=engine.config.max_num_seqs)
+                                   max_num_seqs=engine.config.max_num_seqs,
+                                   tasks=list(getattr(engine, "tasks", ("generate",))))
         self.outage = Outage(self._past_deadline, self.metrics.redis_outages.inc,
                              before_retry=lambda: follow_slots(self.redis))
         # Far above any request's chunk count, reply_maxlen only guards Redis against a runaway.
