@@ -3,6 +3,7 @@ classify): the Python client's results equal the engine's own, a rerank goes thr
 bad inputs are refused by name with nothing left pending; a generate worker and a pooling
 worker each refuse the other's tasks."""
 import base64
+import json
 import struct
 
 import httpx
@@ -179,3 +180,42 @@ def test_rerank_score_and_classify_routes(reranker, start_worker, gateway, tmp_p
     assert classes["data"][0]["label"] == "LABEL_0" and classes["data"][0]["num_classes"] == 1
     missing = httpx.post(g.url + "/v1/rerank", json={"model": "tiny", "documents": docs})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "query"
+
+
+# --- roseinfer embed ----------------------------------------------------------------------
+
+def test_the_embed_command_writes_every_input_once_and_resumes(embedder, start_worker,
+                                                              redis_server, prefix, tmp_path):
+    """A file of 40 texts, one of them over the model's length: each good one's embedding
+    equals LLM.embed's, the long one is an error line. Cut after 17 results (the last line
+    half written, as a kill leaves it), a second run adds only the missing ones."""
+    from roseinfer.cli import main
+    _, llm = embedder
+    start_worker(llm.engine)
+    texts = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(40)]
+    texts[13] = " ".join(["abc"] * 500)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps({"id": f"doc-{i}", "text": t}) + "\n"
+                              for i, t in enumerate(texts)))
+    argv = ["embed", str(source), "--out", str(out), "--redis-url", redis_server.url,
+            "--prefix", prefix, "--batch", "6", "--in-flight", "3", "--no-progress"]
+    assert main(argv) == 1  # one input refused
+
+    def records():
+        return [json.loads(line) for line in out.read_text().splitlines()]
+    first = records()
+    assert [r["id"] for r in first if "error" in r] == ["doc-13"]
+    assert next(r for r in first if "error" in r)["error"]["code"] == "too_long"
+    good = {f"doc-{i}": t for i, t in enumerate(texts) if i != 13}
+    want = dict(zip(good, (o.embedding for o in llm.embed(list(good.values())))))
+    assert {r["id"] for r in first if "embedding" in r} == set(good)
+    for r in first:
+        if "embedding" in r:
+            torch.testing.assert_close(torch.tensor(r["embedding"]), torch.tensor(want[r["id"]]))
+
+    kept = out.read_text().splitlines(keepends=True)[:17]
+    out.write_text("".join(kept) + kept[-1][:25])  # killed mid-line
+    assert main(argv) == 1
+    again = records()
+    embedded = [r["id"] for r in again if "embedding" in r]
+    assert sorted(embedded) == sorted(good)  # each once: the first 17 were not redone

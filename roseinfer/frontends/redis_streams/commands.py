@@ -1,4 +1,4 @@
-"""CLI commands of the Redis frontend: `roseinfer serve | worker | submit | status`.
+"""CLI commands of the Redis frontend: `roseinfer serve | worker | submit | embed | status`.
 
 roseinfer/cli.py calls add_commands(); each command returns the process exit code.
 """
@@ -13,6 +13,7 @@ import tomllib
 
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.tools import check_tools
+from roseinfer.frontends.redis_streams import embed_job
 from roseinfer.frontends.redis_streams.protocol import DEFAULT_GROUP, DEFAULT_PREFIX, \
     DEFAULT_URL, Chat, Keys, prefix_arg
 # The Redis client, the worker and the metrics are imported by the commands that use
@@ -85,6 +86,7 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     st.add_argument("--json", action="store_true", help="print it as JSON")
     st.set_defaults(func=status_command)
 
+    embed_job.add_command(subparsers)
     submit = subparsers.add_parser("submit", help="send a prompt to the workers, print the reply")
     _add_submit_flags(submit)
     submit.set_defaults(func=submit_command)
@@ -239,15 +241,19 @@ def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                             settings["route_min_gain_tokens"], settings["route_max_load"],
                             settings["route_max_excess"], settings["route_policy"]))
         gateway = _start_gateway(args, settings, redis_url)
+        pools = hasattr(llm.engine, "prepare")  # an embedding or scoring model
         if announce:
+            example = "embed FILE.jsonl --out OUT.jsonl" if pools else \
+                f"submit {EXAMPLE_PROMPT!r}"
             print(f"roseinfer is serving {args.model} at {redis_url}; from another terminal:\n"
-                  f"  roseinfer submit {EXAMPLE_PROMPT!r}{_client_flags(settings, redis_url)}",
-                  flush=True)
+                  f"  roseinfer {example}{_client_flags(settings, redis_url)}", flush=True)
         if gateway is not None:
-            print(f"OpenAI API at {gateway.url}/v1:\n  curl {gateway.url}/v1/chat/completions "
+            route, body = ("embeddings", f'"input": ["{EXAMPLE_PROMPT}"]') if pools else (
+                "chat/completions",
+                f'"messages": [{{"role": "user", "content": "{EXAMPLE_PROMPT}"}}]')
+            print(f"OpenAI API at {gateway.url}/v1:\n  curl {gateway.url}/v1/{route} "
                   "-H 'Content-Type: application/json' -d '{\"model\": \"roseinfer\", "
-                  f"\"messages\": [{{\"role\": \"user\", \"content\": \"{EXAMPLE_PROMPT}\"}}]}}'",
-                  flush=True)
+                  f"{body}}}'", flush=True)
         _stop_on_signals(worker)
         try:
             worker.run()
