@@ -4,8 +4,8 @@ import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as models
 from transformers import (BertConfig, BertForSequenceClassification, BertModel,
-                          BertTokenizerFast, XLMRobertaConfig, XLMRobertaForSequenceClassification,
-                          XLMRobertaModel)
+                          BertTokenizerFast, Qwen3Config, Qwen3Model, XLMRobertaConfig,
+                          XLMRobertaForSequenceClassification, XLMRobertaModel)
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789.,!?",
          *("##" + c for c in "abcdefghijklmnopqrstuvwxyz")]
@@ -28,14 +28,21 @@ def save(model, folder):
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)
     model.save_pretrained(folder)
-    tokenizer(folder, model.config.type_vocab_size > 1).save_pretrained(folder)
+    tokenizer(folder, getattr(model.config, "type_vocab_size", 1) > 1).save_pretrained(folder)
     return str(folder)
 
 
 def encoder(tmp_path_factory, family: str) -> str:
+    """A tiny random ``bert``, ``xlm-roberta`` or ``qwen3`` (a decoder, as Qwen3-Embedding:
+    its base model without an LM head) saved with VOCAB's tokenizer."""
     folder = tmp_path_factory.mktemp(family)
     if family == "bert":
         return save(BertModel(BertConfig(**SHAPE)), folder)
+    if family == "qwen3":
+        return save(Qwen3Model(Qwen3Config(
+            vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, intermediate_size=64,
+            max_position_embeddings=128, tie_word_embeddings=True)), folder)
     return save(XLMRobertaModel(XLMRobertaConfig(**SHAPE, type_vocab_size=1, pad_token_id=0)), folder)
 
 

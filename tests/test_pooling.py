@@ -26,7 +26,8 @@ def embeddings(llm, texts, **kw):
 
 @pytest.mark.parametrize("family, mode, normalize", [
     ("bert", "mean", True), ("bert", "mean", False), ("bert", "cls", True),
-    ("xlm-roberta", "cls", False), ("xlm-roberta", "mean", True)])
+    ("xlm-roberta", "cls", False), ("xlm-roberta", "mean", True),
+    ("qwen3", "lasttoken", True), ("qwen3", "mean", False)])
 def test_embeddings_equal_sentence_transformers(tmp_path_factory, family, mode, normalize):
     folder = sentence_model(tmp_path_factory, family, mode, normalize)
     want = torch.tensor(SentenceTransformer(folder).encode(TEXTS))

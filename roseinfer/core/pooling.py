@@ -84,7 +84,7 @@ def spec_of(path, hf_config, decoder: bool) -> PoolingSpec:
 
 
 def _mode(pooling: dict, default: str) -> str:
-    mode = pooling.get("pooling_mode")
+    mode = {"lasttoken": "last"}.get(pooling.get("pooling_mode"), pooling.get("pooling_mode"))
     if mode is None:
         mode = next((m for k, m in _OLD_MODES.items() if pooling.get(k)), default)
     if mode not in MODES:

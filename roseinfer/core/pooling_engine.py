@@ -22,6 +22,7 @@ from roseinfer.core.engine import EngineStats
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.plugins import default_registry
 from roseinfer.core.pooling import PoolingOutput, Prepared, activate, finish, pool, spec_of
+from roseinfer.core.pooling_decoder import decoder_states
 from roseinfer.core.pooling_task import PoolingTask
 from roseinfer.layers.encoder_attention import Packed
 from roseinfer.models import loader
@@ -52,13 +53,16 @@ class PoolingEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.hf_config, _ = loader.load(
             model, None, self.dtype, self.device, seed=config.seed or 0, plugins=self.plugins)
+        # A decoder family (Qwen3-Embedding) runs causally over the packed sequences
+        # (core/pooling_decoder.py); an encoder (BERT) is made for this.
+        self.decoder = not getattr(self.model, "pooling_only", False)
         path = tokenizer or (model if isinstance(model, (str, os.PathLike)) else None)
         self.tokenizer = _tokenizer(path)
-        self.spec = spec_of(model, self.hf_config, decoder=False)
-        limits = [self.hf_config.max_position_embeddings - self.model.position_offset,
-                  self.spec.max_len, config.max_model_len]
+        self.spec = spec_of(model, self.hf_config, decoder=self.decoder)
+        limits = [self.hf_config.max_position_embeddings - getattr(
+            self.model, "position_offset", 0), self.spec.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)
-        self.classifier = self.model.head is not None
+        self.classifier = not self.decoder and self.model.head is not None
         names = getattr(self.hf_config, "id2label", None) or {}
         self.labels = [names.get(i, f"LABEL_{i}") for i in range(self.hf_config.num_labels)] \
             if self.classifier else None
@@ -152,7 +156,7 @@ class PoolingEngine:
                      "max_length": self.max_model_len} if truncate else {}
             enc = tok(prompt + text, pair, **limit)
             ids, types = enc["input_ids"], None
-            if pair is not None and self.hf_config.type_vocab_size > 1:  # not RoBERTa's
+            if pair is not None and getattr(self.hf_config, "type_vocab_size", 1) > 1:
                 types = enc.get("token_type_ids")
         elif pair is None and _ids(text):
             ids, types = list(text), None
@@ -198,7 +202,7 @@ class PoolingEngine:
             types = [x for ids, t in encoded for x in (t or [0] * len(ids))]
         packed = Packed.of(lens, types, self.device)
         ids = torch.tensor([x for ids, _ in encoded for x in ids], device=self.device)
-        hidden = self.model(ids, packed)
+        hidden = decoder_states(self.model, ids, packed) if self.decoder else self.model(ids, packed)
         vectors = pool(hidden, packed, self.spec.mode).cpu()
         logits = self.model.classify(hidden, packed).float().cpu() if any(
             q.prepared.logits for q, _ in batch) else None
@@ -224,6 +228,9 @@ def pooling_runner(model, runner: str, plugins=None) -> bool:
     that only pools."""
     if runner != "auto":
         return runner == "pooling"
+    if isinstance(model, (str, os.PathLike)) and os.path.exists(
+            os.path.join(model, "modules.json")):
+        return True  # a sentence-transformers directory: an embedder, whatever its family
     from roseinfer.models import model_class
     config = model.config if hasattr(model, "config") else loader.model_info(
         model, tokenizer=False)[0]

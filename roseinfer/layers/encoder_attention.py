@@ -46,13 +46,26 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: 
                       packed: Packed) -> torch.Tensor:
     """Softmax attention of ``q``, ``k``, ``v`` ([N, heads * D]) within each sequence of
     ``packed``; [N, heads * D]."""
-    batch, longest, width = len(packed.lens), max(packed.lens), q.shape[-1]
+    shaped = [x.view(x.shape[0], heads, -1) for x in (q, k, v)]
+    return packed_attention(*shaped, packed).flatten(1)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed,
+                     causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Attention within each sequence of ``packed``: q [N, H, D], k and v [N, H_kv, D]
+    (grouped-query: H a multiple of H_kv); ``causal``: each query sees the keys up to its
+    own position. [N, H, D]."""
+    batch, longest = len(packed.lens), max(packed.lens)
 
     def padded(x):
-        out = x.new_zeros(batch * longest, width)
+        out = x.new_zeros(batch * longest, *x.shape[1:])
         out[packed.slots] = x
-        return out.view(batch, longest, heads, -1).transpose(1, 2)
+        return out.view(batch, longest, *x.shape[1:]).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v),
-                                         attn_mask=packed.keys_ok)
-    return out.transpose(1, 2).reshape(batch * longest, width)[packed.slots]
+    mask = packed.keys_ok
+    if causal:
+        seen = torch.ones(longest, longest, dtype=torch.bool, device=q.device).tril()
+        mask = seen if mask is None else mask & seen
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask,
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).reshape(batch * longest, *q.shape[1:])[packed.slots]
