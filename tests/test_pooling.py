@@ -12,7 +12,13 @@ from transformers import BertForSequenceClassification, BertTokenizerFast
 
 from roseinfer import LLM
 from roseinfer.core.errors import InvalidRequestError
+from tests.conftest import DEVICE
 from tests.pooling_models import TEXTS, VOCAB, cross_encoder, sentence_model
+
+
+def pooling_llm(folder, **config):
+    """float32 on this machine's device: equal to sentence-transformers' float32."""
+    return LLM(folder, device=DEVICE, dtype="float32", **config)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +37,7 @@ def embeddings(llm, texts, **kw):
 def test_embeddings_equal_sentence_transformers(tmp_path_factory, family, mode, normalize):
     folder = sentence_model(tmp_path_factory, family, mode, normalize)
     want = torch.tensor(SentenceTransformer(folder).encode(TEXTS))
-    llm = LLM(folder)  # an encoder: the pooling runner, unasked
+    llm = pooling_llm(folder)  # an encoder: the pooling runner, unasked
     got = embeddings(llm, TEXTS)
     cosine = torch.nn.functional.cosine_similarity(got, want)
     assert cosine.min() >= 0.99999, cosine
@@ -41,13 +47,13 @@ def test_embeddings_equal_sentence_transformers(tmp_path_factory, family, mode, 
 
 
 def test_batches_by_token_budget_give_the_same_vectors(mean_bert):
-    whole = embeddings(LLM(mean_bert), TEXTS * 3)
-    small = embeddings(LLM(mean_bert, max_num_batched_tokens=40), TEXTS * 3)
+    whole = embeddings(pooling_llm(mean_bert), TEXTS * 3)
+    small = embeddings(pooling_llm(mean_bert, max_num_batched_tokens=40), TEXTS * 3)
     torch.testing.assert_close(small, whole, rtol=1e-5, atol=1e-6)
 
 
 def test_token_ids_embed_as_their_text(mean_bert):
-    llm = LLM(mean_bert)
+    llm = pooling_llm(mean_bert)
     ids = llm.tokenizer(TEXTS[2])["input_ids"]
     (by_ids, by_text) = embeddings(llm, [ids, TEXTS[2]])
     torch.testing.assert_close(by_ids, by_text)
@@ -57,7 +63,7 @@ def test_token_ids_embed_as_their_text(mean_bert):
 def test_too_long_is_refused_unless_truncated(mean_bert):
     """The model's max length (sentence-transformers' 40): over it, ``too_long``, naming
     the item; truncated on the right, as sentence-transformers truncates."""
-    llm = LLM(mean_bert)
+    llm = pooling_llm(mean_bert)
     long = " ".join(["abc"] * 60)
     with pytest.raises(InvalidRequestError) as e:
         llm.embed(["ok", long])
@@ -74,19 +80,19 @@ def test_too_long_is_refused_unless_truncated(mean_bert):
     ([["a", "b"]], "input")])
 def test_bad_inputs_are_refused_by_name(mean_bert, bad, field):
     with pytest.raises(InvalidRequestError) as e:
-        LLM(mean_bert).embed(bad)
+        pooling_llm(mean_bert).embed(bad)
     assert e.value.field == field
 
 
 def test_dimensions_need_a_matryoshka_model(mean_bert, tmp_path):
     with pytest.raises(InvalidRequestError) as e:
-        LLM(mean_bert).embed(["abc"], dimensions=8)
+        pooling_llm(mean_bert).embed(["abc"], dimensions=8)
     assert e.value.field == "dimensions"
     matryoshka = tmp_path / "matryoshka"
     shutil.copytree(mean_bert, matryoshka)
     config = json.loads((matryoshka / "config.json").read_text())
     (matryoshka / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [8, 16]}))
-    llm = LLM(str(matryoshka))
+    llm = pooling_llm(str(matryoshka))
     cut = embeddings(llm, TEXTS, dimensions=8)
     full = embeddings(llm, TEXTS)
     assert cut.shape == (len(TEXTS), 8)
@@ -100,7 +106,7 @@ def test_cross_encoder_scores_equal_sentence_transformers(tmp_path_factory, fami
     folder = cross_encoder(tmp_path_factory, family, labels=1)
     query, docs = "where is the fox", TEXTS
     want = CrossEncoder(folder).predict([(query, d) for d in docs])
-    got = [o.score for o in LLM(folder).score(query, docs)]
+    got = [o.score for o in pooling_llm(folder).score(query, docs)]
     assert max(abs(g - w) for g, w in zip(got, want)) <= 1e-4
 
 
@@ -110,12 +116,12 @@ def test_classifier_probabilities_equal_transformers(tmp_path_factory):
     enc = BertTokenizerFast.from_pretrained(folder)(TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
         want = torch.softmax(hf(**enc).logits, -1)
-    got = torch.tensor([o.probs for o in LLM(folder).classify(TEXTS)])
+    got = torch.tensor([o.probs for o in pooling_llm(folder).classify(TEXTS)])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_an_embedder_scores_by_cosine(mean_bert):
-    llm = LLM(mean_bert)
+    llm = pooling_llm(mean_bert)
     vectors = embeddings(llm, ["where is the fox", *TEXTS[:3]])
     got = [o.score for o in llm.score("where is the fox", TEXTS[:3])]
     torch.testing.assert_close(torch.tensor(got), vectors[1:] @ vectors[0], rtol=1e-5, atol=1e-6)
@@ -123,8 +129,8 @@ def test_an_embedder_scores_by_cosine(mean_bert):
 
 def test_runners_refuse_each_others_tasks(mean_bert, llama_model):
     with pytest.raises(InvalidRequestError, match="generate needs a model that generates"):
-        LLM(mean_bert).generate(["hi"])
+        pooling_llm(mean_bert).generate(["hi"])
     with pytest.raises(InvalidRequestError, match="embed needs a model that pools"):
         LLM(llama_model, device="cpu", num_kv_blocks=16).embed(["hi"])
     with pytest.raises(InvalidRequestError, match="classification head"):
-        LLM(mean_bert).classify(["hi"])
+        pooling_llm(mean_bert).classify(["hi"])

@@ -51,6 +51,7 @@ class PoolingEngine:
         self.plugins = plugins or default_registry()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        model = _local(model)
         self.model, self.hf_config, _ = loader.load(
             model, None, self.dtype, self.device, seed=config.seed or 0, plugins=self.plugins)
         # A decoder family (Qwen3-Embedding) runs causally over the packed sequences
@@ -228,9 +229,13 @@ def pooling_runner(model, runner: str, plugins=None) -> bool:
     that only pools."""
     if runner != "auto":
         return runner == "pooling"
-    if isinstance(model, (str, os.PathLike)) and os.path.exists(
+    if _hub_id(model):
+        from huggingface_hub import file_exists
+        if file_exists(model, "modules.json"):
+            return True  # a sentence-transformers model: an embedder, whatever its family
+    elif isinstance(model, (str, os.PathLike)) and os.path.exists(
             os.path.join(model, "modules.json")):
-        return True  # a sentence-transformers directory: an embedder, whatever its family
+        return True
     from roseinfer.models import model_class
     config = model.config if hasattr(model, "config") else loader.model_info(
         model, tokenizer=False)[0]
@@ -238,6 +243,21 @@ def pooling_runner(model, runner: str, plugins=None) -> bool:
         return getattr(model_class(config, plugins), "pooling_only", False)
     except ValueError:
         return False  # an unknown family: the generate engine says so, naming the ones known
+
+
+def _hub_id(model) -> bool:
+    return isinstance(model, str) and not os.path.exists(model) and \
+        model not in loader.RANDOM and model not in loader.ALIASES
+
+
+def _local(model):
+    """A hub id as the directory of its files: a sentence-transformers model's modules
+    and configs are read from there, as its weights."""
+    if not _hub_id(model):
+        return model
+    from huggingface_hub import snapshot_download
+    return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                    "*.model", "1_Pooling/*", "2_Normalize/*"])
 
 
 def _probs(logits: torch.Tensor) -> torch.Tensor:
