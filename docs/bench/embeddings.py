@@ -7,7 +7,8 @@ as a sentence-transformers directory): ``minilm``, all-MiniLM-L6-v2's (BERT, 6 l
 hidden 384, mean pooling, normalised); ``bge-large``, BGE-large's (24 layers, hidden 1024,
 CLS pooling, normalised). Texts of random words, ``--min-tokens`` to ``--max-tokens``
 each. sentence-transformers runs ``batch_size=BATCH``; roseinfer packs batches of BATCH
-times the mean length in tokens. On a GPU both run in bfloat16.
+times the mean length in tokens. On a GPU both run in bfloat16 (``--st-float32``:
+sentence-transformers in its default float32).
 
     python3 docs/bench/embeddings.py [--device cpu] [--shape minilm] [--texts 1024]
         [--batch 64] [--rounds 3] [--min-tokens 32] [--max-tokens 256]
@@ -81,6 +82,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--st-float32", action="store_true",
+                   help="sentence-transformers in float32, its default, on a GPU too")
     a = p.parse_args()
     from sentence_transformers import SentenceTransformer
 
@@ -89,7 +92,8 @@ def main() -> None:
     dtype = torch.bfloat16 if gpu else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         folder = build(Path(tmp), SHAPES[a.shape])
-        st = SentenceTransformer(folder, device=a.device).to(dtype)
+        st = SentenceTransformer(folder, device=a.device).to(
+            torch.float32 if a.st_float32 else dtype)
         corpus = texts(a.texts, a.min_tokens, a.max_tokens)
         tokens = [len(ids) for ids in st.tokenizer(corpus)["input_ids"]]
         mean = statistics.mean(tokens)
@@ -112,6 +116,7 @@ def main() -> None:
             runs["roseinfer"].append(time.perf_counter() - start)
         rate = {k: a.texts / statistics.median(v) for k, v in runs.items()}
         print(json.dumps({"device": torch.cuda.get_device_name() if gpu else "cpu",
+                          "st_dtype": "float32" if a.st_float32 else str(dtype),
                           "shape": a.shape, "texts": a.texts, "tokens": sum(tokens),
                           "mean_tokens": mean, "batch": a.batch,
                           "threads": torch.get_num_threads(), "min_cosine": cosine,

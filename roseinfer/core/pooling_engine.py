@@ -12,8 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Union
-
 import torch
 
 from roseinfer.core.config import EngineConfig
@@ -23,11 +21,11 @@ from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.plugins import default_registry
 from roseinfer.core.pooling import PoolingOutput, Prepared, activate, finish, pool, spec_of
 from roseinfer.core.pooling_decoder import decoder_states
+from roseinfer.core.pooling_inputs import InputRules
 from roseinfer.core.pooling_task import PoolingTask
 from roseinfer.layers.encoder_attention import Packed
 from roseinfer.models import loader
 
-Input = Union[str, list[int]]
 TASKS = ("embed", "score", "classify")
 TRUNCATE = (None, "right", "left")
 
@@ -64,6 +62,8 @@ class PoolingEngine:
             self.model, "position_offset", 0), self.spec.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)
         self.classifier = not self.decoder and self.model.head is not None
+        self.rules = InputRules(self.max_model_len, self.hf_config.vocab_size,
+                                getattr(self.hf_config, "type_vocab_size", 1) > 1)
         names = getattr(self.hf_config, "id2label", None) or {}
         self.labels = [names.get(i, f"LABEL_{i}") for i in range(self.hf_config.num_labels)] \
             if self.classifier else None
@@ -133,50 +133,22 @@ class PoolingEngine:
         logits = task.task == "classify" or (task.task == "score" and self.classifier)
         if task.task == "classify" and not self.classifier:
             raise InvalidRequestError("task", "this model has no classification head: use embed")
+        field_name = "documents" if task.task == "score" else "input"
         if task.task == "score" and self.classifier:
-            items = [self._encode(tok, task.query, d, task, i) for i, d in enumerate(task.inputs)]
+            if not isinstance(task.query, str) or not task.query:
+                raise InvalidRequestError("query", "a cross-encoder scores text pairs: give a "
+                                          "non-empty string")
+            items = self.rules.encode(tok, task.inputs, field_name, task.truncate,
+                                      query=task.query)
         else:
             self.spec.check_dimensions(task.dimensions, self.hf_config.hidden_size)
             prompt = self.spec.prompt(task.prompt_name)
-            texts = [task.query, *task.inputs] if task.task == "score" else task.inputs
-            items = [self._encode(tok, x, None, task, i, prompt) for i, x in enumerate(texts)]
+            items = self.rules.encode(tok, task.inputs, field_name, task.truncate, prompt)
+            if task.task == "score":  # an embedder's: the query embedded first
+                items = self.rules.encode(tok, [task.query], "query", task.truncate,
+                                          prompt) + items
         order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
         return Prepared(task, items, order, logits)
-
-    def _encode(self, tok, text: Input, pair, task: PoolingTask, index: int, prompt: str = ""):
-        """(ids, token types) of one input; too long without ``truncate``: refused."""
-        field_name = "documents" if task.task == "score" else "input"
-        truncate = task.truncate
-        if isinstance(text, str) and (pair is None or isinstance(pair, str)):
-            if not text or pair == "":
-                raise InvalidRequestError(field_name, f"item {index} is an empty string")
-            if tok is None:
-                raise InvalidRequestError(field_name, "this model has no tokenizer: send ids")
-            tok.truncation_side = truncate or "right"
-            limit = {"truncation": "only_second" if pair else True,
-                     "max_length": self.max_model_len} if truncate else {}
-            enc = tok(prompt + text, pair, **limit)
-            ids, types = enc["input_ids"], None
-            if pair is not None and getattr(self.hf_config, "type_vocab_size", 1) > 1:
-                types = enc.get("token_type_ids")
-        elif pair is None and _ids(text):
-            ids, types = list(text), None
-            if any(not 0 <= i < self.hf_config.vocab_size for i in ids):
-                raise InvalidRequestError(field_name, f"item {index} has token ids outside "
-                                          f"the vocabulary (0 to {self.hf_config.vocab_size - 1})")
-            if truncate and len(ids) > self.max_model_len:
-                keep = self.max_model_len
-                ids = ids[:keep] if truncate == "right" else ids[-keep:]
-        else:
-            raise InvalidRequestError(field_name, f"item {index} must be a string or a list "
-                                      "of token ids (a cross-encoder's documents: strings)")
-        if not ids:
-            raise InvalidRequestError(field_name, f"item {index} is empty")
-        if len(ids) > self.max_model_len:
-            raise InvalidRequestError(field_name, f"item {index} has {len(ids)} tokens, over "
-                                      f"the model's {self.max_model_len}: shorten it or set "
-                                      "truncate", code="too_long")
-        return ids, types
 
     # ---- batches ---------------------------------------------------------------------
     def _take_batch(self) -> list[tuple[_Queued, int]]:
@@ -262,11 +234,6 @@ def _local(model):
 
 def _probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, -1)
-
-
-def _ids(x) -> bool:
-    return isinstance(x, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool)
-                                                for i in x)
 
 
 def _tokenizer(path):

@@ -3,6 +3,7 @@ without padding, through every linear; only attention pads, per batch, to its lo
 sequence, each query seeing its own sequence's keys."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ class Packed:
     starts: torch.Tensor       # [B] int64: each sequence's first row
     slots: torch.Tensor        # [N] int64: b * L + position
     keys_ok: torch.Tensor | None  # [B, 1, 1, L] bool; None where every length is L
+    cu_seqlens: torch.Tensor   # [B + 1] int32: where each sequence starts, then N
 
     @classmethod
     def of(cls, lens: list[int], token_types: list[int] | None, device) -> "Packed":
@@ -33,8 +35,9 @@ class Packed:
             keys_ok = (torch.arange(longest)[None, :] < torch.tensor(lens)[:, None])[:, None, None]
         types = torch.zeros_like(positions) if token_types is None else torch.tensor(token_types)
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
         return cls(lens, move(positions), move(types), move(seq_index), move(starts),
-                   move(seq_index * longest + positions), move(keys_ok))
+                   move(seq_index * longest + positions), move(keys_ok), move(cu))
 
     @property
     def ends(self) -> torch.Tensor:
@@ -56,6 +59,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     (grouped-query: H a multiple of H_kv); ``causal``: each query sees the keys up to its
     own position. [N, H, D]."""
     batch, longest = len(packed.lens), max(packed.lens)
+    if _flash(q):  # no padding at all
+        return _varlen(q, k, v, packed.cu_seqlens, packed.cu_seqlens, longest, longest,
+                       scale=scale, **_causal(causal, q.shape[1] != k.shape[1]))
 
     def padded(x):
         out = x.new_zeros(batch * longest, *x.shape[1:])
@@ -69,3 +75,19 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).reshape(batch * longest, *q.shape[1:])[packed.slots]
+
+
+try:  # torch's flash attention over packed sequences (CUDA, half precision)
+    from torch.nn.attention.varlen import varlen_attn as _varlen
+    _VARLEN_ARGS = set(inspect.signature(_varlen).parameters)
+except ImportError:
+    _varlen, _VARLEN_ARGS = None, set()
+
+
+def _flash(q: torch.Tensor) -> bool:
+    return _varlen is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) \
+        and {"window_size", "enable_gqa"} <= _VARLEN_ARGS
+
+
+def _causal(causal: bool, grouped: bool) -> dict:
+    return {"window_size": (-1, 0) if causal else (-1, -1), "enable_gqa": grouped}
