@@ -3,6 +3,7 @@ without padding, through every linear; only attention pads, per batch, to its lo
 sequence, each query seeing its own sequence's keys."""
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -60,8 +61,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     own position. [N, H, D]."""
     batch, longest = len(packed.lens), max(packed.lens)
     if _flash(q):  # no padding at all
-        return _varlen(q, k, v, packed.cu_seqlens, packed.cu_seqlens, longest, longest,
-                       scale=scale, **_causal(causal, q.shape[1] != k.shape[1]))
+        return _varlen()(q, k, v, packed.cu_seqlens, packed.cu_seqlens, longest, longest,
+                         scale=scale, **_causal(causal, q.shape[1] != k.shape[1]))
 
     def padded(x):
         out = x.new_zeros(batch * longest, *x.shape[1:])
@@ -77,16 +78,21 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     return out.transpose(1, 2).reshape(batch * longest, *q.shape[1:])[packed.slots]
 
 
-try:  # torch's flash attention over packed sequences (CUDA, half precision)
-    from torch.nn.attention.varlen import varlen_attn as _varlen
-    _VARLEN_ARGS = set(inspect.signature(_varlen).parameters)
-except ImportError:
-    _varlen, _VARLEN_ARGS = None, set()
+@functools.cache
+def _varlen():
+    """torch's flash attention over packed sequences, where this torch has it with the
+    arguments used here; imported on first use (it loads torch._dynamo, seconds of a
+    cold start a generating model does not need)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if {"window_size", "enable_gqa"} <= set(
+        inspect.signature(varlen_attn).parameters) else None
 
 
 def _flash(q: torch.Tensor) -> bool:
-    return _varlen is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) \
-        and {"window_size", "enable_gqa"} <= _VARLEN_ARGS
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen() is not None
 
 
 def _causal(causal: bool, grouped: bool) -> dict:
