@@ -455,10 +455,12 @@ class SparseMoE(nn.Module):
     1/size of the experts, whole, the others' pairs left to their ranks. ``bias``: the
     router and the experts' projections have biases (``b13``, ``b2``: under tensor
     parallelism rank 0's down bias holds it, the others' zeros); ``glu``: the experts'
-    activation where it is not SiLU's (gpt-oss)."""
+    activation where it is not SiLU's (gpt-oss); ``routing``: what turns the router's logits
+    into (weights, expert ids) where a softmax's top-k does not (DeepSeek-V3's)."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int,
-                 renormalize: bool, bias: bool = False, glu: ClampedGlu | None = None):
+                 renormalize: bool, bias: bool = False, glu: ClampedGlu | None = None,
+                 routing: nn.Module | None = None):
         super().__init__()
         group = tp.group()
         self.expert_parallel = group.expert_parallel and group.size > 1
@@ -471,6 +473,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden, experts, bias=bias)
         # it decides the routing: drawn alike on every rank, kept at full precision
         self.gate.router = True
+        self.routing = routing  # experts chosen otherwise than by softmax (moe_routing.py)
         self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(local, hidden, inter))
         if bias:
@@ -478,7 +481,10 @@ class SparseMoE(nn.Module):
             self.b2 = nn.Parameter(torch.empty(local, hidden))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(h, self.gate, self.top_k, self.renormalize)
+        if self.routing is None:
+            weights, ids = route(h, self.gate, self.top_k, self.renormalize)
+        else:
+            weights, ids = self.routing(self.gate(h))
         if self.expert_parallel:  # this rank's experts by their index here; -1 elsewhere
             local = ids - self.first_expert
             ids = torch.where((local >= 0) & (local < self.w13.shape[0]), local, -1)

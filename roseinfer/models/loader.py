@@ -126,6 +126,17 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
               num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
               head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
               max_position_embeddings=131072, tie_word_embeddings=False),
+          # Moonlight-16B-A3B: DeepSeek-V3's architecture at V2-Lite's size (latent
+          # attention without a query LoRA, 64 experts of 1,408 + 2 shared, top 6)
+          "moonlight-16b-a3b-random": _random_family(
+              "DeepseekV3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
+              moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+              num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+              n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1,
+              n_shared_experts=2, routed_scaling_factor=2.446, first_k_dense_replace=1,
+              norm_topk_prob=True, max_position_embeddings=8192, rope_theta=50000.0,
+              tie_word_embeddings=False),
           "gemma2-9b-random": _random_family(
               "Gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
               num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,

@@ -3,13 +3,15 @@ Phi-3 are Llama plus flags the config sets (roseinfer/models/llama.py); Qwen3-Mo
 Qwen2-MoE, Mixtral, OLMoE and gpt-oss are Llama's layers with mixture-of-experts MLPs
 (roseinfer/models/moe.py); Gemma 2 and 3 have their own layers (roseinfer/models/gemma.py).
 BERT, RoBERTa and XLM-RoBERTa are encoders, served by the pooling runner
-(roseinfer/models/bert.py, core/pooling.py)."""
+(roseinfer/models/bert.py, core/pooling.py). DeepSeek-V3 has latent attention and
+DeepSeekMoE (roseinfer/models/deepseek.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
 
 @hookimpl
 def roseinfer_register_model_architectures(register):
     from roseinfer.models.bert import BertModel
+    from roseinfer.models.deepseek import DeepseekForCausalLM
     from roseinfer.models.gemma import GemmaForCausalLM
     from roseinfer.models.gpt2 import GPT2ForCausalLM
     from roseinfer.models.llama import LlamaForCausalLM
@@ -24,3 +26,4 @@ def roseinfer_register_model_architectures(register):
         register(model_type, GemmaForCausalLM)
     for model_type in ("bert", "roberta", "xlm-roberta"):
         register(model_type, BertModel)
+    register("deepseek_v3", DeepseekForCausalLM)

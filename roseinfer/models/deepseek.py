@@ -1,0 +1,110 @@
+"""DeepSeek-V3 (and R1, V3.1, Moonlight, and Kimi K2 where its config says deepseek_v3):
+multi-head latent attention (layers/mla.py) and DeepSeekMoE.
+
+Its first ``first_k_dense_replace`` layers keep a dense SwiGLU MLP; the others route each
+token to ``num_experts_per_tok`` of ``n_routed_experts`` experts by V3's grouped, biased
+sigmoid scores (layers/moe.py ``GroupedTopK``), beside shared experts every token goes
+through (one SwiGLU MLP of ``n_shared_experts`` experts' width, ungated). Checkpoints'
+names are transformers' (``self_attn.kv_b_proj`` is split into the absorbed ``w_uk`` and
+``w_uv`` at load)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from roseinfer.layers.fused import silu_and_mul
+from roseinfer.layers.mla import MultiLatentAttention, rope_halves
+from roseinfer.layers.moe import SparseMoE
+from roseinfer.layers.moe_routing import GroupedTopK
+from roseinfer.layers.norm import RMSNorm
+from roseinfer.layers.rotary import RotaryEmbedding
+from roseinfer.models.llama import LlamaForCausalLM
+from roseinfer.models.moe import MoeForCausalLM
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+
+
+class DeepseekLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        e = cfg.hidden_size
+        self.input_layernorm = RMSNorm(e, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(e, cfg.rms_norm_eps)
+        self.self_attn = MultiLatentAttention(cfg, layer_idx, rotary)
+        self.moe = self.shared_experts = None
+        if layer_idx < cfg.first_k_dense_replace:
+            self.mlp = SwiGLU(e, cfg.intermediate_size)
+            return
+        experts = cfg.n_routed_experts
+        self.moe = SparseMoE(e, cfg.moe_intermediate_size, experts, cfg.num_experts_per_tok,
+                             renormalize=cfg.norm_topk_prob, routing=GroupedTopK(
+                                 experts, cfg.num_experts_per_tok, cfg.n_group,
+                                 cfg.topk_group, cfg.routed_scaling_factor,
+                                 cfg.norm_topk_prob))
+        if cfg.n_shared_experts:
+            self.shared_experts = SwiGLU(e, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
+        h, residual = self.input_layernorm(x, residual)
+        attn = self.self_attn(h, positions)
+        h, residual = self.post_attention_layernorm(attn, residual)
+        if self.moe is None:
+            return self.mlp(h), residual
+        out = self.moe(h)
+        return (out if self.shared_experts is None else out + self.shared_experts(h)), residual
+
+
+class DeepseekForCausalLM(LlamaForCausalLM):
+    layer_class = DeepseekLayer
+
+    @staticmethod
+    def convert_hf_state_dict(sd: dict, cfg) -> dict:
+        """The attention's weights as they are (``kv_b_proj`` split into ``w_uk`` and
+        ``w_uv``, interleaved RoPE rows to halves); the rest as the MoE families convert
+        it (experts stacked, the router as ``moe.gate``, gate/up fused), with the
+        routing's correction bias into ``moe.routing`` and dense layers' MLP into ``mlp``."""
+        out = {}
+        for key, t in sd.items():
+            if ".self_attn." in key:
+                out.update(_attention(key.removeprefix("model."), t, cfg))
+        rest = {k: t for k, t in sd.items() if ".self_attn." not in k}
+        for key, t in MoeForCausalLM.convert_hf_state_dict(rest, cfg).items():
+            *path, name, kind = key.split(".")
+            prefix = ".".join(path)
+            if kind == "e_score_correction_bias":
+                out[f"{prefix}.moe.routing.e_score_correction_bias"] = t
+            elif name in ("gate_up_proj", "down_proj") and len(path) == 2:
+                out[f"{prefix}.mlp.{name}.{kind}"] = t  # a dense layer's (Llama's drops mlp.)
+            else:
+                out[key] = t
+        return out
+
+
+def _attention(key: str, t: torch.Tensor, cfg) -> dict:
+    *path, name, kind = key.split(".")
+    prefix = ".".join(path)
+    if name != "kv_b_proj":
+        return {key: _rope_rows(name, t, cfg)}
+    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    w = t.view(-1, nope + v, cfg.kv_lora_rank)
+    return {f"{prefix}.w_uk": w[:, :nope].contiguous(), f"{prefix}.w_uv": w[:, nope:].contiguous()}
+
+
+def _rope_rows(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
+    """Interleaved RoPE rows to halves (layers/mla.py ``rope_halves``): the queries' in
+    q_proj or q_b_proj, the shared key's in kv_a_proj_with_mqa."""
+    if not getattr(cfg, "rope_interleave", False):
+        return t
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    if name in ("q_proj", "q_b_proj"):
+        return rope_halves(t, nope, nope + rope, rope)
+    if name == "kv_a_proj_with_mqa":
+        return rope_halves(t, cfg.kv_lora_rank, t.shape[0], rope)
+    return t

@@ -1,0 +1,68 @@
+"""DeepSeek-V3's architecture (multi-head latent attention, absorbed; DeepSeekMoE's
+grouped, biased routing beside shared experts; dense first layers) against transformers'
+own DeepseekV3ForCausalLM on tiny random configs: greedy ids equal, with and without a
+query LoRA, interleaved RoPE or not, YaRN with its softmax mscale, the prefix cache."""
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from roseinfer.layers.moe_routing import GroupedTopK
+from tests.test_greedy_equality import check, mixed_prompts
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0,
+        "original_max_position_embeddings": 64}
+
+
+def tiny_deepseek(**overrides) -> DeepseekV3ForCausalLM:
+    torch.manual_seed(0)
+    config = DeepseekV3Config(**{
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+        "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+        "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "max_position_embeddings": 256, "tie_word_embeddings": False, "initializer_range": 0.2,
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, **overrides})
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers[config.first_k_dense_replace:]:
+            torch.nn.init.normal_(layer.mlp.gate.weight, std=0.5)  # else every expert ties
+            torch.nn.init.normal_(layer.mlp.gate.e_score_correction_bias, std=0.3)
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"q_lora_rank": None}, {"rope_interleave": False},
+    {"rope_parameters": YARN}, {"norm_topk_prob": False, "n_shared_experts": 2}],
+    ids=["v3", "no-q-lora", "rope-halves", "yarn", "unnormalised-2-shared"])
+def test_greedy_equals_transformers(overrides):
+    check(tiny_deepseek(**overrides), mixed_prompts(5, seed=3), max_tokens=16)
+
+
+def test_prefix_cache_and_block_size_keep_it_equal():
+    model = tiny_deepseek()
+    shared = mixed_prompts(1, seed=7)[0] * 3
+    prompts = [shared + p for p in mixed_prompts(3, seed=8)]
+    check(model, prompts, enable_prefix_cache=True, block_size=16)
+    check(model, prompts, enable_prefix_cache=True, block_size=16)
+
+
+def test_grouped_routing_equals_transformers_router():
+    """The experts' set and weights from V3's router (groups by their two best, the
+    bias choosing, the scores weighing), on 64 random tokens."""
+    model = tiny_deepseek(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)
+    router = model.model.layers[1].mlp.gate
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, want_w, want_ids = router(x)
+    ours = GroupedTopK(16, 4, 4, 2, router.routed_scaling_factor, True)
+    ours.e_score_correction_bias.copy_(router.e_score_correction_bias)
+    weights, ids = ours(logits)
+    for got_i, got_w, w_i, w_w in zip(ids.long(), weights, want_ids, want_w):
+        assert sorted(got_i.tolist()) == sorted(w_i.tolist())
+        torch.testing.assert_close(got_w[got_i.argsort()], w_w[w_i.argsort()])
