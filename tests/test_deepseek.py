@@ -1,10 +1,12 @@
-"""DeepSeek-V3's architecture (multi-head latent attention, absorbed; DeepSeekMoE's
-grouped, biased routing beside shared experts; dense first layers) against transformers'
-own DeepseekV3ForCausalLM on tiny random configs: greedy ids equal, with and without a
-query LoRA, interleaved RoPE or not, YaRN with its softmax mscale, the prefix cache."""
+"""DeepSeek-V2's and V3's architecture (multi-head latent attention, absorbed; DeepSeekMoE's
+routing beside shared experts; dense first layers) against transformers' own models on
+tiny random configs: greedy ids equal, with and without a query LoRA, interleaved RoPE or
+not, YaRN with its softmax mscale, V2's greedy and group-limited softmax routing, the
+prefix cache."""
 import pytest
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
+                          DeepseekV3ForCausalLM)
 
 from roseinfer.layers.moe_routing import GroupedTopK
 from tests.test_greedy_equality import check, mixed_prompts
@@ -14,9 +16,11 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "original_max_position_embeddings": 64}
 
 
-def tiny_deepseek(**overrides) -> DeepseekV3ForCausalLM:
+def tiny_deepseek(version: int = 3, **overrides):
     torch.manual_seed(0)
-    config = DeepseekV3Config(**{
+    config, model_class = (DeepseekV3Config, DeepseekV3ForCausalLM) if version == 3 else \
+        (DeepseekV2Config, DeepseekV2ForCausalLM)
+    config = config(**{
         "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "moe_intermediate_size": 32, "num_hidden_layers": 3, "first_k_dense_replace": 1,
         "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
@@ -25,11 +29,12 @@ def tiny_deepseek(**overrides) -> DeepseekV3ForCausalLM:
         "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
         "max_position_embeddings": 256, "tie_word_embeddings": False, "initializer_range": 0.2,
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, **overrides})
-    model = DeepseekV3ForCausalLM(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
         for layer in model.model.layers[config.first_k_dense_replace:]:
             torch.nn.init.normal_(layer.mlp.gate.weight, std=0.5)  # else every expert ties
-            torch.nn.init.normal_(layer.mlp.gate.e_score_correction_bias, std=0.3)
+            if version == 3:
+                torch.nn.init.normal_(layer.mlp.gate.e_score_correction_bias, std=0.3)
         for name, p in model.named_parameters():
             if name.endswith("layernorm.weight"):
                 p.uniform_(0.5, 1.5)
@@ -42,6 +47,14 @@ def tiny_deepseek(**overrides) -> DeepseekV3ForCausalLM:
     ids=["v3", "no-q-lora", "rope-halves", "yarn", "unnormalised-2-shared"])
 def test_greedy_equals_transformers(overrides):
     check(tiny_deepseek(**overrides), mixed_prompts(5, seed=3), max_tokens=16)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"topk_method": "greedy"},
+    {"topk_method": "group_limited_greedy", "q_lora_rank": None, "routed_scaling_factor": 1.5}],
+    ids=["v2-greedy", "v2-lite-group-limited"])
+def test_v2_greedy_equals_transformers(overrides):
+    check(tiny_deepseek(2, **overrides), mixed_prompts(5, seed=4), max_tokens=16)
 
 
 def test_prefix_cache_and_block_size_keep_it_equal():

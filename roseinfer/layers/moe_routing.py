@@ -1,7 +1,7 @@
-"""Routing by grouped, biased sigmoid scores: DeepSeek-V3's ``noaux_tc`` (also
-Moonlight's, Kimi K2's and GLM-4.5's).
+"""Routers that choose experts otherwise than by a softmax's top k (layers/moe.py's).
 
-Each expert's score is sigmoid(logit). Experts are chosen by score plus a learned
+``GroupedTopK``, DeepSeek-V3's ``noaux_tc`` (also Moonlight's, Kimi K2's and GLM-4.5's):
+each expert's score is sigmoid(logit). Experts are chosen by score plus a learned
 per-expert correction bias: the experts fall in ``groups`` equal groups, each group
 scored by the sum of its two best, and only the best ``topk_groups`` groups' experts
 compete for the top k. The chosen experts' weights are their scores without the bias,
@@ -34,4 +34,26 @@ class GroupedTopK(nn.Module):
         weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids.to(torch.int32)
+
+
+class GroupLimitedSoftmax(nn.Module):
+    """DeepSeek-V2's routing: softmax probabilities; with ``groups``
+    (``group_limited_greedy``) only the experts of the ``topk_groups`` groups whose best
+    probability is highest compete; the top k's probabilities, not renormalised, times
+    ``scale``."""
+
+    def __init__(self, top_k: int, scale: float, groups: int | None = None,
+                 topk_groups: int | None = None):
+        super().__init__()
+        self.top_k, self.scale, self.groups, self.topk_groups = top_k, scale, groups, topk_groups
+
+    def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = logits.float().softmax(-1)
+        if self.groups:
+            per_group = probs.view(probs.shape[0], self.groups, -1)
+            best = per_group.max(-1).values.topk(self.topk_groups, dim=-1)[1]
+            kept = torch.zeros_like(per_group[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            probs = per_group.masked_fill(~kept[..., None], 0.0).flatten(1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
         return weights * self.scale, ids.to(torch.int32)

@@ -1,12 +1,12 @@
-"""DeepSeek-V3 (and R1, V3.1, Moonlight, and Kimi K2 where its config says deepseek_v3):
-multi-head latent attention (layers/mla.py) and DeepSeekMoE.
+"""DeepSeek-V2 and V3 (and R1, V3.1, Moonlight, and Kimi K2 where its config says
+deepseek_v3): multi-head latent attention (layers/mla.py) and DeepSeekMoE.
 
 Its first ``first_k_dense_replace`` layers keep a dense SwiGLU MLP; the others route each
-token to ``num_experts_per_tok`` of ``n_routed_experts`` experts by V3's grouped, biased
-sigmoid scores (layers/moe.py ``GroupedTopK``), beside shared experts every token goes
-through (one SwiGLU MLP of ``n_shared_experts`` experts' width, ungated). Checkpoints'
-names are transformers' (``self_attn.kv_b_proj`` is split into the absorbed ``w_uk`` and
-``w_uv`` at load)."""
+token to ``num_experts_per_tok`` of ``n_routed_experts`` experts (layers/moe_routing.py:
+V3's grouped, biased sigmoid scores; V2's softmax, greedy or group-limited), beside shared
+experts every token goes through (one SwiGLU MLP of ``n_shared_experts`` experts' width,
+ungated). Checkpoints' names are transformers' (``self_attn.kv_b_proj`` is split into the
+absorbed ``w_uk`` and ``w_uv`` at load)."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +15,7 @@ from torch import nn
 from roseinfer.layers.fused import silu_and_mul
 from roseinfer.layers.mla import MultiLatentAttention, rope_halves
 from roseinfer.layers.moe import SparseMoE
-from roseinfer.layers.moe_routing import GroupedTopK
+from roseinfer.layers.moe_routing import GroupedTopK, GroupLimitedSoftmax
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.models.llama import LlamaForCausalLM
@@ -42,12 +42,9 @@ class DeepseekLayer(nn.Module):
         if layer_idx < cfg.first_k_dense_replace:
             self.mlp = SwiGLU(e, cfg.intermediate_size)
             return
-        experts = cfg.n_routed_experts
-        self.moe = SparseMoE(e, cfg.moe_intermediate_size, experts, cfg.num_experts_per_tok,
-                             renormalize=cfg.norm_topk_prob, routing=GroupedTopK(
-                                 experts, cfg.num_experts_per_tok, cfg.n_group,
-                                 cfg.topk_group, cfg.routed_scaling_factor,
-                                 cfg.norm_topk_prob))
+        self.moe = SparseMoE(e, cfg.moe_intermediate_size, cfg.n_routed_experts,
+                             cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
+                             routing=routing(cfg))
         if cfg.n_shared_experts:
             self.shared_experts = SwiGLU(e, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
@@ -59,6 +56,16 @@ class DeepseekLayer(nn.Module):
             return self.mlp(h), residual
         out = self.moe(h)
         return (out if self.shared_experts is None else out + self.shared_experts(h)), residual
+
+
+def routing(cfg) -> nn.Module:
+    """V3's grouped, biased sigmoid scores; V2's softmax, greedy or group-limited."""
+    if cfg.model_type == "deepseek_v2":
+        grouped = cfg.topk_method == "group_limited_greedy"
+        return GroupLimitedSoftmax(cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+                                   cfg.n_group if grouped else None, cfg.topk_group)
+    return GroupedTopK(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group,
+                       cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
@@ -100,8 +107,8 @@ def _attention(key: str, t: torch.Tensor, cfg) -> dict:
 def _rope_rows(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
     """Interleaved RoPE rows to halves (layers/mla.py ``rope_halves``): the queries' in
     q_proj or q_b_proj, the shared key's in kv_a_proj_with_mqa."""
-    if not getattr(cfg, "rope_interleave", False):
-        return t
+    if not (cfg.model_type == "deepseek_v2" or getattr(cfg, "rope_interleave", False)):
+        return t  # V2's RoPE is always interleaved (complex pairs)
     nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     if name in ("q_proj", "q_b_proj"):
         return rope_halves(t, nope, nope + rope, rope)

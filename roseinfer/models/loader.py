@@ -126,6 +126,14 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
               num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
               head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
               max_position_embeddings=131072, tie_word_embeddings=False),
+          "deepseek-v2-lite-random": _random_family(
+              "DeepseekV2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+              moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+              num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+              n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+              topk_method="greedy", routed_scaling_factor=1.0, first_k_dense_replace=1,
+              tie_word_embeddings=False),
           # Moonlight-16B-A3B: DeepSeek-V3's architecture at V2-Lite's size (latent
           # attention without a query LoRA, 64 experts of 1,408 + 2 shared, top 6)
           "moonlight-16b-a3b-random": _random_family(

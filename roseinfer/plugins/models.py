@@ -3,7 +3,7 @@ Phi-3 are Llama plus flags the config sets (roseinfer/models/llama.py); Qwen3-Mo
 Qwen2-MoE, Mixtral, OLMoE and gpt-oss are Llama's layers with mixture-of-experts MLPs
 (roseinfer/models/moe.py); Gemma 2 and 3 have their own layers (roseinfer/models/gemma.py).
 BERT, RoBERTa and XLM-RoBERTa are encoders, served by the pooling runner
-(roseinfer/models/bert.py, core/pooling.py). DeepSeek-V3 has latent attention and
+(roseinfer/models/bert.py, core/pooling.py). DeepSeek-V2 and V3 have latent attention and
 DeepSeekMoE (roseinfer/models/deepseek.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
@@ -26,4 +26,5 @@ def roseinfer_register_model_architectures(register):
         register(model_type, GemmaForCausalLM)
     for model_type in ("bert", "roberta", "xlm-roberta"):
         register(model_type, BertModel)
-    register("deepseek_v3", DeepseekForCausalLM)
+    for model_type in ("deepseek_v2", "deepseek_v3"):
+        register(model_type, DeepseekForCausalLM)
