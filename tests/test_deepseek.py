@@ -79,3 +79,41 @@ def test_grouped_routing_equals_transformers_router():
     for got_i, got_w, w_i, w_w in zip(ids.long(), weights, want_ids, want_w):
         assert sorted(got_i.tolist()) == sorted(w_i.tolist())
         torch.testing.assert_close(got_w[got_i.argsort()], w_w[w_i.argsort()])
+
+
+@pytest.mark.parametrize("overrides", [{}, {"use_qk_norm": True, "attention_bias": False}],
+                         ids=["glm-4.5", "qk-norm"])
+def test_glm4_moe_equals_transformers(overrides):
+    """GLM-4.5: GQA with q/k/v biases and partial rotary, DeepSeekMoE past a dense layer;
+    its multi-token-prediction layer in the checkpoint is left out."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    torch.manual_seed(0)
+    config = Glm4MoeConfig(**{
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "attention_bias": True, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.0,
+        "max_position_embeddings": 256, "tie_word_embeddings": False,
+        "initializer_range": 0.2, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
+        **overrides})
+    model = Glm4MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            torch.nn.init.normal_(layer.mlp.gate.weight, std=0.5)
+            torch.nn.init.normal_(layer.mlp.gate.e_score_correction_bias, std=0.3)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and "proj" in name:
+                torch.nn.init.normal_(p, std=0.5)
+    check(model, mixed_prompts(5, seed=5), max_tokens=16)
+
+
+def test_multi_token_prediction_layers_are_left_out():
+    """DeepSeek-V3's and GLM-4.5's checkpoints hold their MTP layer after the last one."""
+    from roseinfer.models.deepseek import DeepseekForCausalLM
+    model = tiny_deepseek()
+    sd = {**model.state_dict(), "model.layers.3.eh_proj.weight": torch.zeros(4, 4),
+          "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(4, 4)}
+    converted = DeepseekForCausalLM.convert_hf_state_dict(sd, model.config)
+    assert not [k for k in converted if k.startswith("layers.3.")]
+    assert any(k.startswith("layers.2.") for k in converted)

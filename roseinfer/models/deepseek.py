@@ -9,6 +9,8 @@ ungated). Checkpoints' names are transformers' (``self_attn.kv_b_proj`` is split
 absorbed ``w_uk`` and ``w_uv`` at load)."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -18,8 +20,10 @@ from roseinfer.layers.moe import SparseMoE
 from roseinfer.layers.moe_routing import GroupedTopK, GroupLimitedSoftmax
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding
-from roseinfer.models.llama import LlamaForCausalLM
+from roseinfer.models.llama import LlamaForCausalLM, LlamaLayer
 from roseinfer.models.moe import MoeForCausalLM
+
+_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
@@ -68,6 +72,35 @@ def routing(cfg) -> nn.Module:
                        cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
 
 
+class Glm4MoeLayer(LlamaLayer):
+    """GLM-4.5's: Llama's attention (q/k/v biases, an o_proj without one, per-head q/k norms
+    where ``use_qk_norm``, partial rotary) and DeepSeekMoE past the first
+    ``first_k_dense_replace`` layers."""
+
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__(cfg, layer_idx, rotary)
+        self.o_proj = nn.Linear(self.o_proj.in_features, self.o_proj.out_features, bias=False)
+        if getattr(cfg, "use_qk_norm", False):
+            d = self.q_size // self.h
+            self.qk_norm = True
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+
+    def init_mlp(self, cfg, layer_idx: int) -> None:
+        self.moe = self.shared_experts = None
+        if layer_idx < cfg.first_k_dense_replace:
+            return super().init_mlp(cfg, layer_idx)
+        self.moe = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
+                             cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
+                             routing=routing(cfg))
+        self.shared_experts = SwiGLU(cfg.hidden_size,
+                                     cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.moe is None:
+            return super().mlp(h)
+        return self.moe(h) + self.shared_experts(h)
+
+
 class DeepseekForCausalLM(LlamaForCausalLM):
     layer_class = DeepseekLayer
 
@@ -77,6 +110,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         ``w_uv``, interleaved RoPE rows to halves); the rest as the MoE families convert
         it (experts stacked, the router as ``moe.gate``, gate/up fused), with the
         routing's correction bias into ``moe.routing`` and dense layers' MLP into ``mlp``."""
+        sd = _without_mtp(sd, cfg)
         out = {}
         for key, t in sd.items():
             if ".self_attn." in key:
@@ -92,6 +126,27 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             else:
                 out[key] = t
         return out
+
+
+class Glm4MoeForCausalLM(LlamaForCausalLM):
+    layer_class = Glm4MoeLayer
+
+    @staticmethod
+    def convert_hf_state_dict(sd: dict, cfg) -> dict:
+        """The MoE families' conversion, the routing's correction bias into
+        ``moe.routing``."""
+        out = MoeForCausalLM.convert_hf_state_dict(_without_mtp(sd, cfg), cfg)
+        return {k.replace(".gate.e_score_correction_bias", ".moe.routing.e_score_correction_bias"):
+                t for k, t in out.items()}
+
+
+def _without_mtp(sd: dict, cfg) -> dict:
+    """The checkpoint less its multi-token-prediction layers (numbered from
+    ``num_hidden_layers``), which only a draft would run."""
+    def layer(key):
+        m = _LAYER.match(key)
+        return int(m[1]) if m else -1
+    return {k: t for k, t in sd.items() if layer(k) < cfg.num_hidden_layers}
 
 
 def _attention(key: str, t: torch.Tensor, cfg) -> dict:

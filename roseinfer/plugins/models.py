@@ -4,14 +4,14 @@ Qwen2-MoE, Mixtral, OLMoE and gpt-oss are Llama's layers with mixture-of-experts
 (roseinfer/models/moe.py); Gemma 2 and 3 have their own layers (roseinfer/models/gemma.py).
 BERT, RoBERTa and XLM-RoBERTa are encoders, served by the pooling runner
 (roseinfer/models/bert.py, core/pooling.py). DeepSeek-V2 and V3 have latent attention and
-DeepSeekMoE (roseinfer/models/deepseek.py)."""
+DeepSeekMoE, GLM-4.5 DeepSeekMoE beside Llama's attention (roseinfer/models/deepseek.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
 
 @hookimpl
 def roseinfer_register_model_architectures(register):
     from roseinfer.models.bert import BertModel
-    from roseinfer.models.deepseek import DeepseekForCausalLM
+    from roseinfer.models.deepseek import DeepseekForCausalLM, Glm4MoeForCausalLM
     from roseinfer.models.gemma import GemmaForCausalLM
     from roseinfer.models.gpt2 import GPT2ForCausalLM
     from roseinfer.models.llama import LlamaForCausalLM
@@ -28,3 +28,4 @@ def roseinfer_register_model_architectures(register):
         register(model_type, BertModel)
     for model_type in ("deepseek_v2", "deepseek_v3"):
         register(model_type, DeepseekForCausalLM)
+    register("glm4_moe", Glm4MoeForCausalLM)
