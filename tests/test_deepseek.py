@@ -8,7 +8,10 @@ import torch
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
                           DeepseekV3ForCausalLM)
 
+from roseinfer import LLM, SamplingParams
 from roseinfer.layers.moe_routing import GroupedTopK
+from tests.conftest import DEVICE
+from tests.models import hf_greedy
 from tests.test_greedy_equality import check, mixed_prompts
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -117,3 +120,68 @@ def test_multi_token_prediction_layers_are_left_out():
     converted = DeepseekForCausalLM.convert_hf_state_dict(sd, model.config)
     assert not [k for k in converted if k.startswith("layers.3.")]
     assert any(k.startswith("layers.2.") for k in converted)
+
+
+def block_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` in e4m3 with one scale per block x block values (absmax / 448), as
+    DeepSeek-V3's checkpoints hold weights: (e4m3 weight, scale_inv)."""
+    rows, cols = w.shape
+    scale = torch.zeros(-(-rows // block), -(-cols // block))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            part = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = part.abs().max().clamp(min=1e-12) / 448
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = \
+                (part / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def test_a_block_fp8_checkpoint_equals_its_dequantized_weights(tmp_path):
+    """A checkpoint as DeepSeek-V3's FP8 release lays it out (every projection and expert
+    in e4m3 with 16 x 16 block scales here, experts one per file name, the router and
+    norms in float): loaded, its greedy ids equal transformers' model holding the same
+    weights de-quantized by hand."""
+    from safetensors.torch import save_file
+    model = tiny_deepseek()
+    sd, reference = {}, {}
+    for key, t in model.state_dict().items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):  # one per expert
+            prefix = key.rsplit(".", 1)[0]
+            for e, w in enumerate(t):
+                parts = w.chunk(2) if key.endswith("gate_up_proj") else (w,)
+                names = ("gate_proj", "up_proj") if len(parts) == 2 else ("down_proj",)
+                for name, part in zip(names, parts):
+                    sd[f"{prefix}.{e}.{name}.weight"] = part.contiguous()
+        else:
+            sd[key] = t
+    for key in list(sd):
+        if key.endswith("proj.weight") or key.endswith("proj_with_mqa.weight"):
+            q, scale = block_fp8(sd[key].float(), 16)
+            sd[key], sd[key + "_scale_inv"] = q, scale
+            dequantized = q.float() * scale.repeat_interleave(16, 0).repeat_interleave(16, 1)[
+                :q.shape[0], :q.shape[1]]
+            reference[key] = dequantized
+    with torch.no_grad():  # transformers' model holds the de-quantized values
+        for key, t in reference.items():
+            if ".experts." not in key:
+                model.get_parameter(key).copy_(t)
+        for i, layer in enumerate(model.model.layers):
+            if i < model.config.first_k_dense_replace:
+                continue
+            prefix = f"model.layers.{i}.mlp.experts"
+            for e in range(layer.mlp.experts.gate_up_proj.shape[0]):
+                layer.mlp.experts.gate_up_proj[e].copy_(torch.cat(
+                    [reference[f"{prefix}.{e}.gate_proj.weight"],
+                     reference[f"{prefix}.{e}.up_proj.weight"]]))
+                layer.mlp.experts.down_proj[e].copy_(reference[f"{prefix}.{e}.down_proj.weight"])
+    save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "model.safetensors")
+    model.config.quantization_config = {"quant_method": "fp8", "weight_block_size": [16, 16],
+                                        "activation_scheme": "dynamic", "fmt": "e4m3"}
+    model.config.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=128)
+    assert llm.engine.model.quantization == "block_fp8"
+    prompts = mixed_prompts(4, seed=9)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(model, prompt, 12), prompt
