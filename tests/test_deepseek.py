@@ -185,3 +185,12 @@ def test_a_block_fp8_checkpoint_equals_its_dequantized_weights(tmp_path):
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(model, prompt, 12), prompt
+
+
+def test_the_cache_holds_each_latent_row_once():
+    """Latent attention's rows are its keys and values: one tensor a layer, each token's
+    row kv_lora_rank + qk_rope_head_dim wide, shared by every head."""
+    llm = check(tiny_deepseek(), mixed_prompts(2, seed=1), max_tokens=4)
+    cache = llm.engine.kv_cache
+    assert cache.values_are_keys and all(k is v for k, v in zip(cache.k, cache.v))
+    assert cache.k[0].shape[1:] == (1, 4, 32 + 8)  # one KV head, blocks of 4, latent 32 + RoPE 8

@@ -41,12 +41,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_token(kv_cache) -> int:
-    """K and V of one token, all layers: [blocks, kv_heads, block_size, head_dim] each."""
-    return kv_cache.num_layers * _layer_kv_bytes(kv_cache.k[0])
+    """K and V of one token, all layers: [blocks, kv_heads, block_size, head_dim] each
+    (one tensor where the values are the keys: latent attention's)."""
+    return kv_cache.num_layers * _layer_kv_bytes(kv_cache)
 
 
-def _layer_kv_bytes(k: torch.Tensor) -> int:
-    return 2 * k.shape[1] * k.shape[3] * k.element_size()
+def _layer_kv_bytes(kv_cache) -> int:
+    k = kv_cache.k[0]
+    return (1 if kv_cache.values_are_keys else 2) * k.shape[1] * k.shape[3] * k.element_size()
 
 
 def keys_read(prompt: int, new: int, window: int | None = None) -> int:
@@ -67,7 +69,7 @@ def kv_bytes_read(engine, prompt_lens: list[int], output_lens: list[int]) -> int
     total = 0
     for layer in range(engine.kv_cache.num_layers):
         keys = sum(keys_read(p, n, windows.get(layer)) for p, n in zip(prompt_lens, output_lens))
-        total += keys * _layer_kv_bytes(engine.kv_cache.k[0])
+        total += keys * _layer_kv_bytes(engine.kv_cache)
     return total
 
 

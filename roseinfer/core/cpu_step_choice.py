@@ -64,7 +64,8 @@ def compiled_step(engine) -> Optional[cpu_step.CompiledStep]:
                               "with the default KV-append and attention plugins, "
                               "cpu_weight_dtype float32, no quantization, the model's KV "
                               "cache dtype, no tensor parallelism, no window layers "
-                              "beside full ones, and no LoRA adapters")
+                              "beside full ones, no latent attention, and no LoRA "
+                              "adapters")
         return None
     return cpu_step.prepare(cfg.cpu_compiled_step, engine.model, engine.hf_config,
                             engine.kv_cache, engine.kv_cache.backends["torch_index"],
@@ -79,6 +80,7 @@ def _applies(engine) -> bool:
             and not cfg.enable_lora
             and cfg.kv_append_backend in ("auto", "torch_index")
             and len(engine.kv_cache.groups) == 1
+            and not engine.kv_cache.values_are_keys  # its inputs would alias
             and attention_name(cfg, engine.plugins, engine.device) == "torch_sdpa")
 
 

@@ -38,7 +38,7 @@ def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: to
                    num_blocks: int | None = None) -> KVCache:
     """The model's paged KV cache: ``num_blocks`` (else config's num_kv_blocks) blocks, or
     as many as the memory left allows with ``step_peak`` bytes kept for a step."""
-    groups, kv_heads, head_dim = _kv_shape(model)
+    groups, kv_heads, head_dim, values_are_keys = _kv_shape(model)
     names = plugins.names("kv_append")
     if cfg.kv_append_backend != "auto":
         plugins.get("kv_append", cfg.kv_append_backend)  # fail early, listing names
@@ -46,12 +46,13 @@ def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: to
     if cfg.kv_cache_dtype == "fp8":
         dtype = torch.float8_e4m3fn
     backends = {n: plugins.create("kv_append", n) for n in names}
-    per_block = 2 * groups.size * kv_heads * cfg.block_size * head_dim * dtype.itemsize
+    tensors = 1 if values_are_keys else 2  # latent attention's rows are both
+    per_block = tensors * groups.size * kv_heads * cfg.block_size * head_dim * dtype.itemsize
     # every rank of a tensor-parallel group holds the same blocks
     num_blocks = num_blocks or cfg.num_kv_blocks or tp.smallest(
         _blocks_for_memory(cfg, device, per_block, step_peak))
     return KVCache(groups, num_blocks, kv_heads, cfg.block_size, head_dim, dtype,
-                   device, backends, cfg.kv_append_backend)
+                   device, backends, cfg.kv_append_backend, values_are_keys)
 
 
 def build_runner(model, kv_cache: KVCache, cfg: EngineConfig, plugins: PluginRegistry,
@@ -213,16 +214,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _kv_shape(model) -> tuple[KVGroups, int, int]:
-    """(KV groups of the layers, K/V heads, head dim) from the module's PagedAttention
-    layers: any family that attends through them gets its cache, whatever its config
-    calls them."""
+def _kv_shape(model) -> tuple[KVGroups, int, int, bool]:
+    """(KV groups of the layers, K/V heads, head dim, whether values are the keys) from
+    the module's PagedAttention layers: any family that attends through them gets its
+    cache, whatever its config calls them."""
     attn = sorted((m for m in model.modules() if isinstance(m, PagedAttention)),
                   key=lambda m: m.layer_idx)
     if not attn:
         raise ConfigError(f"{type(model).__name__} has no PagedAttention layer: a model "
                           "module must attend through roseinfer.layers.attention.PagedAttention")
-    return KVGroups.of([m.window for m in attn]), attn[0].num_kv_heads, attn[0].head_dim
+    return (KVGroups.of([m.window for m in attn]), attn[0].num_kv_heads, attn[0].head_dim,
+            attn[0].values_are_keys)
 
 
 def _context_len(hf) -> int:

@@ -49,7 +49,8 @@ AUTO_ORDER = ("triton_full_batch", "triton_identity_pos", "triton_generic", "tor
 
 class KVCache:
     def __init__(self, groups: KVGroups, num_blocks, num_kv_heads, block_size, head_dim,
-                 dtype, device, backends: dict[str, KVAppendBackend], choice: str = "auto"):
+                 dtype, device, backends: dict[str, KVAppendBackend], choice: str = "auto",
+                 values_are_keys: bool = False):
         # One block more than the block manager hands out: the scratch block that
         # CUDA-graph padding rows write to, and window groups' tables read where their
         # window let a block go.
@@ -58,7 +59,10 @@ class KVCache:
         self.groups = groups
         self.num_layers = len(groups.layer_slot)
         self.k = [_zeros(shape, dtype, device) for _ in range(groups.size)]
-        self.v = [_zeros(shape, dtype, device) for _ in range(groups.size)]
+        # Latent attention's rows serve as keys and as values (layers/mla.py): one tensor.
+        self.v = self.k if values_are_keys else [_zeros(shape, dtype, device)
+                                                 for _ in range(groups.size)]
+        self.values_are_keys = values_are_keys
         # per layer, looked up once: (its K, its V, its group)
         self._layers = [(self.k[s], self.v[s], g)
                         for s, g in zip(groups.layer_slot, groups.layer_group)]
@@ -107,6 +111,8 @@ class KVCache:
         return self._layers[layer]
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write the step's rows; where values are the keys, ``value`` is ``key`` and the
+        second write lands on the first (the backends know one layout)."""
         k, v, group = self._layers[layer]
         self._active.append(k, v, key, value, self._slots[group])
 
@@ -114,7 +120,8 @@ class KVCache:
         """Copy-on-write: duplicate one block in every slot (a block is one group's)."""
         for k, v in zip(self.k, self.v):
             k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+            if v is not k:
+                v[dst].copy_(v[src])
 
 
 def cache_rows(block_idx: torch.Tensor, offsets: torch.Tensor, num_kv_heads: int,

@@ -17,8 +17,11 @@ class PagedAttention(nn.Module):
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, window: int | None = None, sinks: bool = False,
-                 softcap: float | None = None):
+                 softcap: float | None = None, values_are_keys: bool = False):
         super().__init__()
+        # The values are the keys (latent attention, layers/mla.py): the cache keeps one
+        # tensor for both, and forward's ``v`` must be its ``k``.
+        self.values_are_keys = values_are_keys
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.window = scale, window
