@@ -4,13 +4,19 @@ import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as models
 from transformers import (BertConfig, BertForSequenceClassification, BertModel,
-                          BertTokenizerFast, Qwen3Config, Qwen3Model, XLMRobertaConfig,
-                          XLMRobertaForSequenceClassification, XLMRobertaModel)
+                          BertTokenizerFast, ModernBertConfig,
+                          ModernBertForSequenceClassification, ModernBertModel, Qwen3Config,
+                          Qwen3Model, XLMRobertaConfig, XLMRobertaForSequenceClassification,
+                          XLMRobertaModel)
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789.,!?",
          *("##" + c for c in "abcdefghijklmnopqrstuvwxyz")]
 TEXTS = ["hello world", "abc", "the quick brown fox jumps over the lazy dog 123",
          "a", "pack my box with five dozen liquor jugs!", "zz top"]
+MODERNBERT = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, intermediate_size=48, local_attention=8,
+                  global_attn_every_n_layers=3, max_position_embeddings=128, pad_token_id=0,
+                  bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3)
 SHAPE = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
              intermediate_size=64, max_position_embeddings=72)
 
@@ -33,11 +39,13 @@ def save(model, folder):
 
 
 def encoder(tmp_path_factory, family: str) -> str:
-    """A tiny random ``bert``, ``xlm-roberta`` or ``qwen3`` (a decoder, as Qwen3-Embedding:
+    """A tiny random ``bert``, ``xlm-roberta``, ``modernbert`` or ``qwen3`` (a decoder, as Qwen3-Embedding:
     its base model without an LM head) saved with VOCAB's tokenizer."""
     folder = tmp_path_factory.mktemp(family)
     if family == "bert":
         return save(BertModel(BertConfig(**SHAPE)), folder)
+    if family == "modernbert":  # windows of 4 either side in its 2nd and 3rd layers
+        return save(ModernBertModel(ModernBertConfig(**MODERNBERT)), folder)
     if family == "qwen3":
         return save(Qwen3Model(Qwen3Config(
             vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -60,5 +68,8 @@ def cross_encoder(tmp_path_factory, family: str, labels: int) -> str:
     folder = tmp_path_factory.mktemp(f"{family}-ce")
     if family == "bert":
         return save(BertForSequenceClassification(BertConfig(**SHAPE, num_labels=labels)), folder)
+    if family == "modernbert":
+        return save(ModernBertForSequenceClassification(ModernBertConfig(
+            **MODERNBERT, num_labels=labels, classifier_pooling="mean")), folder)
     return save(XLMRobertaForSequenceClassification(
         XLMRobertaConfig(**SHAPE, type_vocab_size=1, pad_token_id=0, num_labels=labels)), folder)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from sentence_transformers import CrossEncoder, SentenceTransformer
-from transformers import BertForSequenceClassification, BertTokenizerFast
+from transformers import BertTokenizerFast
 
 from roseinfer import LLM
 from roseinfer.core.errors import InvalidRequestError
@@ -33,7 +33,8 @@ def embeddings(llm, texts, **kw):
 @pytest.mark.parametrize("family, mode, normalize", [
     ("bert", "mean", True), ("bert", "mean", False), ("bert", "cls", True),
     ("xlm-roberta", "cls", False), ("xlm-roberta", "mean", True),
-    ("qwen3", "lasttoken", True), ("qwen3", "mean", False)])
+    ("qwen3", "lasttoken", True), ("qwen3", "mean", False),
+    ("modernbert", "mean", True), ("modernbert", "cls", False)])
 def test_embeddings_equal_sentence_transformers(tmp_path_factory, family, mode, normalize):
     folder = sentence_model(tmp_path_factory, family, mode, normalize)
     want = torch.tensor(SentenceTransformer(folder).encode(TEXTS))
@@ -110,9 +111,12 @@ def test_cross_encoder_scores_equal_sentence_transformers(tmp_path_factory, fami
     assert max(abs(g - w) for g, w in zip(got, want)) <= 1e-4
 
 
-def test_classifier_probabilities_equal_transformers(tmp_path_factory):
-    folder = cross_encoder(tmp_path_factory, "bert", labels=3)
-    hf = BertForSequenceClassification.from_pretrained(folder).eval()
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_classifier_probabilities_equal_transformers(tmp_path_factory, family):
+    """BERT's pooler head, and ModernBERT's mean-pooled one, against transformers."""
+    from transformers import AutoModelForSequenceClassification
+    folder = cross_encoder(tmp_path_factory, family, labels=3)
+    hf = AutoModelForSequenceClassification.from_pretrained(folder).eval()
     enc = BertTokenizerFast.from_pretrained(folder)(TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
         want = torch.softmax(hf(**enc).logits, -1)

@@ -55,14 +55,17 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: 
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed,
-                     causal: bool = False, scale: float | None = None) -> torch.Tensor:
+                     causal: bool = False, scale: float | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Attention within each sequence of ``packed``: q [N, H, D], k and v [N, H_kv, D]
     (grouped-query: H a multiple of H_kv); ``causal``: each query sees the keys up to its
-    own position. [N, H, D]."""
+    own position; ``window``: only keys at most that far from it, on either side. [N, H, D]."""
     batch, longest = len(packed.lens), max(packed.lens)
     if _flash(q):  # no padding at all
+        reach = -1 if window is None else window
         return _varlen()(q, k, v, packed.cu_seqlens, packed.cu_seqlens, longest, longest,
-                         scale=scale, **_causal(causal, q.shape[1] != k.shape[1]))
+                         scale=scale, window_size=(reach, 0 if causal else reach),
+                         enable_gqa=q.shape[1] != k.shape[1])
 
     def padded(x):
         out = x.new_zeros(batch * longest, *x.shape[1:])
@@ -70,8 +73,14 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
         return out.view(batch, longest, *x.shape[1:]).transpose(1, 2)
 
     mask = packed.keys_ok
-    if causal:
-        seen = torch.ones(longest, longest, dtype=torch.bool, device=q.device).tril()
+    if causal or window is not None:
+        i = torch.arange(longest, device=q.device)
+        offset = i[:, None] - i[None, :]  # query minus key position
+        seen = torch.ones_like(offset, dtype=torch.bool)
+        if causal:
+            seen &= offset >= 0
+        if window is not None:
+            seen &= offset.abs() <= window
         mask = seen if mask is None else mask & seen
     out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -95,5 +104,3 @@ def _flash(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen() is not None
 
 
-def _causal(causal: bool, grouped: bool) -> dict:
-    return {"window_size": (-1, 0) if causal else (-1, -1), "enable_gqa": grouped}

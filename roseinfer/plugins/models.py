@@ -2,8 +2,8 @@
 Phi-3 are Llama plus flags the config sets (roseinfer/models/llama.py); Qwen3-MoE,
 Qwen2-MoE, Mixtral, OLMoE and gpt-oss are Llama's layers with mixture-of-experts MLPs
 (roseinfer/models/moe.py); Gemma 2 and 3 have their own layers (roseinfer/models/gemma.py).
-BERT, RoBERTa and XLM-RoBERTa are encoders, served by the pooling runner
-(roseinfer/models/bert.py, core/pooling.py). DeepSeek-V2 and V3 have latent attention and
+BERT, RoBERTa, XLM-RoBERTa and ModernBERT are encoders, served by the pooling runner
+(roseinfer/models/bert.py, modernbert.py, core/pooling.py). DeepSeek-V2 and V3 have latent attention and
 DeepSeekMoE, GLM-4.5 DeepSeekMoE beside Llama's attention (roseinfer/models/deepseek.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
@@ -14,6 +14,7 @@ def roseinfer_register_model_architectures(register):
     from roseinfer.models.deepseek import DeepseekForCausalLM, Glm4MoeForCausalLM
     from roseinfer.models.gemma import GemmaForCausalLM
     from roseinfer.models.gpt2 import GPT2ForCausalLM
+    from roseinfer.models.modernbert import ModernBertModel
     from roseinfer.models.llama import LlamaForCausalLM
     from roseinfer.models.moe import MoeForCausalLM
 
@@ -26,6 +27,7 @@ def roseinfer_register_model_architectures(register):
         register(model_type, GemmaForCausalLM)
     for model_type in ("bert", "roberta", "xlm-roberta"):
         register(model_type, BertModel)
+    register("modernbert", ModernBertModel)
     for model_type in ("deepseek_v2", "deepseek_v3"):
         register(model_type, DeepseekForCausalLM)
     register("glm4_moe", Glm4MoeForCausalLM)
