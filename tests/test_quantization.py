@@ -373,7 +373,7 @@ def test_packed_parts_are_cut_as_their_layers_weight():
 
 def test_errors_name_the_method_or_format_and_list_what_is_supported(hf, tmp_path):
     path = save(hf, tmp_path / "float")
-    with pytest.raises(UnknownPluginError, match="'fp4'.*registered: fp8, int4"):
+    with pytest.raises(UnknownPluginError, match="'fp4'.*registered: block_fp8, fp8, int4"):
         ours(path, quantization="fp4")
     bnb = save(hf, tmp_path / "bnb", quantization_config={"quant_method": "bitsandbytes",
                                                           "load_in_4bit": True})
