@@ -144,6 +144,7 @@ def test_openai_embeddings_equal_the_engines(embedder, start_worker, gateway):
     torch.testing.assert_close(torch.tensor(lc.embed_documents(TEXTS)), want)
     models = api(g).models.list().data
     assert models[0].tasks == ["embed", "score"]
+    assert 'endpoint="/v1/embeddings"' in httpx.get(g.url + "/metrics").text  # counted
 
 
 def test_openai_embeddings_refuse_bad_input_by_name(embedder, start_worker, gateway):

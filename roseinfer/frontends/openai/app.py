@@ -151,6 +151,12 @@ class Gateway:
         return await self._serve(request, functools.partial(self._answer,
                                                             make_call=mapping.chat_call))
 
+    def counted(self, answer):
+        """A route whose whole answer ``answer(request)`` is counted as ``_serve`` counts."""
+        async def route(request: Request) -> Response:
+            return await self._serve(request, lambda r, *_: answer(r))
+        return route
+
     # --- one call -------------------------------------------------------------------------
 
     async def _serve(self, request: Request, answer) -> Response:
@@ -334,11 +340,10 @@ def create_app(config: GatewayConfig) -> Starlette:
               Route("/v1/responses/{rid}", gw.responses.retrieve, methods=["GET"]),
               Route("/v1/responses/{rid}", gw.responses.delete, methods=["DELETE"]),
               Route("/v1/responses/{rid}/cancel", gw.responses.cancel, methods=["POST"]),
-              Route("/v1/embeddings", gw.pooling.embeddings, methods=["POST"]),
-              Route("/v1/rerank", gw.pooling.rerank, methods=["POST"]),
-              Route("/rerank", gw.pooling.rerank, methods=["POST"]),
-              Route("/v1/score", gw.pooling.score, methods=["POST"]),
-              Route("/classify", gw.pooling.classify, methods=["POST"])]
+              *(Route(path, gw.counted(answer), methods=["POST"]) for path, answer in (
+                  ("/v1/embeddings", gw.pooling.embeddings), ("/v1/rerank", gw.pooling.rerank),
+                  ("/rerank", gw.pooling.rerank), ("/v1/score", gw.pooling.score),
+                  ("/classify", gw.pooling.classify)))]
     return Starlette(routes=routes, lifespan=gw.lifespan,
                      exception_handlers={APIError: _api_error,
                                          redis.exceptions.ConnectionError: _queue_error,
