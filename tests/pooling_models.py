@@ -6,13 +6,16 @@ from sentence_transformers.sentence_transformer import modules as models
 from transformers import (BertConfig, BertForSequenceClassification, BertModel,
                           BertTokenizerFast, ModernBertConfig,
                           ModernBertForSequenceClassification, ModernBertModel, Qwen3Config,
-                          Qwen3Model, XLMRobertaConfig, XLMRobertaForSequenceClassification,
+                          Qwen3ForSequenceClassification, Qwen3Model, XLMRobertaConfig, XLMRobertaForSequenceClassification,
                           XLMRobertaModel)
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789.,!?",
          *("##" + c for c in "abcdefghijklmnopqrstuvwxyz")]
 TEXTS = ["hello world", "abc", "the quick brown fox jumps over the lazy dog 123",
          "a", "pack my box with five dozen liquor jugs!", "zz top"]
+QWEN3 = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, intermediate_size=64,
+             max_position_embeddings=128, tie_word_embeddings=True)
 MODERNBERT = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=3,
                   num_attention_heads=4, intermediate_size=48, local_attention=8,
                   global_attn_every_n_layers=3, max_position_embeddings=128, pad_token_id=0,
@@ -47,10 +50,7 @@ def encoder(tmp_path_factory, family: str) -> str:
     if family == "modernbert":  # windows of 4 either side in its 2nd and 3rd layers
         return save(ModernBertModel(ModernBertConfig(**MODERNBERT)), folder)
     if family == "qwen3":
-        return save(Qwen3Model(Qwen3Config(
-            vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, intermediate_size=64,
-            max_position_embeddings=128, tie_word_embeddings=True)), folder)
+        return save(Qwen3Model(Qwen3Config(**QWEN3)), folder)
     return save(XLMRobertaModel(XLMRobertaConfig(**SHAPE, type_vocab_size=1, pad_token_id=0)), folder)
 
 
@@ -68,6 +68,9 @@ def cross_encoder(tmp_path_factory, family: str, labels: int) -> str:
     folder = tmp_path_factory.mktemp(f"{family}-ce")
     if family == "bert":
         return save(BertForSequenceClassification(BertConfig(**SHAPE, num_labels=labels)), folder)
+    if family == "qwen3":  # a decoder's head: its last token's score (Qwen3-Reranker's kind)
+        return save(Qwen3ForSequenceClassification(Qwen3Config(
+            **QWEN3, num_labels=labels, pad_token_id=0)), folder)
     if family == "modernbert":
         return save(ModernBertForSequenceClassification(ModernBertConfig(
             **MODERNBERT, num_labels=labels, classifier_pooling="mean")), folder)

@@ -102,7 +102,7 @@ def test_dimensions_need_a_matryoshka_model(mean_bert, tmp_path):
         llm.embed(["abc"], dimensions=12)
 
 
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "qwen3"])
 def test_cross_encoder_scores_equal_sentence_transformers(tmp_path_factory, family):
     folder = cross_encoder(tmp_path_factory, family, labels=1)
     query, docs = "where is the fox", TEXTS
@@ -111,9 +111,10 @@ def test_cross_encoder_scores_equal_sentence_transformers(tmp_path_factory, fami
     assert max(abs(g - w) for g, w in zip(got, want)) <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["bert", "modernbert"])
+@pytest.mark.parametrize("family", ["bert", "modernbert", "qwen3"])
 def test_classifier_probabilities_equal_transformers(tmp_path_factory, family):
-    """BERT's pooler head, and ModernBERT's mean-pooled one, against transformers."""
+    """BERT's pooler head, ModernBERT's mean-pooled one, and a decoder's score of its last
+    token (Qwen3ForSequenceClassification), against transformers."""
     from transformers import AutoModelForSequenceClassification
     folder = cross_encoder(tmp_path_factory, family, labels=3)
     hf = AutoModelForSequenceClassification.from_pretrained(folder).eval()

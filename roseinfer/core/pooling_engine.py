@@ -61,7 +61,8 @@ class PoolingEngine:
         limits = [self.hf_config.max_position_embeddings - getattr(
             self.model, "position_offset", 0), self.spec.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)
-        self.classifier = not self.decoder and self.model.head is not None
+        self.classifier = getattr(self.model, "score" if self.decoder else "head",
+                                  None) is not None
         self.rules = InputRules(self.max_model_len, self.hf_config.vocab_size,
                                 getattr(self.hf_config, "type_vocab_size", 1) > 1)
         names = getattr(self.hf_config, "id2label", None) or {}
@@ -167,6 +168,13 @@ class PoolingEngine:
                 q.next += 1
         return batch
 
+    def _classify(self, hidden: torch.Tensor, packed: Packed) -> torch.Tensor:
+        """Logits [B, labels]: an encoder's head, or a decoder's ``score`` of its last
+        token (transformers' ``*ForSequenceClassification``)."""
+        if self.decoder:
+            return self.model.score(hidden[packed.ends])
+        return self.model.classify(hidden, packed)
+
     def _run(self, batch: list[tuple[_Queued, int]]) -> None:
         encoded = [q.prepared.items[i] for q, i in batch]
         lens = [len(ids) for ids, _ in encoded]
@@ -177,7 +185,7 @@ class PoolingEngine:
         ids = torch.tensor([x for ids, _ in encoded for x in ids], device=self.device)
         hidden = decoder_states(self.model, ids, packed) if self.decoder else self.model(ids, packed)
         vectors = pool(hidden, packed, self.spec.mode).cpu()
-        logits = self.model.classify(hidden, packed).float().cpu() if any(
+        logits = self._classify(hidden, packed).float().cpu() if any(
             q.prepared.logits for q, _ in batch) else None
         for row, (q, i) in enumerate(batch):
             q.rows[i] = (logits if q.prepared.logits else vectors)[row]
@@ -209,8 +217,11 @@ def pooling_runner(model, runner: str, plugins=None) -> bool:
             os.path.join(model, "modules.json")):
         return True
     from roseinfer.models import model_class
+    from roseinfer.models.bert import classifies
     config = model.config if hasattr(model, "config") else loader.model_info(
         model, tokenizer=False)[0]
+    if classifies(config):
+        return True  # a *ForSequenceClassification checkpoint of any family scores
     try:
         return getattr(model_class(config, plugins), "pooling_only", False)
     except ValueError:

@@ -17,6 +17,7 @@ from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
 from roseinfer.layers.fused import HeadNorms, silu_and_mul
 from roseinfer.layers.norm import RMSNorm, ShardedRMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_params
+from roseinfer.models.bert import classifies
 from roseinfer.models import sharding
 
 
@@ -120,7 +121,9 @@ class LlamaForCausalLM(nn.Module):
     """A family that is Llama's shape with other parts sets them here: its layer, its
     final norm (``norm_class``, and how it is applied: ``final_norm``), whether its LM
     head is the embedding unless the config says, its RoPE tables per layer
-    (``rotaries``) and its embedding's output (``embed``)."""
+    (``rotaries``) and its embedding's output (``embed``). A sequence-classification
+    checkpoint (Qwen3's, a reward model) has ``score`` instead of an LM head: the pooling
+    runner serves it."""
     layer_class = LlamaLayer
     norm_class = RMSNorm
     tied_by_default = False
@@ -133,6 +136,8 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", self.tied_by_default))
+        if classifies(cfg):  # a *ForSequenceClassification checkpoint: its score, no LM head
+            self.tied, self.score = True, nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
         if not self.tied:
             self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_shard(cfg.vocab_size), bias=False)
         self.head = LogitsHead(cfg.vocab_size)
