@@ -49,8 +49,9 @@ def encoder(tmp_path_factory, family: str) -> str:
         return save(BertModel(BertConfig(**SHAPE)), folder)
     if family == "modernbert":  # windows of 4 either side in its 2nd and 3rd layers
         return save(ModernBertModel(ModernBertConfig(**MODERNBERT)), folder)
-    if family == "qwen3":
-        return save(Qwen3Model(Qwen3Config(**QWEN3)), folder)
+    if family in ("qwen3", "qwen3-untied"):  # untied: its checkpoint holds no LM head at all
+        return save(Qwen3Model(Qwen3Config(**{**QWEN3,
+                                              "tie_word_embeddings": family == "qwen3"})), folder)
     return save(XLMRobertaModel(XLMRobertaConfig(**SHAPE, type_vocab_size=1, pad_token_id=0)), folder)
 
 

@@ -33,7 +33,7 @@ def embeddings(llm, texts, **kw):
 @pytest.mark.parametrize("family, mode, normalize", [
     ("bert", "mean", True), ("bert", "mean", False), ("bert", "cls", True),
     ("xlm-roberta", "cls", False), ("xlm-roberta", "mean", True),
-    ("qwen3", "lasttoken", True), ("qwen3", "mean", False),
+    ("qwen3", "lasttoken", True), ("qwen3", "mean", False), ("qwen3-untied", "lasttoken", True),
     ("modernbert", "mean", True), ("modernbert", "cls", False)])
 def test_embeddings_equal_sentence_transformers(tmp_path_factory, family, mode, normalize):
     folder = sentence_model(tmp_path_factory, family, mode, normalize)
@@ -139,3 +139,17 @@ def test_runners_refuse_each_others_tasks(mean_bert, llama_model):
         LLM(llama_model, device="cpu", num_kv_blocks=16).embed(["hi"])
     with pytest.raises(InvalidRequestError, match="classification head"):
         pooling_llm(mean_bert).classify(["hi"])
+
+
+def test_a_headless_decoder_embeds_by_its_last_token(tmp_path_factory):
+    """A base model saved without any head (``Qwen3Model``, untied): the pooling runner by
+    itself, the last token's state normalised, as transformers' model gives it."""
+    from transformers import AutoModel
+    from tests.pooling_models import encoder
+    folder = encoder(tmp_path_factory, "qwen3-untied")
+    llm = pooling_llm(folder)
+    hf = AutoModel.from_pretrained(folder).eval()
+    ids = llm.tokenizer(TEXTS[2])["input_ids"]
+    with torch.no_grad():
+        want = torch.nn.functional.normalize(hf(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+    torch.testing.assert_close(embeddings(llm, [TEXTS[2]])[0], want, rtol=1e-4, atol=1e-5)

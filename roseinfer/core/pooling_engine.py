@@ -217,11 +217,11 @@ def pooling_runner(model, runner: str, plugins=None) -> bool:
             os.path.join(model, "modules.json")):
         return True
     from roseinfer.models import model_class
-    from roseinfer.models.bert import classifies
+    from roseinfer.models.bert import classifies, headless
     config = model.config if hasattr(model, "config") else loader.model_info(
         model, tokenizer=False)[0]
-    if classifies(config):
-        return True  # a *ForSequenceClassification checkpoint of any family scores
+    if classifies(config) or headless(config):
+        return True  # a classifier of any family scores; a model without a head embeds
     try:
         return getattr(model_class(config, plugins), "pooling_only", False)
     except ValueError:

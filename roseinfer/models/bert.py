@@ -29,6 +29,13 @@ def classifies(cfg) -> bool:
     return any(a.endswith("ForSequenceClassification") for a in cfg.architectures or ())
 
 
+def headless(cfg) -> bool:
+    """Whether the checkpoint is a base model without any head (``Qwen3Model``: an
+    embedder saved by sentence-transformers)."""
+    names = getattr(cfg, "architectures", None) or ()
+    return bool(names) and all(a.endswith("Model") for a in names)
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, cfg):
         super().__init__()

@@ -17,7 +17,7 @@ from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
 from roseinfer.layers.fused import HeadNorms, silu_and_mul
 from roseinfer.layers.norm import RMSNorm, ShardedRMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_params
-from roseinfer.models.bert import classifies
+from roseinfer.models.bert import classifies, headless
 from roseinfer.models import sharding
 
 
@@ -138,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
         self.tied = bool(getattr(cfg, "tie_word_embeddings", self.tied_by_default))
         if classifies(cfg):  # a *ForSequenceClassification checkpoint: its score, no LM head
             self.tied, self.score = True, nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
+        elif headless(cfg):  # a base model (an embedder): no LM head to load
+            self.tied = True
         if not self.tied:
             self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_shard(cfg.vocab_size), bias=False)
         self.head = LogitsHead(cfg.vocab_size)
