@@ -33,7 +33,8 @@ def headless(cfg) -> bool:
     """Whether the checkpoint is a base model without any head (``Qwen3Model``: an
     embedder saved by sentence-transformers)."""
     names = getattr(cfg, "architectures", None) or ()
-    return bool(names) and all(a.endswith("Model") for a in names)
+    return bool(names) and all(a.endswith("Model") and not a.endswith("LMHeadModel")
+                               for a in names)  # GPT2LMHeadModel has its LM head
 
 
 class BertEmbeddings(nn.Module):
