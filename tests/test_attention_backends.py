@@ -96,7 +96,7 @@ def make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
 
 
 def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
-          cache_dtype=None, window=None, sinks=False, softcap=None):
+          cache_dtype=None, window=None, sinks=False, softcap=None, values_are_keys=False):
     backend = REGISTRY.create("attention", backend_name)
     if not backend.supports(DEVICE):
         pytest.skip(f"{backend_name} does not run on {DEVICE.type}")
@@ -109,6 +109,8 @@ def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_
         gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
     if cache_dtype is not None:
         k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    if values_are_keys:  # latent attention's cache (layers/mla.py): one tensor for both
+        v_cache = k_cache
     scale = head_dim ** -0.5
     extra = {"window": window} if window else {}
     if sinks:  # logits about as large as the scores, so the sinks take a real share
@@ -179,6 +181,24 @@ def test_a_soft_cap(request, backend_name, batch, dtype):
     here, below the random scores' spread, so the cap changes every row."""
     seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
     check(request, backend_name, seqs, 6, 2, 64, 16, dtype, window=5, softcap=1.5)
+
+
+# (query heads, RoPE dims, latent dims): odd sizes, and DeepSeek's where kernels are compiled
+LATENT_SHAPES = [(4, 8, 32), (20, 16, 64)] + ([(16, 64, 512), (128, 64, 512)] if CUDA else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", LATENT_SHAPES, ids=lambda s: "h{}-{}+{}".format(*s))
+@pytest.mark.parametrize("batch", [*BATCHES, "long_decode"])
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_latent_rows_are_keys_and_values(request, backend_name, batch, shape, dtype):
+    """DeepSeek's absorbed latent attention: one KV head whose cache rows, [RoPE | latent],
+    are its keys and its values (one tensor); many query heads share it."""
+    seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
+    heads, rope, latent = shape
+    check(request, backend_name, seqs, heads, 1, rope + latent, 16, dtype,
+          values_are_keys=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

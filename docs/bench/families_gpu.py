@@ -9,7 +9,8 @@ so bf16 rounding flips some), and the first token's log probability error.
 Then roseinfer alone: batch 1 (512 in, 128 out) and 64 x
 (512 in, 256 out), tokens/s against the decode bytes floor.
 
-    for f in qwen2 qwen3 mistral phi3; do python3 docs/bench/families_gpu.py $f; done
+    for f in qwen2 qwen3 mistral phi3 deepseek_v2 deepseek_v3; do
+        python3 docs/bench/families_gpu.py $f; done
 """
 import gc
 import sys
@@ -23,7 +24,9 @@ from roseinfer.bench.floor import decode_floor
 from roseinfer.models.loader import RANDOM
 
 ALIASES = {"qwen2": "qwen2.5-1.5b-random", "qwen3": "qwen3-1.7b-random",
-           "mistral": "mistral-7b-random", "phi3": "phi3-mini-random"}  # models/loader.py
+           "mistral": "mistral-7b-random", "phi3": "phi3-mini-random",
+           "deepseek_v2": "deepseek-v2-lite-random",
+           "deepseek_v3": "moonlight-16b-a3b-random"}  # models/loader.py
 PROMPTS, NEW = 8, 32
 
 

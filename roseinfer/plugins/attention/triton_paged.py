@@ -39,6 +39,8 @@ import torch
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     triton_usable, wait_for_inputs
+from roseinfer.plugins.attention.paged_tiles import _find_seq, _softmax_tile
+from roseinfer.plugins.attention.triton_latent import LATENT_TUNING, head_block, latent_attention
 
 # Launch settings: prefill, and decode per (head dim, query heads per KV
 # head), measured on an H100 and an H200 (docs/kernels.md); "decode" is the setting for
@@ -67,20 +69,6 @@ NO_WINDOW = 2 ** 30    # the decode kernel's window where a layer has none: past
 # context read K/V at 83 % of the copy rate, 16 at 49 % (H200, docs/kernels.md "Long
 # contexts").
 MAX_SPLITS = 64
-
-
-@_kernel
-def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
-    """The sequence whose q-blocks contain ``q_block``: binary search over starts."""
-    lo: tl.int32 = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
 
 
 @_kernel
@@ -125,21 +113,6 @@ def _capped(s, softcap_log2, SOFTCAP: tl.constexpr):
     if SOFTCAP:
         s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap_log2) + 1.0))
     return s
-
-
-@_kernel
-def _softmax_tile(s, m_i, l_i, ROWS_MAY_BE_EMPTY: tl.constexpr = False):
-    """Online softmax over one more tile of base-2 scores ``s`` [rows, keys]:
-    returns (weights p, rescale factor alpha for the accumulator, new running
-    max, new running sum); the caller does ``acc * alpha + p @ V``.
-    ``ROWS_MAY_BE_EMPTY``: a row may have seen no key yet (a window's rows start at
-    different keys): its max stays -inf, and its weights 0, not NaN."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if ROWS_MAY_BE_EMPTY:
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @_kernel
@@ -400,6 +373,10 @@ class TritonPagedAttention:
         scale_log2 = scale * math.log2(math.e)
         sinks = q if sinks is None else sinks  # a pointer the kernels never read without sinks
         softcap_log2 = (softcap or 1.0) * math.log2(math.e)
+        if v_cache is k_cache:  # latent attention's rows (layers/mla.py): keys and values
+            if window or const["HAS_SINKS"] or softcap:
+                raise NotImplementedError("latent attention takes no window, sinks or soft cap")
+            return self._latent(q, k_cache, attn, scale_log2, const)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if attn.is_decode:
             self._decode(q, k_cache, v_cache, out, attn, scale_log2, const, tune,
@@ -435,12 +412,29 @@ class TritonPagedAttention:
             softcap_log2, BLOCK_G=max(16 if tune["dot"] else 1, triton.next_power_of_2(const["G"])),
             PARTIAL=splits > 1, DOT=tune["dot"], **const)
         if splits > 1:
-            _merge_splits_kernel[(n, num_heads)](
-                out, dest, m, l, *out.stride()[:2], *dest.stride()[:3], *m.stride()[:2],
-                splits, head_dim,
-                BLOCK_S=triton.next_power_of_2(splits),
-                BLOCK_D=triton.next_power_of_2(head_dim), PDL=const["PDL"], launch_pdl=const["PDL"],
-            )
+            _merge(out, dest, m, l, const["PDL"])
+
+    @staticmethod
+    def _latent(q, cache, attn, scale_log2, const):
+        tune = LATENT_TUNING["decode"]
+        head_blocks = triton.cdiv(q.shape[1], head_block(q.shape[1], tune))
+        splits = num_splits(attn, head_blocks, _num_sms(q.device), tune)
+        out = latent_attention(q, cache, attn, scale_log2, splits, const["PDL"],
+                               const["DOT_PRECISION"])
+        if splits == 1:
+            return out
+        merged = torch.empty_like(q, memory_format=torch.contiguous_format)
+        _merge(merged, *out, const["PDL"])
+        return merged
+
+
+def _merge(out, dest, m, l, pdl: bool) -> None:
+    """Split decode partials (``dest``, maxima ``m``, sums ``l``) into ``out``."""
+    splits, n, num_heads, head_dim = dest.shape
+    _merge_splits_kernel[(n, num_heads)](
+        out, dest, m, l, *out.stride()[:2], *dest.stride()[:3], *m.stride()[:2],
+        splits, head_dim, BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl, launch_pdl=pdl)
 
 
 @hookimpl
