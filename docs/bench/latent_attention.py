@@ -35,10 +35,10 @@ def decode_settings(heads: int, quick: bool):
     if quick:
         yield dict(triton_latent.LATENT_TUNING["decode"])
         return
-    for block_h, block_n, warps, stages, ppsm in itertools.product(
-            [16, 32, 64] if heads > 16 else [16], [32, 64], [4, 8], [2, 3], [1, 2, 4]):
+    for block_h, block_n, warps, stages, ppsm, most in itertools.product(
+            [16, 32, 64] if heads > 16 else [16], [32, 64], [4, 8], [2, 3], [2, 4], [64, 128]):
         yield {"block_h": block_h, "block_n": block_n, "num_warps": warps,
-               "num_stages": stages, "programs_per_sm": ppsm}
+               "num_stages": stages, "programs_per_sm": ppsm, "max_splits": most}
 
 
 def prefill_settings(quick: bool):
@@ -116,14 +116,17 @@ def prefill_rows(heads, quick, out, length=4096):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the shipped tuning only")
+    ap.add_argument("--heads", default="16,128", help="query heads, comma-separated")
+    ap.add_argument("--no-prefill", action="store_true")
     args = ap.parse_args()
     peak = copy_rate()
     print(f"copy rate {peak / 1e12:.2f} TB/s", flush=True)
     os.makedirs(os.environ.get("OUT", "."), exist_ok=True)
     with open(os.path.join(os.environ.get("OUT", "."), "latent_attention.jsonl"), "a") as out:
-        for heads in (16, 128):
+        for heads in map(int, args.heads.split(",")):
             decode_rows(heads, args.quick, peak, out)
-            prefill_rows(heads, args.quick, out)
+            if not args.no_prefill:
+                prefill_rows(heads, args.quick, out)
 
 
 if __name__ == "__main__":

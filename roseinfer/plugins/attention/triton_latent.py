@@ -26,8 +26,8 @@ from roseinfer.plugins.attention.paged_tiles import _find_seq, _softmax_tile
 # Measured on an H200 at V2-Lite's shape (16 heads, 64 + 512): docs/kernels.md.
 LATENT_TUNING = {
     "decode": {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2,
-               "programs_per_sm": 2},
-    "prefill": {"block_m": 32, "block_h": 16, "block_n": 32, "num_warps": 8, "num_stages": 2},
+               "programs_per_sm": 2, "max_splits": 128},
+    "prefill": {"block_m": 64, "block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2},
 }
 
 

@@ -69,6 +69,7 @@ NO_WINDOW = 2 ** 30    # the decode kernel's window where a layer has none: past
 # context read K/V at 83 % of the copy rate, 16 at 49 % (H200, docs/kernels.md "Long
 # contexts").
 MAX_SPLITS = 64
+MERGE_DIMS = 256       # a merge program's dims: every head dim the tuning table names
 
 
 @_kernel
@@ -303,7 +304,7 @@ def _merge_splits_kernel(
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)  # a slice of wide rows
     sp_ok = sp < num_splits
     d_ok = d < head_dim
     # Empty splits hold max -inf and sum 0: their weight below is exactly 0.
@@ -429,12 +430,15 @@ class TritonPagedAttention:
 
 
 def _merge(out, dest, m, l, pdl: bool) -> None:
-    """Split decode partials (``dest``, maxima ``m``, sums ``l``) into ``out``."""
+    """Split decode partials (``dest``, maxima ``m``, sums ``l``) into ``out``: a program
+    a row and head, and a slice of its dims where rows are wide (latent attention's 576:
+    64 splits of a whole row are more registers than a program has)."""
     splits, n, num_heads, head_dim = dest.shape
-    _merge_splits_kernel[(n, num_heads)](
+    block_d = min(triton.next_power_of_2(head_dim), MERGE_DIMS)
+    _merge_splits_kernel[(n, num_heads, triton.cdiv(head_dim, block_d))](
         out, dest, m, l, *out.stride()[:2], *dest.stride()[:3], *m.stride()[:2],
-        splits, head_dim, BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl, launch_pdl=pdl)
+        splits, head_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, PDL=pdl,
+        launch_pdl=pdl)
 
 
 @hookimpl
