@@ -54,8 +54,9 @@ def test_greedy_equals_transformers(overrides):
 
 @pytest.mark.parametrize("overrides", [
     {"topk_method": "greedy"},
+    {"topk_method": "greedy", "routed_scaling_factor": 1.0, "norm_topk_prob": False},
     {"topk_method": "group_limited_greedy", "q_lora_rank": None, "routed_scaling_factor": 1.5}],
-    ids=["v2-greedy", "v2-lite-group-limited"])
+    ids=["v2-greedy", "v2-lite-greedy-fused-routing", "v2-lite-group-limited"])
 def test_v2_greedy_equals_transformers(overrides):
     check(tiny_deepseek(2, **overrides), mixed_prompts(5, seed=4), max_tokens=16)
 

@@ -62,10 +62,15 @@ class DeepseekLayer(nn.Module):
         return (out if self.shared_experts is None else out + self.shared_experts(h)), residual
 
 
-def routing(cfg) -> nn.Module:
-    """V3's grouped, biased sigmoid scores; V2's softmax, greedy or group-limited."""
+def routing(cfg) -> nn.Module | None:
+    """V3's grouped, biased sigmoid scores; V2's softmax, greedy or group-limited. V2's
+    greedy routing unscaled (V2-Lite's) is every MoE family's softmax top-k without
+    renormalising: None, the fused router and routing kernels (V2 never renormalises,
+    whatever ``norm_topk_prob`` says)."""
     if cfg.model_type == "deepseek_v2":
         grouped = cfg.topk_method == "group_limited_greedy"
+        if not grouped and cfg.routed_scaling_factor == 1.0 and not cfg.norm_topk_prob:
+            return None
         return GroupLimitedSoftmax(cfg.num_experts_per_tok, cfg.routed_scaling_factor,
                                    cfg.n_group if grouped else None, cfg.topk_group)
     return GroupedTopK(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group,
