@@ -28,6 +28,9 @@ LATENT_TUNING = {
     "decode": {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2,
                "programs_per_sm": 2, "max_splits": 128},
     "prefill": {"block_m": 64, "block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    # float32 rows are twice the bytes: the 16-bit prompt tile overflows shared memory
+    "prefill_fp32": {"block_m": 32, "block_h": 16, "block_n": 32, "num_warps": 8,
+                     "num_stages": 2},
 }
 
 
@@ -136,7 +139,8 @@ def latent_attention(q, cache, attn, scale_log2: float, splits: int, pdl: bool,
         q = q.contiguous()
     latent = latent_width(head_dim)
     rope = head_dim - latent
-    tune = LATENT_TUNING["decode" if attn.is_decode else "prefill"]
+    tune = LATENT_TUNING["decode" if attn.is_decode else
+                         "prefill" if q.element_size() <= 2 else "prefill_fp32"]
     block_h = head_block(num_heads, tune)
     block_q = 1 if attn.is_decode else max(1, tune["block_m"] // block_h)
     if splits == 1:
