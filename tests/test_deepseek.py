@@ -79,10 +79,50 @@ def test_grouped_routing_equals_transformers_router():
         logits, want_w, want_ids = router(x)
     ours = GroupedTopK(16, 4, 4, 2, router.routed_scaling_factor, True)
     ours.e_score_correction_bias.copy_(router.e_score_correction_bias)
-    weights, ids = ours(logits)
-    for got_i, got_w, w_i, w_w in zip(ids.long(), weights, want_ids, want_w):
+    weights, ids = ours.select(logits)
+    same_choices(weights, ids, want_w, want_ids)
+
+
+def same_choices(weights, ids, want_w, want_ids):
+    """Each token's experts the same set, each with the same weight."""
+    for got_i, got_w, w_i, w_w in zip(ids.long().cpu(), weights.cpu(), want_ids.long().cpu(),
+                                      want_w.cpu()):
         assert sorted(got_i.tolist()) == sorted(w_i.tolist())
         torch.testing.assert_close(got_w[got_i.argsort()], w_w[w_i.argsort()])
+
+
+# (experts, groups, groups kept, top k): V3 and R1; Moonlight; GLM-4.5 (160, one group)
+ROUTERS = [(256, 8, 4, 8), (64, 1, 1, 6), (160, 1, 1, 8), (16, 4, 2, 4)]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("shape", ROUTERS, ids=lambda s: "e{}-g{}-kg{}-k{}".format(*s))
+def test_the_grouped_routing_kernel_equals_torch(shape, renormalize):
+    """One launch for V3's routing: the same experts and weights as the torch ops, for
+    decode rows and a prompt's."""
+    experts, groups, kept, top_k = shape
+    ours = GroupedTopK(experts, top_k, groups, kept, 2.5, renormalize).to(DEVICE)
+    gen = torch.Generator().manual_seed(experts + groups)
+    ours.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.3)
+    logits = (torch.randn(40, experts, generator=gen) * 2).to(DEVICE)
+    want = ours.select(logits, use_triton=False)
+    same_choices(*ours.select(logits, use_triton=True), *want)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_grouped_routing_sums_the_split_router(tokens):
+    """At decode sizes the router's GEMV runs split over the hidden dims and the routing
+    kernel sums its partials: the same choices as the router linear's logits routed."""
+    experts, hidden = 256, 200
+    gen = torch.Generator().manual_seed(tokens)
+    gate = torch.nn.Linear(hidden, experts, bias=False).to(DEVICE)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(experts, hidden, generator=gen) * 0.1)
+    ours = GroupedTopK(experts, 8, 8, 4, 2.5, True).to(DEVICE)
+    ours.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.3)
+    h = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        same_choices(*ours(h, gate, use_triton=True), *ours.select(gate(h), use_triton=False))
 
 
 @pytest.mark.parametrize("overrides", [{}, {"use_qk_norm": True, "attention_bias": False}],

@@ -125,11 +125,25 @@ def route(h: torch.Tensor, gate: nn.Linear, top_k: int, renormalize: bool,
     the router's GEMV runs split over the hidden dims, across SMs, and the routing kernel
     sums its partials, adds the bias and rounds as the linear would: one of cuBLAS's GEMV
     kernels took 7.7 µs for the 0.5 MB of Qwen3-30B-A3B's router (docs/benchmarks.md)."""
+    split = router_partials(h, gate, use_triton)
+    if split is None:
+        return select_experts(gate(h), top_k, renormalize, use_triton)
+    partials, rounded_to = split
+    return _routed(partials, h.shape[0], partials.shape[2], partials[0].numel(),
+                   partials.shape[0], top_k, renormalize, rounded_to,
+                   has_bias=gate.bias is not None)
+
+
+def router_partials(h: torch.Tensor, gate: nn.Linear, use_triton: bool | None = None):
+    """The router's logits of up to 16 tokens as float32 partials over slices of the hidden
+    dims ([slices, 16, experts]), for a routing kernel to sum, and what it rounds their sum
+    to (the router's bias, or its weight: the dtype the unfused linear outputs); None where
+    the split GEMV does not run (off CUDA, prompts, a quantized router)."""
     tokens, hidden = h.shape
     w = getattr(gate, "weight", None)  # a plain linear's, at the activations' precision
     if not (_use_triton(use_triton, h) and 0 < tokens <= 16 and h.stride(1) == 1
             and isinstance(w, torch.Tensor) and w.dtype == h.dtype and w.stride(1) == 1):
-        return select_experts(gate(h), top_k, renormalize, use_triton)
+        return None
     experts = w.shape[0]
     block_e = min(128, triton.next_power_of_2(experts))
     parts = triton.cdiv(hidden, ROUTER_SLICE)
@@ -140,8 +154,7 @@ def route(h: torch.Tensor, gate: nn.Linear, top_k: int, renormalize: bool,
         BLOCK_E=block_e, BLOCK_K=ROUTER_SLICE,
         PRECISION="ieee" if h.dtype == torch.float32 else "tf32", PDL=pdl,
         num_warps=4, launch_pdl=pdl)
-    return _routed(partials, tokens, experts, 16 * experts, parts, top_k, renormalize,
-                   w if gate.bias is None else gate.bias, has_bias=gate.bias is not None)
+    return partials, w if gate.bias is None else gate.bias
 
 
 def _routed(logits, tokens, s_l, s_part, parts, top_k, renormalize, rounded_to=None,
@@ -484,7 +497,7 @@ class SparseMoE(nn.Module):
         if self.routing is None:
             weights, ids = route(h, self.gate, self.top_k, self.renormalize)
         else:
-            weights, ids = self.routing(self.gate(h))
+            weights, ids = self.routing(h, self.gate)
         if self.expert_parallel:  # this rank's experts by their index here; -1 elsewhere
             local = ids - self.first_expert
             ids = torch.where((local >= 0) & (local < self.w13.shape[0]), local, -1)
