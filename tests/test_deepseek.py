@@ -130,6 +130,10 @@ def test_grouped_routing_sums_the_split_router(tokens):
 def test_glm4_moe_equals_transformers(overrides):
     """GLM-4.5: GQA with q/k/v biases and partial rotary, DeepSeekMoE past a dense layer;
     its multi-token-prediction layer in the checkpoint is left out."""
+    check(tiny_glm4_moe(**overrides), mixed_prompts(5, seed=5), max_tokens=16)
+
+
+def tiny_glm4_moe(**overrides):
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
     torch.manual_seed(0)
     config = Glm4MoeConfig(**{
@@ -149,7 +153,7 @@ def test_glm4_moe_equals_transformers(overrides):
         for name, p in model.named_parameters():
             if name.endswith("bias") and "proj" in name:
                 torch.nn.init.normal_(p, std=0.5)
-    check(model, mixed_prompts(5, seed=5), max_tokens=16)
+    return model
 
 
 def test_multi_token_prediction_layers_are_left_out():

@@ -19,6 +19,7 @@ from roseinfer.core.step_order import STOP, StepOrder, decode
 from roseinfer.models import loader
 from tests.models import MOE_FAMILIES, hf_greedy, per_expert_checkpoint, tiny_family, tiny_gpt2, \
     tiny_llama
+from tests.test_deepseek import tiny_deepseek, tiny_glm4_moe
 from tests.test_greedy_equality import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -37,7 +38,12 @@ def saved(tmp_path_factory):
                                       hidden_size=48, tie_word_embeddings=True),
               "qwen2": tiny_family("qwen2"), "phi3": tiny_family("phi3"),
               **{family: tiny_family(family)
-                 for family in (*MOE_FAMILIES, "gemma2", "gemma3_text")}}
+                 for family in (*MOE_FAMILIES, "gemma2", "gemma3_text")},
+              # latent attention by head, the whole latent cache on each rank; shared experts
+              "deepseek_v3": tiny_deepseek(),
+              "deepseek_v2": tiny_deepseek(2, topk_method="group_limited_greedy",
+                                           q_lora_rank=None, routed_scaling_factor=1.5),
+              "glm4_moe": tiny_glm4_moe(use_qk_norm=True)}
     out = {}
     for name, hf in models.items():
         path = tmp_path_factory.mktemp(name)
@@ -56,7 +62,8 @@ def run(path, prompts, params=GREEDY, **config):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["gpt2", "llama", "llama-1kv", "qwen2", "phi3", *MOE_FAMILIES,
-                                  "gemma2", "gemma3_text"])
+                                  "gemma2", "gemma3_text", "deepseek_v3", "deepseek_v2",
+                                  "glm4_moe"])
 def test_two_ranks_equal_transformers_greedy(saved, name, device):
     """Prompts of 1-23 tokens in chunks of at most 16 tokens a step (chunked prefill)."""
     path, hf = saved[name]

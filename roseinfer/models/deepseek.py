@@ -14,6 +14,7 @@ import re
 import torch
 from torch import nn
 
+from roseinfer.core import tp
 from roseinfer.layers.fused import silu_and_mul
 from roseinfer.layers.mla import MultiLatentAttention, rope_halves
 from roseinfer.layers.moe import SparseMoE
@@ -21,13 +22,18 @@ from roseinfer.layers.moe_routing import GroupedTopK, GroupLimitedSoftmax
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.models.llama import LlamaForCausalLM, LlamaLayer
+from roseinfer.models import sharding
 from roseinfer.models.moe import MoeForCausalLM
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 class SwiGLU(nn.Module):
+    """A dense layer's MLP, or the shared experts: this rank's intermediate rows, its part
+    of the output (the next norm sums the ranks')."""
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
+        intermediate = tp.split(intermediate, "intermediate size")
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
@@ -53,9 +59,11 @@ class DeepseekLayer(nn.Module):
             self.shared_experts = SwiGLU(e, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
-        h, residual = self.input_layernorm(x, residual)
+        """(this rank's part of the layer's output, the residual stream before it), as
+        LlamaLayer's: each norm sums the ranks' parts of what it is handed."""
+        h, residual = self.input_layernorm(x, residual, summed=residual is None)
         attn = self.self_attn(h, positions)
-        h, residual = self.post_attention_layernorm(attn, residual)
+        h, residual = self.post_attention_layernorm(attn, residual, summed=False)
         if self.moe is None:
             return self.mlp(h), residual
         out = self.moe(h)
@@ -133,8 +141,37 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         return out
 
 
+    @staticmethod
+    def shard_rule(key: str, cfg) -> sharding.Shard | None:
+        """Latent attention by head: the query's and the values' up-projections, and
+        o_proj's inputs; the latent's down-projection and norms whole (each rank keeps the
+        whole latent cache, one KV head). The MLPs as the MoE families' and GLM's."""
+        if ".self_attn." not in key:
+            return Glm4MoeForCausalLM.shard_rule(key, cfg)
+        name, kind = key.split(".")[-2:]
+        h, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        if name in ("q_proj", "q_b_proj"):
+            return sharding.heads(h, nope + cfg.qk_rope_head_dim)
+        if name == "kv_b_proj":
+            return sharding.heads(h, nope + v)
+        if name == "o_proj":
+            return sharding.Shard(0, once=True) if kind == "bias" else \
+                sharding.Shard(1, sharding.heads(h, v).ranges)
+        return None
+
+
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     layer_class = Glm4MoeLayer
+
+    @staticmethod
+    def shard_rule(key: str, cfg) -> sharding.Shard | None:
+        """The MoE families' rule, the shared experts' rows split as a dense MLP's."""
+        if ".shared_experts." not in key:
+            return MoeForCausalLM.shard_rule(key, cfg)
+        mlp = sharding.split(cfg.moe_intermediate_size * cfg.n_shared_experts,
+                             "intermediate size")
+        name = key.split(".")[-2]
+        return sharding.Shard(1, mlp.ranges) if name == "down_proj" else mlp
 
     @staticmethod
     def convert_hf_state_dict(sd: dict, cfg) -> dict:
