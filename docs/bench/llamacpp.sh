@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# llama.cpp beside roseinfer on the CPU, on the default model's own GGUF file.
+#
+# Builds llama-bench from the vendor/llama.cpp of the registry's llama-cpp-python sdist
+# (once, into $BUILD), runs it on the file (decode tg64, prompt pp32 and pp512, and
+# 32 + 64 together), then roseinfer's batch-1 decode of the same model through
+# docs/bench/cpu_default.py. Both with two threads.
+# Usage: [OUT=dir] [BUILD=/tmp/llamacpp] [THREADS=2] bash docs/bench/llamacpp.sh
+set -euo pipefail
+OUT=${OUT:-bench-results}; mkdir -p "$OUT"
+BUILD=${BUILD:-/tmp/llamacpp}
+THREADS=${THREADS:-2}
+VERSION=0.3.36
+src="$BUILD/llama_cpp_python-$VERSION/vendor/llama.cpp"
+if [ ! -x "$src/build/bin/llama-bench" ]; then
+  mkdir -p "$BUILD"
+  python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$BUILD"
+  tar -xzf "$BUILD/llama_cpp_python-$VERSION.tar.gz" -C "$BUILD"
+  cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF > "$OUT/llamacpp-cmake.log"
+  cmake --build "$src/build" --target llama-bench -j "$(nproc)" > "$OUT/llamacpp-build.log"
+fi
+gguf=$(python3 -c "from roseinfer.models.loader import ALIASES; print(ALIASES['smollm2']())")
+{ lscpu | grep -E "Model name|Flags" | cut -c1-200; date -u; git rev-parse --short HEAD; } \
+  > "$OUT/machine.txt"
+"$src/build/bin/llama-bench" -m "$gguf" -t "$THREADS" -p 32,512 -n 64 -pg 32,64 -r 3 \
+  | tee "$OUT/llama-bench.md"
+python3 docs/bench/cpu_default.py --prompts 4 | tee "$OUT/roseinfer.txt"
