@@ -19,6 +19,16 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @_kernel
+def _q_block(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """(sequence, its first query row, its query count, the q-block's first token in it)
+    of q-block ``q_block``; a first token past the count marks a surplus program."""
+    seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    return seq, q_start, q_len, (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+
+
+@_kernel
 def _softmax_tile(s, m_i, l_i, ROWS_MAY_BE_EMPTY: tl.constexpr = False):
     """Online softmax over one more tile of base-2 scores ``s`` [rows, keys]:
     returns (weights p, rescale factor alpha for the accumulator, new running

@@ -21,7 +21,7 @@ from __future__ import annotations  # kernel annotations stay strings without tr
 import torch
 
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton, wait_for_inputs
-from roseinfer.plugins.attention.paged_tiles import _find_seq, _softmax_tile
+from roseinfer.plugins.attention.paged_tiles import _q_block, _softmax_tile
 
 # Measured on an H200 at V2-Lite's shape (16 heads, 64 + 512): docs/kernels.md.
 LATENT_TUNING = {
@@ -52,11 +52,8 @@ def _latent_kernel(
         q_len = 1
         first_tok = 0
     else:
-        q_block = tl.program_id(0)
-        seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
-        q_start = tl.load(query_start_ptr + seq)
-        q_len = tl.load(query_start_ptr + seq + 1) - q_start
-        first_tok = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+        seq, q_start, q_len, first_tok = _q_block(query_start_ptr, tl.program_id(0),
+                                                  num_seqs, BLOCK_Q)
         if first_tok >= q_len:
             return
     context_len = tl.load(context_lens_ptr + seq)

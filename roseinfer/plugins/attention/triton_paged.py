@@ -39,7 +39,7 @@ import torch
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     triton_usable, wait_for_inputs
-from roseinfer.plugins.attention.paged_tiles import _find_seq, _softmax_tile
+from roseinfer.plugins.attention.paged_tiles import _q_block, _softmax_tile
 from roseinfer.plugins.attention.triton_latent import LATENT_TUNING, head_block, latent_attention
 
 # Launch settings: prefill, and decode per (head dim, query heads per KV
@@ -153,12 +153,9 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    first_tok = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    seq, q_start, q_len, first_tok = _q_block(query_start_ptr, tl.program_id(0), num_seqs,
+                                              BLOCK_Q)
     if first_tok >= q_len:
         return
     context_len = tl.load(context_lens_ptr + seq)
