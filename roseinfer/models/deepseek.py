@@ -21,11 +21,12 @@ from roseinfer.layers.moe import SparseMoE
 from roseinfer.layers.moe_routing import GroupedTopK, GroupLimitedSoftmax
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding
-from roseinfer.models.llama import LlamaForCausalLM, LlamaLayer
 from roseinfer.models import sharding
+from roseinfer.models.llama import LlamaForCausalLM, LlamaLayer
 from roseinfer.models.moe import MoeForCausalLM
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+
 
 class SwiGLU(nn.Module):
     """A dense layer's MLP, or the shared experts: this rank's intermediate rows, its part
@@ -139,7 +140,6 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             else:
                 out[key] = t
         return out
-
 
     @staticmethod
     def shard_rule(key: str, cfg) -> sharding.Shard | None:
