@@ -187,17 +187,19 @@ def test_a_soft_cap(request, backend_name, batch, dtype):
 LATENT_SHAPES = [(4, 8, 32), (20, 16, 64)] + ([(16, 64, 512), (128, 64, 512)] if CUDA else [])
 
 
+@pytest.mark.parametrize("cache", [None, torch.float8_e4m3fn], ids=["cache-as-q", "fp8-cache"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("shape", LATENT_SHAPES, ids=lambda s: "h{}-{}+{}".format(*s))
 @pytest.mark.parametrize("batch", [*BATCHES, "long_decode"])
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_latent_rows_are_keys_and_values(request, backend_name, batch, shape, dtype):
+def test_latent_rows_are_keys_and_values(request, backend_name, batch, shape, dtype, cache):
     """DeepSeek's absorbed latent attention: one KV head whose cache rows, [RoPE | latent],
-    are its keys and its values (one tensor); many query heads share it."""
+    are its keys and its values (one tensor); many query heads share it. Over an FP8
+    cache, the same attention over its e4m3 values."""
     seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
     heads, rope, latent = shape
-    check(request, backend_name, seqs, heads, 1, rope + latent, 16, dtype,
+    check(request, backend_name, seqs, heads, 1, rope + latent, 16, dtype, cache,
           values_are_keys=True)
 
 

@@ -69,6 +69,24 @@ def test_prefix_cache_and_block_size_keep_it_equal():
     check(model, prompts, enable_prefix_cache=True, block_size=16)
 
 
+def test_an_fp8_cache_equals_transformers_with_a_rounding_cache():
+    """kv_cache_dtype fp8: each latent row rounded to e4m3 as it is stored; transformers'
+    cache holds the same two parts (the normed latent, the turned RoPE key), so a cache
+    that rounds what it is given is the reference. The prefix cache shares blocks."""
+    from tests.test_quantization import fp8_cache_reference, STEPS
+    hf = tiny_deepseek()
+    shared = list(range(10, 33))
+    prompts = mixed_prompts(3, seed=9) + [shared, shared + [40, 41]]
+    want = [fp8_cache_reference(hf, p) for p in prompts]
+    llm = LLM(hf, device=DEVICE, dtype="float32", kv_cache_dtype="fp8", block_size=4,
+              num_kv_blocks=96, enable_prefix_cache=True)
+    assert llm.engine.kv_cache.k[0].dtype == torch.float8_e4m3fn
+    got = llm.generate(prompts, SamplingParams(max_tokens=STEPS, temperature=0,
+                                               ignore_eos=True))
+    assert [o.token_ids for o in got] == want
+    assert want != [hf_greedy(hf, p, STEPS) for p in prompts], "rounding must show here"
+
+
 def test_grouped_routing_equals_transformers_router():
     """The experts' set and weights from V3's router (groups by their two best, the
     bias choosing, the scores weighing), on 64 random tokens."""

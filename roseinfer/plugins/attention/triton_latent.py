@@ -43,7 +43,7 @@ def _latent_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LATENT: tl.constexpr,
     DECODE: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    KV_FP16: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     if DECODE:  # one query token a sequence: program = sequence
@@ -70,6 +70,8 @@ def _latent_kernel(
     q_row = q_ptr + row[:, None] * sq_n + head[:, None] * sq_h
     q_r = tl.load(q_row + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
     q_l = tl.load(q_row + rope + dl[None, :], mask=row_ok[:, None], other=0.0)
+    if KV_FP16:  # an FP8 cache's e4m3 values widen to float16 in one instruction
+        q_r, q_l = q_r.to(tl.float16), q_l.to(tl.float16)
 
     # Keys up to the block's last query, never past the table (a CUDA graph's padding
     # sequence); a decode row's context in equal shares of whole tiles, one a split.
@@ -91,6 +93,7 @@ def _latent_kernel(
         key = cache_ptr + (block * sc_b + (k_pos % BLOCK_SIZE) * sc_o)[:, None]
         k_r = tl.load(key + dr[None, :], mask=k_ok[:, None] & dr_ok[None, :], other=0.0)
         k_l = tl.load(key + rope + dl[None, :], mask=k_ok[:, None], other=0.0)
+        k_r, k_l = k_r.to(q_l.dtype), k_l.to(q_l.dtype)  # an FP8 cache's values, exactly
         s = tl.dot(q_l, tl.trans(k_l), input_precision=DOT_PRECISION)
         s = tl.dot(q_r, tl.trans(k_r), s, input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -129,9 +132,6 @@ def latent_attention(q, cache, attn, scale_log2: float, splits: int, pdl: bool,
     n, num_heads, head_dim = q.shape
     if cache.shape[1] != 1 or cache.stride(-1) != 1:
         raise ValueError("latent attention reads one KV head with contiguous rows")
-    if cache.dtype == torch.float8_e4m3fn:
-        raise NotImplementedError("an FP8 cache is not read by latent attention (MLA) yet: "
-                                  "run DeepSeek-family models with kv_cache_dtype='auto'")
     if q.stride(-1) != 1:
         q = q.contiguous()
     latent = latent_width(head_dim)
@@ -155,7 +155,8 @@ def latent_attention(q, cache, attn, scale_log2: float, splits: int, pdl: bool,
         attn.block_tables.shape[1] * cache.shape[2], attn.num_seqs, num_heads, rope,
         scale_log2, splits, BLOCK_SIZE=cache.shape[2], BLOCK_Q=block_q, BLOCK_H=block_h,
         BLOCK_N=tune["block_n"], BLOCK_R=max(16, triton.next_power_of_2(rope)), LATENT=latent,
-        DECODE=attn.is_decode, PARTIAL=splits > 1, DOT_PRECISION=dot_precision, PDL=pdl,
+        DECODE=attn.is_decode, PARTIAL=splits > 1, DOT_PRECISION=dot_precision,
+        KV_FP16=cache.dtype == torch.float8_e4m3fn and q.element_size() == 2, PDL=pdl,
         launch_pdl=pdl, num_warps=tune["num_warps"], num_stages=tune["num_stages"])
     return out if splits == 1 else (dest, m, l)
 
