@@ -8,7 +8,8 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeSparseMoeBlock,
                                                               Qwen3MoeTopKRouter)
 
-from roseinfer.layers.moe import align_blocks, fused_experts, route, select_experts
+from roseinfer.layers.moe import align_blocks, fused_experts
+from roseinfer.layers.moe_routing import route, select_experts
 
 from tests.conftest import DEVICE
 

@@ -26,8 +26,8 @@ import sys
 import torch
 
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton
-from roseinfer.layers import moe
 from roseinfer.layers.moe import ClampedGlu, _glu, _of_rows, _sum_choices, fused_experts
+from roseinfer.layers.moe_routing import select_experts
 
 
 @_kernel
@@ -117,7 +117,7 @@ def layer(e, top_k, h, i, gpt_oss, tokens, device, dtype, gen):
     biases = (randn(e, 2 * i, scale=0.02), randn(e, h, scale=0.02)) if gpt_oss else None
     x = randn(tokens, h)
     logits = torch.randn(tokens, e, generator=gen, device=device)
-    weights, ids = moe.select_experts(logits, top_k, True, use_triton=False)
+    weights, ids = select_experts(logits, top_k, True, use_triton=False)
     return x, w13, w2, weights, ids, biases, ClampedGlu(1.702, 7.0) if gpt_oss else None
 
 

@@ -1,6 +1,7 @@
-"""One MoE layer's routing and experts (layers/moe.py select_experts, fused_experts),
-CUDA-graph captured, against the bytes its chosen experts hold: Qwen3-30B-A3B's expert shape (128 experts, top 8, hidden
-2048, 768 per expert), bf16, random router logits.
+"""One MoE layer's routing and experts (layers/moe_routing.py select_experts,
+layers/moe.py fused_experts), CUDA-graph captured, against the bytes its chosen experts
+hold: Qwen3-30B-A3B's expert shape (128 experts, top 8, hidden 2048, 768 per expert),
+bf16, random router logits.
 
 With --fbgemm, beside it: fbgemm-gpu-genai's grouped GEMMs over the same routing, the
 token rows sorted by expert (``bf16bf16bf16_grouped_stacked``; with --fp8 the rows
@@ -17,7 +18,8 @@ import torch
 from roseinfer.layers import moe
 from roseinfer.layers.fp8_linear import fbgemm_rowwise, quantize_rows
 from roseinfer.layers.fused import silu_and_mul
-from roseinfer.layers.moe import fused_experts, select_experts
+from roseinfer.layers.moe import fused_experts
+from roseinfer.layers.moe_routing import select_experts
 
 p = argparse.ArgumentParser()
 p.add_argument("--peak-tbps", type=float, default=3.35)

@@ -1,5 +1,5 @@
 """The MoE router alone, on CUDA: cuBLAS's GEMV then the routing kernel, against
-``layers/moe.route`` (the GEMV split over hidden slices, the partials summed by the routing
+``layers/moe_routing.route`` (the GEMV split over hidden slices, the partials summed by the routing
 kernel) at each slice width, per router shape and token count. Each variant is 20 calls
 captured in one CUDA graph, replayed; µs per call, median of 5 replays.
 
@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from roseinfer.layers import moe
+from roseinfer.layers import moe_routing as moe
 
 SHAPES = {"qwen3-30b-a3b": (2048, 128, 8), "gpt-oss-20b": (2880, 32, 4),
           "mixtral-8x7b": (4096, 8, 2)}
