@@ -3,6 +3,7 @@ the formats' own tools (compressed-tensors) or by hand from their specs (AWQ, GP
 and quantization at load, each against transformers running the same quantized
 values; the errors a user meets; a method registered from outside."""
 import copy
+import inspect
 import json
 
 import pytest
@@ -485,9 +486,11 @@ def fp8_cache_reference(hf, prompt):
             rounded = [t.to(FP8).to(t.dtype) for t in (k, v)]
             return super().update(*rounded, layer_idx, *args, **kwargs)
 
+    # transformers 5.2x names the argument ``cache``; earlier releases ``past_key_values``
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                       dtype=torch.long), max_new_tokens=STEPS, do_sample=False,
-                      eos_token_id=None, pad_token_id=0, cache=Fp8Cache(config=hf.config))
+                      eos_token_id=None, pad_token_id=0, **{name: Fp8Cache(config=hf.config)})
     return out[0, len(prompt):].tolist()
 
 
