@@ -24,7 +24,7 @@ def block(renormalize: bool, experts: int = 8, top_k: int = 2) -> Qwen3MoeSparse
     return moe
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 7, 64])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
 def test_the_layer_equals_transformers_qwen3_moe_block(tokens, renormalize, use_triton):

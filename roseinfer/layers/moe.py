@@ -152,22 +152,30 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, 
                          tile_expert_ptr, total_ptr, N, K, pairs, pairs_per_row, s_a, s_we,
                          s_wn, s_se, s_be, s_c, alpha, limit, SCALED: tl.constexpr,
                          BIAS: tl.constexpr, SWIGLU: tl.constexpr, CLAMPED: tl.constexpr,
-                         MUL_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                         MUL_WEIGHTS: tl.constexpr, PER_PAIR: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
     """C[pair] = A[pair // pairs_per_row] @ W[expert].T (x the pair's routing weight), for the
     BLOCK_M pairs of one tile and BLOCK_N of the N output columns. ``SWIGLU``: W holds 2N
     rows, gate then up, and C is silu(gate) * up, each rounded to C's dtype first as the
     unfused gate_up output would be; ``CLAMPED``: gpt-oss's form (``_glu``).
     ``SCALED``: W is FP8, each of its rows times its float32 scale (``scale_ptr``,
     [E, rows]); A stays in its own dtype (W8A16). ``BIAS``: each row's bias (``bias_ptr``,
-    [E, rows]) is added before the activation and the routing weight."""
+    [E, rows]) is added before the activation and the routing weight. ``PER_PAIR``: tile
+    t is pair t alone (its first row), ``tile_expert_ptr`` the pairs' expert ids, and
+    ``sorted_ptr`` and ``total_ptr`` unused: no sort."""
     wait_for_inputs(PDL)
     tile = tl.program_id(0)
-    if tile * BLOCK_M >= tl.load(total_ptr):
-        return
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
+    if PER_PAIR:
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        if expert < 0:  # another rank's expert
+            return
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, tile, pairs)
+    else:
+        if tile * BLOCK_M >= tl.load(total_ptr):
+            return
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        pair = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pair < pairs
     token = tl.where(valid, pair // pairs_per_row, 0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -202,13 +210,24 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, 
              acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
-def _config(pairs: int, fp8: bool = False) -> dict:
+# Tokens up to which each (token, choice) pair gets a tile of its own, unsorted: at one
+# or two tokens nearly every tile holds one pair anyway, and the sort's launch is saved
+# (1.05-1.15x the sorted GEMMs on three MoE shapes, H200, docs/kernels.md).
+PER_PAIR_TOKENS = 2
+
+
+def _config(pairs: int, fp8: bool = False, per_pair: bool = False,
+            elem_bytes: int = 2) -> dict:
     """The GEMM's tiles and launch: small row tiles at decode sizes, where most tiles are
     one expert's few tokens and the time is its weights' bytes. FP8 experts at one or two
     tokens: tiles as deep as a 16-bit tile's bytes, half as wide (32.0 against 37.7 us a
-    Qwen3-30B-A3B layer at one token on an H200, docs/benchmarks.md)."""
+    Qwen3-30B-A3B layer at one token on an H200, docs/benchmarks.md). A tile per pair:
+    deeper, the fastest of six in the H200's sweep (docs/kernels.md)."""
     if fp8 and pairs <= 16:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
+    if per_pair:  # float32's tiles at half the depth: the same bytes of shared memory
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512 // elem_bytes, num_warps=4,
+                    num_stages=3)
     if pairs <= 256:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -220,9 +239,11 @@ def _grouped_gemm(a, w, scale, bias, weights, aligned, config: dict, pairs_per_r
     FP8 times ``scale`` ([E, N]) where that is not None, plus ``bias`` ([E, N]) where
     that is not; ``swiglu``: W is [E, 2N, K], the gate and the up rows, and the rows
     come out silu(gate) * up (``glu``'s clamped form where given); otherwise each row is
-    scaled by its routing weight."""
+    scaled by its routing weight. ``aligned``: align_blocks' result, or the pairs' expert
+    ids ([pairs]) for a tile per pair."""
     assert w.stride(-1) == 1, "expert weights must be contiguous in K"
-    sorted_ids, tile_expert, total = aligned
+    per_pair = isinstance(aligned, torch.Tensor)
+    sorted_ids, tile_expert, total = (aligned,) * 3 if per_pair else aligned
     pairs, n, k = weights.numel(), w.shape[1] // (2 if swiglu else 1), w.shape[2]
     c = torch.empty((pairs, n), dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n, config["BLOCK_N"]))
@@ -234,7 +255,8 @@ def _grouped_gemm(a, w, scale, bias, weights, aligned, config: dict, pairs_per_r
                                scale.stride(0) if scaled else 0, bias.stride(0) if biased else 0,
                                c.stride(0), glu.alpha if glu else 1.0, glu.limit if glu else 0.0,
                                SCALED=scaled, BIAS=biased, SWIGLU=swiglu, CLAMPED=glu is not None,
-                               MUL_WEIGHTS=not swiglu, PDL=pdl, launch_pdl=pdl, **config)
+                               MUL_WEIGHTS=not swiglu, PER_PAIR=per_pair, PDL=pdl,
+                               launch_pdl=pdl, **config)
     return c
 
 
@@ -298,8 +320,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return _experts_torch(x, w13, w2, weights, ids, biases, glu)
     x = x.contiguous()
     tokens, top_k = ids.shape
-    config = _config(ids.numel(), fp8=scales is not None)
-    aligned = align_blocks(ids, w13.shape[0], config["BLOCK_M"], use_triton=True)
+    per_pair = tokens <= PER_PAIR_TOKENS
+    config = _config(ids.numel(), fp8=scales is not None, per_pair=per_pair,
+                     elem_bytes=x.element_size())
+    aligned = ids.flatten().contiguous() if per_pair else \
+        align_blocks(ids, w13.shape[0], config["BLOCK_M"], use_triton=True)
     flat_weights = weights.flatten().float().contiguous()
     (s13, s2), (b13, b2) = scales or (None, None), biases or (None, None)
     act = _grouped_gemm(x, w13, s13, b13, flat_weights, aligned, config, top_k, swiglu=True,
