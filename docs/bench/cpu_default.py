@@ -1,8 +1,10 @@
 """The default model on the CPU: lower-precision weights against float32, and load time.
 
     python3 docs/bench/cpu_default.py [--model SmolLM2-135M-Instruct] [--prompts 16]
+                                      [--compiled-step auto|off|build]
 
-Prints, for float32, bfloat16 and int8 linear weights (``cpu_weight_dtype``) and
+Prints, for float32, bfloat16 and int8 linear weights and the GGUF file's own blocks
+(``cpu_weight_dtype``) and
 for a bfloat16 model (``dtype``), batch-1 decode ms/token (64 new tokens of one
 chat prompt, after a warm-up), how many of N greedy 64-token chat continuations
 equal float32's, and the time of ``LLM(model)`` in this process (imports done).
@@ -37,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--compiled-step", default="auto", help="cpu_compiled_step: auto, off, build")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
@@ -44,10 +47,12 @@ def main() -> None:
     prompts = QUESTIONS[:args.prompts]
     reference = None
     variants = {"float32": {}, "bfloat16 weights": {"cpu_weight_dtype": "bfloat16"},
-                "int8 weights": {"cpu_weight_dtype": "int8"}, "bfloat16 model": {"dtype": "bfloat16"}}
+                "int8 weights": {"cpu_weight_dtype": "int8"}, "gguf blocks": {"cpu_weight_dtype": "gguf"},
+                "bfloat16 model": {"dtype": "bfloat16"}}
     for name, options in variants.items():
         start = time.perf_counter()
-        llm = LLM(args.model, device="cpu", **{"dtype": "float32", **options})
+        llm = LLM(args.model, device="cpu", cpu_compiled_step=args.compiled_step,
+                  **{"dtype": "float32", **options})
         load_s = time.perf_counter() - start
         ids = [o.token_ids for o in llm.generate(prompts, greedy)]
         reference = reference or ids

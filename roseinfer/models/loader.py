@@ -21,6 +21,7 @@ from roseinfer.models import json_tokenizer, model_class, sharding
 from roseinfer.models.quantization import checkpoint_config, method_for, quantizable
 from roseinfer.layers.cpu_linear import choose_cpu_linears
 from roseinfer.layers.cpu_weights import round_linears
+from roseinfer.models.gguf_blocks import keep_blocks
 from roseinfer.layers.moe import SparseMoE
 from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.layers.skinny_linear import measured_on, use_skinny_linears
@@ -213,7 +214,9 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
     if triton_usable(device) and measured_on(torch.device(device)):
         use_skinny_linears(model)
     cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    if cpu32 and cpu_weight_dtype != "float32":
+    if cpu32 and cpu_weight_dtype == "gguf":
+        keep_blocks(model, _gguf_file(spec), hf_config)
+    elif cpu32 and cpu_weight_dtype != "float32":
         round_linears(model, cpu_weight_dtype)
     if cpu32 and torch.backends.mkldnn.is_available():
         choose_cpu_linears(model, os.path.join(CACHE_DIR, "cpu_linear_timings.json"))
@@ -395,6 +398,14 @@ def _load_tokenizer(path, config=None):
     except (OSError, ValueError) as e:
         log.warning("no tokenizer at %s (%s); prompts must be token ids", path, e)
         return None
+
+
+def _gguf_file(spec) -> str:
+    path = ALIASES[spec]() if isinstance(spec, str) and spec in ALIASES else spec
+    if not str(path).endswith(".gguf"):
+        raise ConfigError(f"cpu_weight_dtype gguf multiplies a .gguf file's blocks as stored; "
+                          f"{spec!r} is not one: use float32, bfloat16 or int8")
+    return str(path)
 
 
 def _converted_gguf(gguf_path: str) -> str:

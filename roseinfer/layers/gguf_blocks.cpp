@@ -1,0 +1,292 @@
+// GGUF's quantized blocks multiplied as they are stored, on the CPU (layers/gguf_linear.py).
+//
+// Each row of x is rounded to int8 per block of 32 first, as llama.cpp rounds its
+// activations (Q8_0 / Q8_1): a block's product is then one integer dot, scaled. Kinds are
+// ggml's type numbers: Q4_0 (2: fp16 d, 16 bytes of nibbles, w = d (q - 8)), Q4_1 (3: fp16
+// d and m, 16 bytes of nibbles, w = d q + m) and Q8_0 (8: fp16 d, 32 int8, w = d q). A
+// block's low nibbles are its weights 0-15, the high ones 16-31.
+//
+// With AVX-512 VNNI a block's 32 products are one u8 x s8 `vpdpbusd`, two blocks a 512-bit
+// step, four rows of x a pass over a weight row; elsewhere the same sums in plain C++.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__F16C__)
+#define GGUF_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace {
+constexpr int QK = 32;
+
+int64_t block_bytes(int64_t kind) {
+  switch (kind) {
+    case 2: return 18;
+    case 3: return 20;
+    case 8: return 34;
+  }
+  TORCH_CHECK(false, "GGUF kind ", kind, " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)");
+}
+
+float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// x's rows rounded to int8 per block: q, the scale d, and d * sum(q) (what x's block sums
+// to, for a block's minimum).
+struct Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+Rows quantize_rows(const float* x, int64_t m, int64_t k) {
+  const int64_t nb = k / QK;
+  Rows r{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * nb)};
+  for (int64_t i = 0; i < m * nb; ++i) {
+    const float* v = x + i * QK;
+    float amax = 0.f;
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      const int q = (int)std::nearbyint(v[j] * id);
+      r.q[i * QK + j] = (int8_t)q;
+      sum += q;
+    }
+    r.d[i] = d;
+    r.s[i] = d * (float)sum;
+  }
+  return r;
+}
+
+// A Q4 block's scale and the minimum it adds to each weight.
+inline void q4_scale(int64_t kind, const uint8_t* blk, float& d, float& m) {
+  d = half(blk);
+  m = kind == 3 ? half(blk + 2) : -8.f * d;
+}
+
+#ifdef GGUF_VNNI
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One weight row's dot with R rows of x, Q4_0 or Q4_1: per block
+// d_w d_x (levels . q_x) + m_w s_x; R accumulators stay in registers.
+template <int R>
+void q4_dot(int64_t kind, const uint8_t* row, const int8_t* const* q, const float* const* d,
+            const float* const* s, int64_t nb, float* out) {
+  const int64_t bytes = block_bytes(kind), head = bytes - 16;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m512 acc[R];
+  float mins[R];
+  for (int t = 0; t < R; ++t) { acc[t] = _mm512_setzero_ps(); mins[t] = 0.f; }
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const uint8_t* b0 = row + b * bytes;
+    const uint8_t* b1 = b0 + bytes;
+    float d0, m0, d1, m1;
+    q4_scale(kind, b0, d0, m0);
+    q4_scale(kind, b1, d1, m1);
+    const __m256i nib = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(b1 + head)),
+                                         _mm_loadu_si128((const __m128i*)(b0 + head)));
+    // per 128-bit lane: a block's 16 low nibbles, then its 16 high ones, as x's order
+    const __m256i lo = _mm256_and_si256(nib, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low);
+    const __m512i lv = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+        _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+    for (int t = 0; t < R; ++t) {
+      const __m512i qx = _mm512_loadu_si512((const void*)(q[t] + b * QK));
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv, qx);
+      const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * d[t][b]),
+                                           _mm256_set1_ps(d1 * d[t][b + 1]), 1);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[t]);
+      mins[t] += m0 * s[t][b] + m1 * s[t][b + 1];
+    }
+  }
+  for (; b < nb; ++b) {  // an odd last block
+    const uint8_t* b0 = row + b * bytes;
+    float d0, m0;
+    q4_scale(kind, b0, d0, m0);
+    const __m128i nib = _mm_loadu_si128((const __m128i*)(b0 + head));
+    const __m128i l4 = _mm_set1_epi8(0x0F);
+    const __m256i lv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nib, 4), l4),
+                                        _mm_and_si128(nib, l4));
+    for (int t = 0; t < R; ++t) {
+      const __m256i qx = _mm256_loadu_si256((const __m256i*)(q[t] + b * QK));
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lv, qx);
+      mins[t] += d0 * d[t][b] * (float)_mm512_reduce_add_epi32(_mm512_castsi256_si512(dot)) +
+                 m0 * s[t][b];
+    }
+  }
+  for (int t = 0; t < R; ++t) out[t] = _mm512_reduce_add_ps(acc[t]) + mins[t];
+}
+
+// Q8_0: signed x signed as |w| (u8) . (q_x with w's signs)
+template <int R>
+void q8_dot(const uint8_t* row, const int8_t* const* q, const float* const* d, int64_t nb,
+            float* out) {
+  __m256 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 34;
+    const float dw = half(blk);
+    const __m256i qw = _mm256_loadu_si256((const __m256i*)(blk + 2));
+    const __m256i aw = _mm256_sign_epi8(qw, qw);
+    for (int t = 0; t < R; ++t) {
+      const __m256i qx = _mm256_loadu_si256((const __m256i*)(q[t] + b * QK));
+      const __m256i dot =
+          _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(qx, qw));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * d[t][b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < R; ++t) out[t] = hsum(acc[t]);
+}
+
+template <int R>
+void row_dot(int64_t kind, const uint8_t* row, const int8_t* const* q, const float* const* d,
+             const float* const* s, int64_t nb, float* out) {
+  if (kind == 8) q8_dot<R>(row, q, d, nb, out);
+  else q4_dot<R>(kind, row, q, d, s, nb, out);
+}
+#else
+// The same sums without vector instructions: exact integer dots, one block at a time.
+template <int R>
+void row_dot(int64_t kind, const uint8_t* row, const int8_t* const* q, const float* const* d,
+             const float* const* s, int64_t nb, float* out) {
+  const int64_t bytes = block_bytes(kind);
+  for (int t = 0; t < R; ++t) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bytes;
+      const int8_t* qx = q[t] + b * QK;
+      int dot = 0;
+      if (kind == 8) {
+        for (int j = 0; j < QK; ++j) dot += (int)(int8_t)blk[2 + j] * qx[j];
+        acc += half(blk) * d[t][b] * (float)dot;
+        continue;
+      }
+      float dw, mw;
+      q4_scale(kind, blk, dw, mw);
+      const uint8_t* nib = blk + bytes - 16;
+      for (int j = 0; j < 16; ++j) dot += (nib[j] & 15) * qx[j] + (nib[j] >> 4) * qx[j + 16];
+      acc += dw * d[t][b] * (float)dot + mw * s[t][b];
+    }
+    out[t] = acc;
+  }
+}
+#endif
+
+template <int R>
+void rows_tile(int64_t kind, const uint8_t* w, const Rows& x, float* y, int64_t r0, int64_t n,
+               int64_t k, int64_t n0, int64_t n1) {
+  const int64_t nb = k / QK, bytes = nb * block_bytes(kind);
+  const int8_t* q[R];
+  const float* d[R];
+  const float* s[R];
+  for (int t = 0; t < R; ++t) {
+    q[t] = x.q.data() + (r0 + t) * k;
+    d[t] = x.d.data() + (r0 + t) * nb;
+    s[t] = x.s.data() + (r0 + t) * nb;
+  }
+  float out[R];
+  for (int64_t col = n0; col < n1; ++col) {
+    row_dot<R>(kind, w + col * bytes, q, d, s, nb, out);
+    for (int t = 0; t < R; ++t) y[(r0 + t) * n + col] = out[t];
+  }
+}
+
+void check(const at::Tensor& blocks, int64_t kind, int64_t k) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "GGUF blocks must be a contiguous uint8 [rows, bytes] tensor");
+  TORCH_CHECK(k % QK == 0 && blocks.size(1) == k / QK * block_bytes(kind),
+              "GGUF blocks of ", blocks.size(1), " bytes a row do not hold ", k, " weights");
+}
+
+// y = x @ W.T for W's rows as GGUF blocks ([N, K / 32 * block bytes]); x float32 [M, K].
+at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be float32 [rows, K]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = blocks.size(0);
+  check(blocks, kind, k);
+  at::Tensor y = at::empty({m, n}, xc.options());
+  const Rows xr = quantize_rows(xc.data_ptr<float>(), m, k);
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= m; r0 += 4) rows_tile<4>(kind, wp, xr, yp, r0, n, k, n0, n1);
+    for (; r0 < m; ++r0) rows_tile<1>(kind, wp, xr, yp, r0, n, k, n0, n1);
+  });
+  return y;
+}
+
+// The weights the blocks hold, float32 [N, K].
+at::Tensor dequantize(const at::Tensor& blocks, int64_t kind, int64_t k) {
+  check(blocks, kind, k);
+  const int64_t n = blocks.size(0), nb = k / QK, bytes = block_bytes(kind);
+  at::Tensor w = at::empty({n, k}, blocks.options().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, n * nb, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* blk = bp + i * bytes;
+      float* out = wp + i * QK;
+      if (kind == 8) {
+        const float dw = half(blk);
+        for (int j = 0; j < QK; ++j) out[j] = dw * (float)(int8_t)blk[2 + j];
+        continue;
+      }
+      float dw, mw;
+      q4_scale(kind, blk, dw, mw);
+      const uint8_t* nib = blk + bytes - 16;
+      for (int j = 0; j < 16; ++j) {
+        out[j] = dw * (float)(nib[j] & 15) + mw;
+        out[j + 16] = dw * (float)(nib[j] >> 4) + mw;
+      }
+    }
+  });
+  return w;
+}
+
+at::Tensor mm_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t) {
+  return at::empty({x.size(0), blocks.size(0)}, x.options());
+}
+
+at::Tensor dequantize_meta(const at::Tensor& blocks, int64_t, int64_t k) {
+  return at::empty({blocks.size(0), k}, blocks.options().dtype(at::kFloat));
+}
+}  // namespace
+
+// GGUF_NS: the ops' namespace; a build for another target (the tests' portable one) names
+// its own, so that both load in one process. The indirection expands it before pasting.
+#ifndef GGUF_NS
+#define GGUF_NS roseinfer_gguf
+#endif
+#define GGUF_LIBRARY(ns, lib) TORCH_LIBRARY(ns, lib)
+#define GGUF_LIBRARY_IMPL(ns, key, lib) TORCH_LIBRARY_IMPL(ns, key, lib)
+
+GGUF_LIBRARY(GGUF_NS, lib) {
+  lib.def("mm(Tensor x, Tensor blocks, int kind) -> Tensor");
+  lib.def("dequantize(Tensor blocks, int kind, int k) -> Tensor");
+}
+
+GGUF_LIBRARY_IMPL(GGUF_NS, CPU, lib) {
+  lib.impl("mm", &mm);
+  lib.impl("dequantize", &dequantize);
+}
+
+GGUF_LIBRARY_IMPL(GGUF_NS, Meta, lib) {
+  lib.impl("mm", &mm_meta);
+  lib.impl("dequantize", &dequantize_meta);
+}

@@ -1,0 +1,116 @@
+"""Linears that keep a GGUF file's quantized blocks and multiply them as stored, on the
+CPU (``cpu_weight_dtype="gguf"``).
+
+A batch-1 step reads every weight once, so its time follows the weights' bytes: Q4_1
+holds 5 bits a weight where the de-quantized float32 model holds 32. The kernel
+(``gguf_blocks.cpp``, built on this machine by torch's ``cpp_extension`` into the cache,
+once) rounds each row of x to int8 per block of 32, as llama.cpp does, and takes each
+block's product as one integer dot (AVX-512 VNNI where the CPU has it). From
+``DOT_ROWS`` rows up the weight is de-quantized into a float32 GEMM instead: the integer
+dots do each row's work again, and oneDNN's GEMM reuses a weight tile across rows
+(docs/kernels.md, "GGUF blocks on the CPU").
+
+Kinds: ggml's type numbers, Q4_0 (2), Q4_1 (3) and Q8_0 (8). Other tensors of the file
+(K-quants, float ones) stay in the de-quantized float32 model.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gguf_blocks.cpp")
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # 32 weights a block
+DOT_ROWS = 4  # rows from which a float32 GEMM over the de-quantized weight is faster
+NATIVE = ("-O3", "-march=native")
+_built: dict[tuple[str, ...], object] = {}
+
+
+def _cpu() -> str:
+    """The CPU the kernels are built for (-march=native): its model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def build(flags: tuple[str, ...] = NATIVE, namespace: str = "roseinfer_gguf"):
+    """Builds the kernels for this CPU (20-30 s, once: kept under the cache, keyed by the
+    source, the flags, torch and the CPU), loads them and returns their ops
+    (``torch.ops.<namespace>``: ``mm`` and ``dequantize``); later calls in the process
+    return at once. ``namespace``: another build's (other ``flags``) beside the default
+    one. Raises RuntimeError where no C++ compiler or ninja can build them."""
+    key = (*flags, namespace)
+    if key not in _built:
+        _built[key] = _load(flags, namespace)
+    return _built[key]
+
+
+def _load(flags: tuple[str, ...], namespace: str):
+    from torch.utils.cpp_extension import load
+
+    from roseinfer.models.loader import CACHE_DIR
+
+    flags = (*flags, f"-DGGUF_NS={namespace}")
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, torch.__version__, _cpu()])
+                         .encode()).hexdigest()[:16]
+    folder = os.path.join(CACHE_DIR, "gguf_kernels", key)
+    os.makedirs(folder, exist_ok=True)
+    if not any(name.endswith(".so") for name in os.listdir(folder)):
+        log.info("building the GGUF block kernels for this CPU (once, about 30 s)")
+    try:
+        load(name=f"{namespace}_{key}", sources=[str(SOURCE)], extra_cflags=list(flags),
+             build_directory=folder, is_python_module=False)
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"could not build the GGUF block kernels ({e}); install a C++ "
+                           f"compiler and ninja, or use cpu_weight_dtype float32") from e
+    return getattr(torch.ops, namespace)
+
+
+class GgufLinear(nn.Module):
+    """A linear whose weight is GGUF blocks ([N, K / 32 * block bytes], uint8) of ``kind``;
+    float32 in and out, as the float32 model's linears."""
+
+    def __init__(self, blocks: torch.Tensor, kind: int, in_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"GGUF kind {kind} is not one of {sorted(BLOCK_BYTES)}")
+        self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = bias
+
+    def weight(self) -> torch.Tensor:
+        """The de-quantized weight, float32 [N, K]."""
+        return torch.ops.roseinfer_gguf.dequantize(self.blocks, self.kind, self.in_features)
+
+    def forward(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        if flat.shape[0] < DOT_ROWS:
+            out = torch.ops.roseinfer_gguf.mm(flat, self.blocks, self.kind)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(flat, self.weight(), self.bias)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if gelu is None else F.gelu(out, approximate=gelu)
+
+
+def quantize_rows_like_kernel(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: each block of 32 rounded to int8 steps of its absmax / 127
+    (float32, the same shape). The reference the tests hold the kernel to."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, blocks / d, torch.zeros_like(blocks)).round()
+    return (q * d).reshape(x.shape)

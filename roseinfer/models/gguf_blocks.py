@@ -1,0 +1,124 @@
+"""A GGUF file's quantized linears kept as its blocks (``cpu_weight_dtype="gguf"``).
+
+The model is loaded de-quantized first (models/loader.py converts the file once); then
+each linear whose weight the file stores in a kind the block kernels read
+(layers/gguf_linear.py) takes the file's rows of blocks in place of its float32 weight.
+The file's names become transformers' through transformers' own GGUF map, with its
+processing (llama.cpp's q/k row order undone: rows of blocks permute as rows of weights
+do), and transformers' names become the family's through the family's own
+``convert_hf_state_dict``, which fuses q/k/v and gate/up by rows as it fuses float
+weights. Each swap is checked: sample rows of the blocks, de-quantized, must equal the
+float weight they replace, or the load stops, naming the linear.
+
+Fused linears whose parts the file stores in different kinds (llama.cpp's mixed quants
+keep some v or down projections wider), and the LM head where the file has no quantized
+one, keep their float32 weights.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from roseinfer.core.errors import ConfigError
+from roseinfer.layers.embedding import LogitsHead
+from roseinfer.layers.gguf_linear import BLOCK_BYTES, GgufLinear, build
+
+log = logging.getLogger(__name__)
+
+
+def keep_blocks(model: nn.Module, gguf_path: str, hf_config) -> int:
+    """Swap the model's linears for GgufLinears over ``gguf_path``'s blocks; returns how
+    many were swapped."""
+    build()
+    blocks = _family_blocks(model, gguf_path, hf_config)
+    swapped = 0
+    for name, (kind, rows) in blocks.items():
+        parent, attr, linear = _linear(model, name)
+        if linear is None:
+            continue
+        _check(name, linear.weight, rows, kind)
+        setattr(parent, attr, GgufLinear(rows, kind, linear.in_features, linear.bias))
+        swapped += 1
+    log.info("%d linears read %s's blocks as stored", swapped, gguf_path)
+    return swapped
+
+
+def _family_blocks(model, gguf_path: str, hf_config) -> dict:
+    """{module path of a linear: (kind, rows of blocks)} for the file's tensors of a kind
+    the kernels read, under the family's names."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    processor = _processor(hf_config, reader)
+    names = _hf_names(hf_config, processor)
+    rows, kinds = {}, {}
+    for t in reader.tensors:
+        kind = int(t.tensor_type)
+        hf = names.get(t.name)
+        if kind not in BLOCK_BYTES or hf is None:
+            continue
+        raw = torch.from_numpy(np.array(processor.process(t.data, t.name).weights))
+        rows[hf] = raw.view(torch.uint8).reshape(raw.shape[0], -1)
+        kinds[hf] = torch.full((raw.shape[0], 1), kind)
+    fused_rows = model.convert_hf_state_dict(rows, hf_config)
+    fused_kinds = model.convert_hf_state_dict(kinds, hf_config)
+    out = {}
+    for key, r in fused_rows.items():
+        kind = fused_kinds[key]
+        if key.endswith(".weight") and key != "lm_head.weight" and bool((kind == kind[0]).all()):
+            out[key.removesuffix(".weight")] = (int(kind[0]), r.contiguous())
+    # the LM head: its own tensor, or the tied embedding's
+    head = "model.embed_tokens.weight" if getattr(hf_config, "tie_word_embeddings", False) \
+        else "lm_head.weight"
+    if head in rows:
+        out["head.linear"] = (int(kinds[head][0]), rows[head])
+    return out
+
+
+def _processor(hf_config, reader):
+    """transformers' processing of the file's tensors (llama.cpp's q/k row order undone)."""
+    import transformers.modeling_gguf_pytorch_utils as tg
+
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    return tg.TENSOR_PROCESSORS.get(arch, tg.TensorProcessor)(config=hf_config.to_dict())
+
+
+def _hf_names(hf_config, processor) -> dict:
+    """{GGUF tensor name: transformers' name}, by transformers' own map."""
+    import transformers.modeling_gguf_pytorch_utils as tg
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = hf_config.to_dict()
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+    return tg.get_gguf_hf_weights_map(hf_model, processor)
+
+
+def _linear(model, name: str):
+    """(parent, attribute, nn.Linear) at module path ``name``; None where it is not a
+    float linear (a family that keeps that weight otherwise)."""
+    parent_name, _, attr = name.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name) if parent_name else model
+    except AttributeError:
+        return None, attr, None
+    child = getattr(parent, attr, None)
+    if isinstance(parent, LogitsHead) or isinstance(child, nn.Linear):
+        return parent, attr, child if isinstance(child, nn.Linear) else None
+    return parent, attr, None
+
+
+def _check(name: str, weight: torch.Tensor, rows: torch.Tensor, kind: int) -> None:
+    n, k = weight.shape
+    if rows.shape[0] != n or rows.shape[1] != k // 32 * BLOCK_BYTES[kind]:
+        raise ConfigError(f"{name}: the GGUF file's blocks ({tuple(rows.shape)}) do not "
+                          f"hold its {n} x {k} weight; use cpu_weight_dtype float32")
+    sample = sorted({0, 1, n // 3, n // 2, n - 1})
+    got = torch.ops.roseinfer_gguf.dequantize(rows[sample].contiguous(), kind, k)
+    if not torch.allclose(got, weight[sample].float(), rtol=1e-6, atol=1e-7):
+        raise ConfigError(f"{name}: the GGUF file's blocks de-quantize to other values than "
+                          f"the converted weight; use cpu_weight_dtype float32")
