@@ -305,7 +305,7 @@ def build(step: DecodeStep, kv_cache, path: Path, context_len: int, timed: bool 
     tmp = _compile(step, _example(kv_cache, context_len), path)
     record = {"built_s": round(time.perf_counter() - start, 1), "torch": torch.__version__,
               "eager_ms": None, "compiled_ms": None}
-    failed = _load_fails(tmp)
+    failed = _load_fails(tmp, _op_libraries(step))
     if failed:
         tmp.unlink()
         _record(path, {**record, "failed": failed})
@@ -358,10 +358,20 @@ def _compile(step: DecodeStep, args: tuple, path: Path) -> Path:
     return tmp
 
 
-def _load_fails(package_path: Path) -> str | None:
+def _op_libraries(step: nn.Module) -> str:
+    """Python that loads the operator libraries of the project's own the step calls: the
+    package finds them by name, and they must be loaded first."""
+    from roseinfer.layers.gguf_linear import GgufLinear
+    if any(isinstance(m, GgufLinear) for m in step.modules()):
+        return "from roseinfer.layers.gguf_linear import build; build(); "
+    return ""
+
+
+def _load_fails(package_path: Path, preload: str = "") -> str | None:
     """Why torch's loader cannot open the package, tried in a process of its own (it
-    ended one with a segmentation fault under torch 2.11 on an Intel Xeon); None if it can."""
-    code = ("import sys, torch; "
+    ended one with a segmentation fault under torch 2.11 on an Intel Xeon); None if it can.
+    ``preload``: Python run first (``_op_libraries``)."""
+    code = ("import sys, torch; " + preload +
             "torch._C._aoti.AOTIModelPackageLoader(sys.argv[1], 'model', False, 1, -1)")
     try:
         done = subprocess.run([sys.executable, "-c", code, str(package_path)],

@@ -75,7 +75,7 @@ def compiled_step(engine) -> Optional[cpu_step.CompiledStep]:
 def _applies(engine) -> bool:
     cfg = engine.config
     return (engine.device.type == "cpu" and engine.dtype == torch.float32
-            and cfg.cpu_weight_dtype == "float32" and cfg.tensor_parallel_size == 1
+            and cfg.cpu_weight_dtype in ("float32", "gguf") and cfg.tensor_parallel_size == 1
             and engine.model.quantization is None and cfg.kv_cache_dtype == "auto"
             and not cfg.enable_lora
             and cfg.kv_append_backend in ("auto", "torch_index")
