@@ -4,7 +4,8 @@
 # Builds llama-bench from the vendor/llama.cpp of the registry's llama-cpp-python sdist
 # (once, into $BUILD), runs it on the file (decode tg64, prompt pp32 and pp512, and
 # 32 + 64 together), then roseinfer's batch-1 decode of the same model through
-# docs/bench/cpu_default.py. Both with two threads.
+# docs/bench/cpu_default.py (float32 and the file's own blocks, each with its compiled
+# step built first). Both with two threads.
 # Usage: [OUT=dir] [BUILD=/tmp/llamacpp] [THREADS=2] bash docs/bench/llamacpp.sh
 set -euo pipefail
 OUT=${OUT:-bench-results}; mkdir -p "$OUT"
@@ -25,4 +26,5 @@ gguf=$(python3 -c "from roseinfer.models.loader import ALIASES; print(ALIASES['s
   > "$OUT/machine.txt"
 "$src/build/bin/llama-bench" -m "$gguf" -t "$THREADS" -p 32,512 -n 64 -pg 32,64 -r 3 \
   | tee "$OUT/llama-bench.md"
-python3 docs/bench/cpu_default.py --prompts 4 | tee "$OUT/roseinfer.txt"
+python3 docs/bench/cpu_default.py --prompts 4 --compiled-step build \
+  --only "float32,gguf blocks" | tee "$OUT/roseinfer.txt"
