@@ -102,7 +102,8 @@ def test_a_package_torch_cannot_load_is_recorded_and_not_used(cache_dir, tmp_pat
     broken.write_bytes(b"not a package")
     assert "loading the package ended its process with code" in cpu_step._load_fails(broken)
     hf = tiny_gpt2()
-    monkeypatch.setattr(cpu_step, "_load_fails", lambda path: "the loader crashed (code -11)")
+    monkeypatch.setattr(cpu_step, "_load_fails",
+                        lambda path, preload="": "the loader crashed (code -11)")
     assert LLM(hf, cpu_compiled_step="build", **CONFIG).engine.runner.compiled is None
     (record,) = (cache_dir / "cpu_steps").glob("*.json")
     assert json.loads(record.read_text())["failed"] == "the loader crashed (code -11)"

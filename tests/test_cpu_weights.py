@@ -76,7 +76,7 @@ def test_greedy_tokens_equal_transformers_rounded_the_same_way(weight_dtype):
 
 
 def test_cpu_weight_dtype_is_checked():
-    with pytest.raises(ConfigError, match="float32, bfloat16 or int8"):
+    with pytest.raises(ConfigError, match="float32, bfloat16, int8 or gguf"):
         LLM(tiny_llama(), device="cpu", cpu_weight_dtype="int4")
     with pytest.raises(ConfigError, match="applies to float32 models on the CPU"):
         LLM(tiny_llama(), device="cpu", dtype="bfloat16", cpu_weight_dtype="int8")

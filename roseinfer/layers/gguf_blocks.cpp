@@ -3,8 +3,10 @@
 // Each row of x is rounded to int8 per block of 32 first, as llama.cpp rounds its
 // activations (Q8_0 / Q8_1): a block's product is then one integer dot, scaled. Kinds are
 // ggml's type numbers: Q4_0 (2: fp16 d, 16 bytes of nibbles, w = d (q - 8)), Q4_1 (3: fp16
-// d and m, 16 bytes of nibbles, w = d q + m) and Q8_0 (8: fp16 d, 32 int8, w = d q). A
-// block's low nibbles are its weights 0-15, the high ones 16-31.
+// d and m, 16 bytes of nibbles, w = d q + m) and Q8_0 (8: fp16 d, 32 int8, w = d q); and
+// the K-quants repacked at load (layers/gguf_kquants.py): 100 (float32 d and m, 16 bytes of
+// nibbles) and 101 (float32 d of weights 0-15 and of 16-31, float32 m, 32 int8,
+// w = d q + m). A block's low nibbles are its weights 0-15, the high ones 16-31.
 //
 // With AVX-512 VNNI a block's 32 products are one u8 x s8 `vpdpbusd`, two blocks a 512-bit
 // step, four rows of x a pass over a weight row; elsewhere the same sums in plain C++.
@@ -30,14 +32,23 @@ int64_t block_bytes(int64_t kind) {
     case 2: return 18;
     case 3: return 20;
     case 8: return 34;
+    case 100: return 24;
+    case 101: return 44;
   }
-  TORCH_CHECK(false, "GGUF kind ", kind, " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)");
+  TORCH_CHECK(false, "GGUF kind ", kind, " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8), "
+              "100 or 101 (K-quants repacked)");
 }
 
 float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+float f32(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
 }
 
 // x's rows rounded to int8 per block: q, the scale d, and d * sum(q) (what x's block sums
@@ -69,6 +80,11 @@ Rows quantize_rows(const float* x, int64_t m, int64_t k) {
 
 // A Q4 block's scale and the minimum it adds to each weight.
 inline void q4_scale(int64_t kind, const uint8_t* blk, float& d, float& m) {
+  if (kind == 100) {
+    d = f32(blk);
+    m = f32(blk + 4);
+    return;
+  }
   d = half(blk);
   m = kind == 3 ? half(blk + 2) : -8.f * d;
 }
@@ -153,10 +169,36 @@ void q8_dot(const uint8_t* row, const int8_t* const* q, const float* const* d, i
   for (int t = 0; t < R; ++t) out[t] = hsum(acc[t]);
 }
 
+// Kind 101: a scale for each half of the block (the dot's lanes 0-3 and 4-7), a minimum.
+template <int R>
+void halves_dot(const uint8_t* row, const int8_t* const* q, const float* const* d,
+                const float* const* s, int64_t nb, float* out) {
+  __m256 acc[R];
+  float mins[R];
+  for (int t = 0; t < R; ++t) { acc[t] = _mm256_setzero_ps(); mins[t] = 0.f; }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 44;
+    const __m256 dw = _mm256_set_m128(_mm_set1_ps(f32(blk + 4)), _mm_set1_ps(f32(blk)));
+    const float mw = f32(blk + 8);
+    const __m256i qw = _mm256_loadu_si256((const __m256i*)(blk + 12));
+    const __m256i aw = _mm256_sign_epi8(qw, qw);
+    for (int t = 0; t < R; ++t) {
+      const __m256i qx = _mm256_loadu_si256((const __m256i*)(q[t] + b * QK));
+      const __m256i dot =
+          _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(qx, qw));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                               _mm256_mul_ps(dw, _mm256_set1_ps(d[t][b])), acc[t]);
+      mins[t] += mw * s[t][b];
+    }
+  }
+  for (int t = 0; t < R; ++t) out[t] = hsum(acc[t]) + mins[t];
+}
+
 template <int R>
 void row_dot(int64_t kind, const uint8_t* row, const int8_t* const* q, const float* const* d,
              const float* const* s, int64_t nb, float* out) {
   if (kind == 8) q8_dot<R>(row, q, d, nb, out);
+  else if (kind == 101) halves_dot<R>(row, q, d, s, nb, out);
   else q4_dot<R>(kind, row, q, d, s, nb, out);
 }
 #else
@@ -174,6 +216,14 @@ void row_dot(int64_t kind, const uint8_t* row, const int8_t* const* q, const flo
       if (kind == 8) {
         for (int j = 0; j < QK; ++j) dot += (int)(int8_t)blk[2 + j] * qx[j];
         acc += half(blk) * d[t][b] * (float)dot;
+        continue;
+      }
+      if (kind == 101) {
+        int hi = 0;
+        for (int j = 0; j < 16; ++j) dot += (int)(int8_t)blk[12 + j] * qx[j];
+        for (int j = 16; j < QK; ++j) hi += (int)(int8_t)blk[12 + j] * qx[j];
+        acc += (f32(blk) * (float)dot + f32(blk + 4) * (float)hi) * d[t][b] +
+               f32(blk + 8) * s[t][b];
         continue;
       }
       float dw, mw;
@@ -245,6 +295,11 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t kind, int64_t k) {
       if (kind == 8) {
         const float dw = half(blk);
         for (int j = 0; j < QK; ++j) out[j] = dw * (float)(int8_t)blk[2 + j];
+        continue;
+      }
+      if (kind == 101) {
+        for (int j = 0; j < QK; ++j)
+          out[j] = f32(blk + (j < 16 ? 0 : 4)) * (float)(int8_t)blk[12 + j] + f32(blk + 8);
         continue;
       }
       float dw, mw;

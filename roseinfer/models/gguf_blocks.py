@@ -12,11 +12,16 @@ float weight they replace, or the load stops, naming the linear.
 
 Fused linears whose parts the file stores in different kinds (llama.cpp's mixed quants
 keep some v or down projections wider), and the LM head where the file has no quantized
-one, keep their float32 weights.
+one, keep their float32 weights. The family's blocks are kept under the cache after the
+first load, so that later starts read them in a fraction of a second.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +29,8 @@ from torch import nn
 
 from roseinfer.core.errors import ConfigError
 from roseinfer.layers.embedding import LogitsHead
+from roseinfer.layers import gguf_kquants
+from roseinfer.layers.gguf_kquants import REPACKED, repack
 from roseinfer.layers.gguf_linear import BLOCK_BYTES, GgufLinear, build
 
 log = logging.getLogger(__name__)
@@ -33,7 +40,7 @@ def keep_blocks(model: nn.Module, gguf_path: str, hf_config) -> int:
     """Swap the model's linears for GgufLinears over ``gguf_path``'s blocks; returns how
     many were swapped."""
     build()
-    blocks = _family_blocks(model, gguf_path, hf_config)
+    blocks = _cached_blocks(model, gguf_path, hf_config)
     swapped = 0
     for name, (kind, rows) in blocks.items():
         parent, attr, linear = _linear(model, name)
@@ -44,6 +51,33 @@ def keep_blocks(model: nn.Module, gguf_path: str, hf_config) -> int:
         swapped += 1
     log.info("%d linears read %s's blocks as stored", swapped, gguf_path)
     return swapped
+
+
+def _cached_blocks(model, gguf_path: str, hf_config) -> dict:
+    """_family_blocks, kept under the cache after the first load (transformers' name map
+    takes seconds: a meta model of its class, and a name table for each of its modules),
+    keyed by the file's size and time, the family and this code."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from roseinfer.models.loader import CACHE_DIR
+
+    stat = os.stat(gguf_path)
+    code = "".join(Path(m.__file__).read_text() for m in (sys.modules[__name__], gguf_kquants))
+    key = hashlib.sha256(f"{stat.st_size}-{stat.st_mtime_ns}-{type(model).__name__}-{code}"
+                         .encode()).hexdigest()[:16]
+    path = os.path.join(CACHE_DIR, "gguf_blocks", f"{Path(gguf_path).stem}-{key}.safetensors")
+    if os.path.exists(path):
+        with safe_open(path, framework="pt") as f:
+            kinds = f.metadata()
+            return {name: (int(kinds[name]), f.get_tensor(name)) for name in f.keys()}
+    blocks = _family_blocks(model, gguf_path, hf_config)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"  # processes loading at once each write their own
+    save_file({name: rows for name, (_, rows) in blocks.items()}, tmp,
+              metadata={name: str(kind) for name, (kind, _) in blocks.items()})
+    os.replace(tmp, path)
+    return blocks
 
 
 def _family_blocks(model, gguf_path: str, hf_config) -> dict:
@@ -58,10 +92,12 @@ def _family_blocks(model, gguf_path: str, hf_config) -> dict:
     for t in reader.tensors:
         kind = int(t.tensor_type)
         hf = names.get(t.name)
-        if kind not in BLOCK_BYTES or hf is None:
+        if (kind not in BLOCK_BYTES and kind not in REPACKED) or hf is None:
             continue
-        raw = torch.from_numpy(np.array(processor.process(t.data, t.name).weights))
-        rows[hf] = raw.view(torch.uint8).reshape(raw.shape[0], -1)
+        raw = np.array(processor.process(t.data, t.name).weights)
+        if kind in REPACKED:
+            kind, raw = repack(kind, raw)
+        rows[hf] = torch.from_numpy(raw).view(torch.uint8).reshape(raw.shape[0], -1)
         kinds[hf] = torch.full((raw.shape[0], 1), kind)
     fused_rows = model.convert_hf_state_dict(rows, hf_config)
     fused_kinds = model.convert_hf_state_dict(kinds, hf_config)
