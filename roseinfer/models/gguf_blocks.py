@@ -41,16 +41,12 @@ def keep_blocks(model: nn.Module, gguf_path: str, hf_config) -> int:
     many were swapped."""
     build()
     blocks = _cached_blocks(model, gguf_path, hf_config)
-    swapped = 0
     for name, (kind, rows) in blocks.items():
         parent, attr, linear = _linear(model, name)
-        if linear is None:
-            continue
         _check(name, linear.weight, rows, kind)
         setattr(parent, attr, GgufLinear(rows, kind, linear.in_features, linear.bias))
-        swapped += 1
-    log.info("%d linears read %s's blocks as stored", swapped, gguf_path)
-    return swapped
+    log.info("%d linears read %s's blocks as stored", len(blocks), gguf_path)
+    return len(blocks)
 
 
 def _cached_blocks(model, gguf_path: str, hf_config) -> dict:
@@ -81,8 +77,8 @@ def _cached_blocks(model, gguf_path: str, hf_config) -> dict:
 
 
 def _family_blocks(model, gguf_path: str, hf_config) -> dict:
-    """{module path of a linear: (kind, rows of blocks)} for the file's tensors of a kind
-    the kernels read, under the family's names."""
+    """{module path of a float linear: (kind, rows of blocks)} for the file's tensors of a
+    kind the kernels read, under the family's names."""
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
@@ -111,7 +107,7 @@ def _family_blocks(model, gguf_path: str, hf_config) -> dict:
         else "lm_head.weight"
     if head in rows:
         out["head.linear"] = (int(kinds[head][0]), rows[head])
-    return out
+    return {name: v for name, v in out.items() if _linear(model, name)[2] is not None}
 
 
 def _processor(hf_config, reader):
