@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.core.errors import ConfigError
-from roseinfer.layers import gguf_kquants, gguf_linear
+from roseinfer.layers import gguf_repack, gguf_linear
 from roseinfer.layers.gguf_linear import GgufLinear, quantize_rows_like_kernel
 from roseinfer.models import gguf_blocks
 
@@ -153,32 +153,34 @@ def test_gguf_weights_need_a_gguf_file():
         LLM("smollm2-random", cpu_weight_dtype="gguf")
 
 
-K_QUANTS = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+REPACKED = {Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210), Q.Q5_0: (32, 22),
+            Q.Q5_1: (32, 24)}  # weights and bytes a block
 
 
-def k_quantized(kind, n, k, seed=0):
-    """(the file's rows of ``kind`` super-blocks, random but well-formed, [n, bytes] uint8;
-    the gguf package's de-quantized float32 [n, k])."""
+def random_blocks(kind, n, k, seed=0):
+    """(rows of ``kind`` blocks, random but well-formed, [n, bytes] uint8; the gguf
+    package's de-quantized float32 [n, k])."""
     rng = np.random.default_rng(seed)
-    nb = n * k // 256
-    raw = rng.integers(0, 256, (nb, K_QUANTS[kind]), dtype=np.uint8)
+    weights, size = REPACKED[kind]
+    nb = n * k // weights
+    raw = rng.integers(0, 256, (nb, size), dtype=np.uint8)
     scales = rng.uniform(1e-3, 1e-2, (nb, 2)).astype(np.float16).view(np.uint8)
     if kind == Q.Q6_K:  # d last
         raw[:, -2:] = scales[:, :2]
-    else:  # d and dmin first
+    else:  # d, and dmin or m, first
         raw[:, :4] = scales
     raw = raw.reshape(n, -1)
     deq = torch.from_numpy(gguf.dequantize(raw, kind).astype(np.float32)).reshape(n, k)
     return raw, deq
 
 
-@pytest.mark.parametrize("kind", list(K_QUANTS), ids=lambda k: k.name)
-def test_k_quants_repack_into_blocks_of_the_same_values(ops, kind):
-    """Q4_K, Q5_K and Q6_K super-blocks become blocks of 32 (float32 scales): the kernels
-    de-quantize them to exactly the gguf package's values, and multiply them as the
-    rounded rows times those values."""
-    raw, deq = k_quantized(kind, 24, 512)
-    repacked, blocks = gguf_kquants.repack(int(kind), raw)
+@pytest.mark.parametrize("kind", list(REPACKED), ids=lambda k: k.name)
+def test_repacked_kinds_hold_the_same_values(ops, kind):
+    """Q4_K, Q5_K and Q6_K super-blocks, and Q5_0 and Q5_1 blocks, become blocks of 32
+    with float32 scales: the kernels de-quantize them to exactly the gguf package's
+    values, and multiply them as the rounded rows times those values."""
+    raw, deq = random_blocks(kind, 24, 512)
+    repacked, blocks = gguf_repack.repack(int(kind), raw)
     blocks = torch.from_numpy(blocks)
     assert torch.equal(ops.dequantize(blocks, repacked, 512), deq)
     for rows in (1, 5):

@@ -4,7 +4,7 @@
 // activations (Q8_0 / Q8_1): a block's product is then one integer dot, scaled. Kinds are
 // ggml's type numbers: Q4_0 (2: fp16 d, 16 bytes of nibbles, w = d (q - 8)), Q4_1 (3: fp16
 // d and m, 16 bytes of nibbles, w = d q + m) and Q8_0 (8: fp16 d, 32 int8, w = d q); and
-// the K-quants repacked at load (layers/gguf_kquants.py): 100 (float32 d and m, 16 bytes of
+// the other kinds repacked at load (layers/gguf_repack.py): 100 (float32 d and m, 16 bytes of
 // nibbles) and 101 (float32 d of weights 0-15 and of 16-31, float32 m, 32 int8,
 // w = d q + m). A block's low nibbles are its weights 0-15, the high ones 16-31.
 //
@@ -36,7 +36,7 @@ int64_t block_bytes(int64_t kind) {
     case 101: return 44;
   }
   TORCH_CHECK(false, "GGUF kind ", kind, " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8), "
-              "100 or 101 (K-quants repacked)");
+              "100 or 101 (repacked)");
 }
 
 float half(const uint8_t* p) {

@@ -10,9 +10,9 @@ block's product as one integer dot (AVX-512 VNNI where the CPU has it). From
 dots do each row's work again, and oneDNN's GEMM reuses a weight tile across rows
 (docs/kernels.md, "GGUF blocks on the CPU").
 
-Kinds: ggml's type numbers, Q4_0 (2), Q4_1 (3) and Q8_0 (8), and Q4_K, Q5_K and Q6_K
-repacked at load into blocks of 32 that hold the same values (100 and 101,
-layers/gguf_kquants.py). Other tensors of the file (float ones) stay in the
+Kinds: ggml's type numbers, Q4_0 (2), Q4_1 (3) and Q8_0 (8), and Q4_K, Q5_K, Q6_K, Q5_0
+and Q5_1 repacked at load into blocks of 32 that hold the same values (100 and 101,
+layers/gguf_repack.py). Other tensors of the file (float ones) stay in the
 de-quantized float32 model.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_blocks.cpp")
-# 32 weights a block: Q4_0, Q4_1, Q8_0, and the K-quants repacked (layers/gguf_kquants.py)
+# 32 weights a block: Q4_0, Q4_1, Q8_0, and the kinds repacked at load (layers/gguf_repack.py)
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 100: 24, 101: 44}
 DOT_ROWS = 4  # rows from which a float32 GEMM over the de-quantized weight is faster
 NATIVE = ("-O3", "-march=native")

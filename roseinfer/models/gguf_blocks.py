@@ -29,8 +29,8 @@ from torch import nn
 
 from roseinfer.core.errors import ConfigError
 from roseinfer.layers.embedding import LogitsHead
-from roseinfer.layers import gguf_kquants
-from roseinfer.layers.gguf_kquants import REPACKED, repack
+from roseinfer.layers import gguf_repack
+from roseinfer.layers.gguf_repack import REPACKED, repack
 from roseinfer.layers.gguf_linear import BLOCK_BYTES, GgufLinear, build
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _cached_blocks(model, gguf_path: str, hf_config) -> dict:
     from roseinfer.models.loader import CACHE_DIR
 
     stat = os.stat(gguf_path)
-    code = "".join(Path(m.__file__).read_text() for m in (sys.modules[__name__], gguf_kquants))
+    code = "".join(Path(m.__file__).read_text() for m in (sys.modules[__name__], gguf_repack))
     key = hashlib.sha256(f"{stat.st_size}-{stat.st_mtime_ns}-{type(model).__name__}-{code}"
                          .encode()).hexdigest()[:16]
     path = os.path.join(CACHE_DIR, "gguf_blocks", f"{Path(gguf_path).stem}-{key}.safetensors")

@@ -1,15 +1,19 @@
-"""GGUF's K-quants (Q4_K, Q5_K, Q6_K) repacked at load into 32-weight blocks the block
-kernels read, holding exactly the file's values.
+"""GGUF kinds the block kernels do not read as stored, repacked at load into 32-weight
+blocks they read, holding exactly the file's values: the K-quants (Q4_K, Q5_K, Q6_K) and
+the 5-bit legacy kinds (Q5_0, Q5_1), which llama.cpp's K-quant mixes use wherever a row's
+length is not a multiple of 256 (all of a 576-wide model's attention, for one).
 
 A K-quant super-block holds 256 weights under one fp16 scale (and minimum), with 6- or
 8-bit scales for each sub-block of 32 (16 for Q6_K). Its values are d * sc * q - dmin * m
 (Q6_K: d * sc * (q - 32)), and every factor is exact in float32, so a block that keeps
-d * sc and dmin * m as float32 computes the same values:
+d * sc and dmin * m as float32 computes the same values. Q5_0 and Q5_1 are d (q - 16) and
+d q + m over 5-bit levels.
 
 - Q4_K -> ``F32_Q4`` (kind 100): float32 scale and minimum, 16 bytes of nibbles; 24 bytes
   for 32 weights where Q4_K takes 18, read by the Q4 kernel.
-- Q5_K and Q6_K -> ``F32_Q8`` (kind 101): float32 scales of each half (16 weights),
-  float32 minimum, 32 int8; 44 bytes where they take 22 and 26, read by an int8 kernel.
+- Q5_K, Q6_K, Q5_0 and Q5_1 -> ``F32_Q8`` (kind 101): float32 scales of each half (16
+  weights), float32 minimum, 32 int8; 44 bytes where they take 22-26, read by an int8
+  kernel.
 
 The layouts and the unpacking follow the ``gguf`` package's ``dequantize`` (quants.py).
 """
@@ -19,23 +23,24 @@ import numpy as np
 
 QK_K = 256
 F32_Q4, F32_Q8 = 100, 101  # the repacked kinds (outside ggml's type numbers)
-Q4_K, Q5_K, Q6_K = 12, 13, 14  # ggml's
-REPACKED = {Q4_K: F32_Q4, Q5_K: F32_Q8, Q6_K: F32_Q8}
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14  # ggml's
+REPACKED = {Q4_K: F32_Q4, Q5_K: F32_Q8, Q6_K: F32_Q8, Q5_0: F32_Q8, Q5_1: F32_Q8}
 
 
 def repack(kind: int, raw: np.ndarray) -> tuple[int, np.ndarray]:
-    """(kind the kernels read, its rows of blocks [rows, bytes] uint8) of a K-quant
-    tensor's rows ([rows, bytes] uint8)."""
+    """(kind the kernels read, its rows of blocks [rows, bytes] uint8) of a tensor's rows
+    of ``kind`` ([rows, bytes] uint8)."""
     rows = raw.shape[0]
     blocks = raw.reshape(-1, _BYTES[kind])
     if kind == Q4_K:
         scale, minimum, q = _q4_k(blocks)
         return F32_Q4, _f32_q4(scale, minimum, q).reshape(rows, -1)
-    scale, minimum, q = (_q5_k if kind == Q5_K else _q6_k)(blocks)
+    unpack = {Q5_K: _q5_k, Q6_K: _q6_k, Q5_0: _q5_0, Q5_1: _q5_1}[kind]
+    scale, minimum, q = unpack(blocks)
     return F32_Q8, _f32_q8(scale, minimum, q).reshape(rows, -1)
 
 
-_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
+_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, Q5_0: 22, Q5_1: 24}
 
 
 def _split(blocks: np.ndarray, *sizes: int) -> list[np.ndarray]:
@@ -80,6 +85,25 @@ def _q6_k(blocks):
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
     q = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).astype(np.int8) - 32
     return scale.reshape(-1, 8, 2), np.zeros((len(blocks), 8), np.float32), q
+
+
+def _q5_levels(qh, qs) -> np.ndarray:
+    """A legacy 5-bit block's 32 levels: nibbles as Q4_1's, the fifth bits in a word."""
+    high = (qh.copy().view("<u4") >> np.arange(32, dtype=np.uint32).reshape(1, 32)) & 1
+    low = (qs.reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0x0F
+    return (low.reshape(-1, 32) | (high.astype(np.uint8) << 4)).astype(np.int8)
+
+
+def _q5_0(blocks):
+    d, qh, qs = _split(blocks, 2, 4)
+    scale = np.repeat(_half(d), 2, axis=-1).reshape(-1, 1, 2)
+    return scale, np.zeros((len(blocks), 1), np.float32), (_q5_levels(qh, qs) - 16)[:, None]
+
+
+def _q5_1(blocks):
+    d, m, qh, qs = _split(blocks, 2, 2, 4)
+    scale = np.repeat(_half(d), 2, axis=-1).reshape(-1, 1, 2)
+    return scale, _half(m), _q5_levels(qh, qs)[:, None]
 
 
 def _f32_q4(scale, minimum, q) -> np.ndarray:
