@@ -188,3 +188,21 @@ def test_repacked_kinds_hold_the_same_values(ops, kind):
         want = quantize_rows_like_kernel(x).double() @ deq.double().T
         got = ops.mm(x, blocks, repacked)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
+
+
+def test_fused_linears_follow_the_family_and_skip_mixed_kinds():
+    """The family's own fusing, run on row indexes: gate and up of one kind become
+    gate_up's rows in its order; q, k and v of two kinds (llama.cpp's mixes keep v wider)
+    stay float."""
+    from roseinfer.models.llama import LlamaForCausalLM
+    rows = {f"model.layers.0.{name}.weight": torch.randint(0, 256, (n, width),
+                                                           dtype=torch.uint8)
+            for name, n, width in [("self_attn.q_proj", 8, 20), ("self_attn.k_proj", 4, 20),
+                                   ("self_attn.v_proj", 4, 34), ("mlp.gate_proj", 6, 20),
+                                   ("mlp.up_proj", 6, 20)]}
+    kinds = {hf: 8 if "v_proj" in hf else 3 for hf in rows}
+    fused = dict(gguf_blocks._fused(LlamaForCausalLM, None, rows, kinds))
+    assert list(fused) == ["layers.0.gate_up_proj.weight"]
+    kind, blocks = fused["layers.0.gate_up_proj.weight"]
+    gate, up = (rows[f"model.layers.0.mlp.{name}.weight"] for name in ("gate_proj", "up_proj"))
+    assert kind == 3 and torch.equal(blocks, torch.cat([gate, up]))

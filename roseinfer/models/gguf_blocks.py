@@ -94,20 +94,35 @@ def _family_blocks(model, gguf_path: str, hf_config) -> dict:
         if kind in REPACKED:
             kind, raw = repack(kind, raw)
         rows[hf] = torch.from_numpy(raw).view(torch.uint8).reshape(raw.shape[0], -1)
-        kinds[hf] = torch.full((raw.shape[0], 1), kind)
-    fused_rows = model.convert_hf_state_dict(rows, hf_config)
-    fused_kinds = model.convert_hf_state_dict(kinds, hf_config)
-    out = {}
-    for key, r in fused_rows.items():
-        kind = fused_kinds[key]
-        if key.endswith(".weight") and key != "lm_head.weight" and bool((kind == kind[0]).all()):
-            out[key.removesuffix(".weight")] = (int(kind[0]), r.contiguous())
+        kinds[hf] = kind
+    out = {key.removesuffix(".weight"): v for key, v in _fused(model, hf_config, rows, kinds)}
     # the LM head: its own tensor, or the tied embedding's
     head = "model.embed_tokens.weight" if getattr(hf_config, "tie_word_embeddings", False) \
         else "lm_head.weight"
     if head in rows:
-        out["head.linear"] = (int(kinds[head][0]), rows[head])
+        out["head.linear"] = (kinds[head], rows[head])
     return {name: v for name, v in out.items() if _linear(model, name)[2] is not None}
+
+
+def _fused(model, hf_config, rows: dict, kinds: dict):
+    """(family key, (kind, rows of blocks)) for each weight the family builds from the
+    file's tensors, where all its parts are of one kind. The family's own
+    ``convert_hf_state_dict`` runs on each row's (tensor, row) index, so that its fusing
+    (and any reordering of rows) is followed as it is, whatever the parts' widths."""
+    names = list(rows)
+    index = {hf: torch.stack([torch.full((len(r),), i), torch.arange(len(r))], 1)
+             for i, (hf, r) in enumerate(rows.items())}
+    for key, at in model.convert_hf_state_dict(index, hf_config).items():
+        if not key.endswith(".weight") or key == "lm_head.weight" or at.dim() != 2 \
+                or at.shape[1] != 2:
+            continue
+        parts = [names[i] for i in at[:, 0].unique().tolist()]
+        if len({kinds[hf] for hf in parts}) != 1:
+            continue  # a fused linear of mixed kinds keeps its float weight
+        starts = torch.tensor([0] + [len(rows[hf]) for hf in parts]).cumsum(0)
+        place = {names.index(hf): start for hf, start in zip(parts, starts.tolist())}
+        picks = torch.tensor([place[i] for i in at[:, 0].tolist()]) + at[:, 1]
+        yield key, (kinds[parts[0]], torch.cat([rows[hf] for hf in parts])[picks])
 
 
 def _processor(hf_config, reader):
