@@ -65,20 +65,33 @@ def test_bad_blocks_are_refused_by_name():
         ops.dequantize(blocks, 12, 96)
 
 
-@pytest.mark.parametrize("rows", [1, gguf_linear.DOT_ROWS + 3])
-def test_the_linear_uses_the_blocks_or_their_float_weight(rows):
+def bf16(t):
+    return t.bfloat16().float()
+
+
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+@pytest.mark.parametrize("rows", [1, gguf_linear.DOT_ROWS - 1, gguf_linear.DOT_ROWS + 3])
+def test_the_linear_uses_the_blocks_or_their_weights(rows, bf16_gemm, monkeypatch):
     """Below DOT_ROWS the integer dots (x rounded per block); from it the de-quantized
-    weight through a float32 GEMM (x as it is)."""
+    weight through a GEMM: bfloat16 (x and the weight rounded, the output too) where the
+    CPU has oneDNN's bfloat16 kernels, else float32 (x as it is)."""
+    if bf16_gemm and not gguf_linear.BF16_GEMM:
+        pytest.skip("oneDNN has no bfloat16 kernels on this CPU")
+    monkeypatch.setattr(gguf_linear, "BF16_GEMM", bf16_gemm)
     gguf_linear.build()
     blocks, deq = quantized(Q.Q4_1, 48, 96)
     bias = torch.randn(48)
     layer = GgufLinear(blocks, int(Q.Q4_1), 96, bias)
-    x = torch.randn(2, rows, 96)
-    seen = quantize_rows_like_kernel(x) if rows < gguf_linear.DOT_ROWS else x
-    torch.testing.assert_close(layer(x), F.linear(seen, deq, bias), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer(x, gelu="tanh"),
-                               F.gelu(F.linear(seen, deq, bias), approximate="tanh"),
-                               rtol=1e-5, atol=1e-5)
+    x = torch.randn(1, rows, 96)  # the rows the linear sees, in a batch's shape
+    if rows < gguf_linear.DOT_ROWS:
+        want, tol = F.linear(quantize_rows_like_kernel(x), deq, bias), 1e-5
+    elif bf16_gemm:
+        want, tol = bf16(F.linear(bf16(x), bf16(deq))) + bias, 1e-2
+    else:
+        want, tol = F.linear(x, deq, bias), 1e-5
+    torch.testing.assert_close(layer(x), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(layer(x, gelu="tanh"), F.gelu(want, approximate="tanh"),
+                               rtol=tol, atol=tol)
 
 
 def test_blocks_that_are_not_the_weight_are_refused():

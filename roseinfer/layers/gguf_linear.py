@@ -6,9 +6,11 @@ holds 5 bits a weight where the de-quantized float32 model holds 32. The kernel
 (``gguf_blocks.cpp``, built on this machine by torch's ``cpp_extension`` into the cache,
 once) rounds each row of x to int8 per block of 32, as llama.cpp does, and takes each
 block's product as one integer dot (AVX-512 VNNI where the CPU has it). From
-``DOT_ROWS`` rows up the weight is de-quantized into a float32 GEMM instead: the integer
-dots do each row's work again, and oneDNN's GEMM reuses a weight tile across rows
-(docs/kernels.md, "GGUF blocks on the CPU").
+``DOT_ROWS`` rows up (prompts) the weight is de-quantized into a GEMM instead: the integer
+dots do each row's work again, and oneDNN's GEMM reuses a weight tile across rows; in
+bfloat16 where the CPU has oneDNN's bfloat16 kernels, so prompts see the weights and x
+rounded to bfloat16, as decode sees x rounded to int8 (docs/kernels.md, "GGUF blocks on
+the CPU").
 
 Kinds: ggml's type numbers, Q4_0 (2), Q4_1 (3) and Q8_0 (8), and Q4_K, Q5_K, Q6_K, Q5_0
 and Q5_1 repacked at load into blocks of 32 that hold the same values (100 and 101,
@@ -33,7 +35,12 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("gguf_blocks.cpp")
 # 32 weights a block: Q4_0, Q4_1, Q8_0, and the kinds repacked at load (layers/gguf_repack.py)
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 100: 24, 101: 44}
-DOT_ROWS = 4  # rows from which a float32 GEMM over the de-quantized weight is faster
+# Rows from which a GEMM over the de-quantized weight is faster than the integer dots (each
+# row's dots are its own work): bfloat16 in oneDNN's packed layout where the CPU has its
+# kernels (3.1x float32's F.linear at 512 rows of ffn_gate, weight reorder included),
+# else float32 (docs/kernels.md, "GGUF blocks on the CPU").
+DOT_ROWS = 32
+BF16_GEMM = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 NATIVE = ("-O3", "-march=native")
 _built: dict[tuple[str, ...], object] = {}
 
@@ -100,8 +107,15 @@ class GgufLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
-        if flat.shape[0] < DOT_ROWS:
+        rows = flat.shape[0]
+        if rows < DOT_ROWS:
             out = torch.ops.roseinfer_gguf.mm(flat, self.blocks, self.kind)
+            if self.bias is not None:
+                out = out + self.bias
+        elif BF16_GEMM:
+            weight = torch.ops.mkldnn._reorder_linear_weight(self.weight().bfloat16(), rows)
+            out = torch.ops.mkldnn._linear_pointwise(flat.bfloat16(), weight, None, "none",
+                                                     [], "").float()
             if self.bias is not None:
                 out = out + self.bias
         else:
