@@ -3,6 +3,7 @@
 that ``align_blocks`` lays out (every token count above it), in one process.
 
     python3 docs/bench/moe_per_pair.py [--peak-tbps 4.2] [--check]   # --check: CPU, interpreted
+    python3 docs/bench/moe_per_pair.py --sweep   # per-pair tiles: BLOCK_N, BLOCK_K, warps, stages
 
 Per shape (Qwen3-30B-A3B's 128 x (2048 -> 768), top 8; DeepSeek-V2-Lite's 64 x (2048 ->
 1408), top 6; gpt-oss-20b's 32 x (2880 -> 2880), top 4, clamped GLU and biases), in bf16
@@ -67,6 +68,48 @@ def both(L):
         return got, run(L, True)
 
 
+TILES = [(64, 256, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (32, 256, 4, 3),
+         (64, 256, 8, 3), (128, 256, 8, 3), (32, 128, 4, 4)]
+
+
+@contextmanager
+def per_pair_tile(tile):
+    """fused_experts' per-pair tiles set to ``tile`` (FP8's own tile left as it is)."""
+    saved = moe._config
+    n, k, warps, stages = tile
+
+    def config(pairs, fp8=False, per_pair=False, elem_bytes=2):
+        if per_pair and not fp8:
+            return dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
+        return saved(pairs, fp8, per_pair, elem_bytes)
+    moe._config = config
+    try:
+        yield
+    finally:
+        moe._config = saved
+
+
+def sweep():
+    """Per-pair tiles at one and two tokens, bf16 experts, µs a layer."""
+    from decode_attention_sweep import time_graph
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, e, top_k, h, i, gpt_oss in SHAPES:
+        for tokens in (1, 2):
+            layers = [layer(e, top_k, h, i, gpt_oss, False, tokens, "cuda", torch.bfloat16, gen)
+                      for _ in range(8)]
+            with sorted_tiles():
+                cells = [f"sorted {time_graph([lambda L=L: run(L) for L in layers]) * 1e6:.1f}"]
+            for tile in TILES:
+                try:
+                    with per_pair_tile(tile):
+                        us = time_graph([lambda L=L: run(L) for L in layers]) * 1e6
+                except Exception as err:  # noqa: BLE001 - a tile the compiler refuses
+                    cells.append(f"{tile} {type(err).__name__}")
+                    continue
+                cells.append(f"{tile} {us:.1f}")
+            print(f"{name} x{tokens}: " + "; ".join(cells), flush=True)
+
+
 def check():
     """CPU, interpreted: both layouts equal the torch twin on small shapes."""
     gen = torch.Generator().manual_seed(0)
@@ -105,9 +148,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--peak-tbps", type=float, default=4.2)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(__file__))
     if args.check:
         check()
+    elif args.sweep:
+        sweep()
     else:
         bench(args.peak_tbps * 1e12)
