@@ -7,9 +7,10 @@ step (torch.profiler sees the kernels a CUDA graph launches), against the
 bytes a step must read (weights once, each sequence's K/V) at PEAK_TB_S
 (default 3.0) TB/s. With tensor parallelism (TP > 1) the figures are rank 0's
 (its shards' bytes, its kernels), and the all-reduces' share of the step is
-printed. KV_CACHE_DTYPE=fp8 profiles over an FP8 K/V cache.
+printed. KV_CACHE_DTYPE=fp8 profiles over an FP8 K/V cache; QUANTIZATION=fp8 (or another
+method) quantizes the weights at load.
 
-    [PEAK_TB_S=4.5] [KV_CACHE_DTYPE=fp8] python3 docs/bench/decode_profile.py MODEL:BATCH[:CONTEXT[:TP]] ...
+    [PEAK_TB_S=4.5] [KV_CACHE_DTYPE=fp8] [QUANTIZATION=fp8] python3 docs/bench/decode_profile.py MODEL:BATCH[:CONTEXT[:TP]] ...
     e.g. llama3-1b-random:1 llama3-8b-random:1 llama3-1b-random:256:600
 """
 import collections
@@ -50,7 +51,8 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
               # room for every token the profile makes: at 32 sequences and more a step
               # decodes a window of 8 (engine.decode_steps), 70 steps 560 tokens
               enable_prefix_cache=False, max_model_len=context + 2048,
-              tensor_parallel_size=tp, kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"))
+              tensor_parallel_size=tp, kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"),
+              quantization=os.environ.get("QUANTIZATION") or None)
     eng = llm.engine
     weights = weight_bytes(eng.model)
     for i in range(batch):

@@ -2,7 +2,9 @@
 stay FP8 in GPU memory, and each input row is rounded to e4m3 with a scale of its own
 (its largest magnitude maps to 448), as vLLM's ``--quantization fp8`` computes.
 
-The input's rows are rounded first, by one small kernel (one program a row). Decode rows
+The input's rows are rounded first, by one small kernel (one program a row), or already
+by the kernel that made them (``QuantizedRows`` from an RMSNorm or SwiGLU, layers/fused.py):
+the linear takes either. Decode rows
 (at most MAX_ROWS; where fbgemm runs, of at most SKINNY_MAX_K inputs) then go through
 the skinny kernel (layers/skinny_linear.py), which streams each weight once, here at one
 byte a value, multiplying e4m3 tiles on the tensor cores (as float16, which holds every
@@ -24,6 +26,7 @@ from torch import nn
 
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     wait_for_inputs
+from roseinfer.layers.fused import QuantizedRows
 from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
 from roseinfer.layers.skinny_linear import _skinny_kernel, measured_on
 
@@ -55,8 +58,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, s_x, s_q, BLOCK: tl.constexpr,
     tl.store(s_ptr + row, scale)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 rows, float32 scales [M, 1]) of a 2-D ``x``, one launch."""
+def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+    """The e4m3 rows and float32 scales [M, 1] of a 2-D ``x`` (unit column stride), one
+    launch."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
@@ -64,7 +68,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0),
                                 BLOCK=min(1024, triton.next_power_of_2(k)), PDL=pdl,
                                 num_warps=4, launch_pdl=pdl)
-    return q, scale
+    return QuantizedRows(q, scale, x.dtype)
 
 
 # BLOCK_N, BLOCK_K, warps, stages: the fastest or within 4 % of it on each Llama-3-8B
@@ -72,17 +76,23 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 CONFIG = (64, 512, 4, 4)
 
 
-def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    """The W8A8 product of a 2-D ``x`` of at most MAX_ROWS rows (unit column strides)
-    with e4m3 ``weight`` [N, K] and its float32 per-channel ``weight_scale`` [N]."""
-    m, k = x.shape
+def _rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
+    return x if isinstance(x, QuantizedRows) else quantize_rows(x)
+
+
+def fp8_skinny_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor,
+                      weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                      config=None) -> torch.Tensor:
+    """The W8A8 product of at most MAX_ROWS rows (a 2-D ``x`` with unit column strides,
+    or its QuantizedRows) with e4m3 ``weight`` [N, K] and its float32 per-channel
+    ``weight_scale`` [N]."""
+    q, scale, dtype = _rows(x)
+    m, k = q.shape
     n = weight.shape[0]
     block_n, block_k, warps, stages = config or CONFIG
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    q, scale = quantize_rows(x)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    pdl = dependent_launch(x.device, m)
+    y = torch.empty(m, n, dtype=dtype, device=q.device)
+    pdl = dependent_launch(q.device, m)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         q, weight, bias if bias is not None else weight_scale, y, scale, weight_scale, m, n, k,
         q.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
@@ -108,21 +118,21 @@ def fbgemm_rowwise(device: torch.device):
         return None
 
 
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_gemm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor,
+             weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same product for any number of rows: fbgemm's or torch's FP8 GEMM (row-wise
     scales give bfloat16 out), else through the de-quantized weight (a slow path, for
     other dtypes)."""
-    q, scale = quantize_rows(x)
-    rowwise = fbgemm_rowwise(x.device) if x.dtype == torch.bfloat16 else None
+    q, scale, dtype = _rows(x)
+    rowwise = fbgemm_rowwise(q.device) if dtype == torch.bfloat16 else None
     if rowwise is not None:
         y = rowwise(q, weight, scale.view(-1), weight_scale)
-    elif x.dtype == torch.bfloat16:
+    elif dtype == torch.bfloat16:
         y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1),
-                             out_dtype=x.dtype)
+                             out_dtype=dtype)
     else:
-        y = F.linear((q.float() * scale).to(x.dtype),
-                     (weight.float() * weight_scale[:, None]).to(x.dtype))
+        y = F.linear((q.float() * scale).to(dtype),
+                     (weight.float() * weight_scale[:, None]).to(dtype))
     return y if bias is None else y + bias
 
 
@@ -132,16 +142,23 @@ def runs_here(device: torch.device) -> bool:
 
 
 class Fp8Linear(nn.Linear):
-    """An nn.Linear whose weight is e4m3 with ``weight_scale`` per output channel."""
+    """An nn.Linear whose weight is e4m3 with ``weight_scale`` per output channel; its
+    input a tensor, or QuantizedRows (2-D) from the kernel that made them."""
+    takes_quantized_rows = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        skinny_k = rows.shape[1] <= SKINNY_MAX_K or fbgemm_rowwise(rows.device) is None
-        if rows.shape[0] <= MAX_ROWS and skinny_k and rows.stride(1) == 1:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if not isinstance(x, QuantizedRows):  # rows may be strided, columns not
+            flat = x.reshape(-1, x.shape[-1])
+            rows = quantize_rows(flat if flat.stride(1) == 1 else flat.contiguous())
+        else:
+            rows = x
+        m, k = rows.values.shape
+        skinny_k = k <= SKINNY_MAX_K or fbgemm_rowwise(rows.values.device) is None
+        if m <= MAX_ROWS and skinny_k:
             y = fp8_skinny_linear(rows, self.weight, self.weight_scale, self.bias)
         else:
-            y = fp8_gemm(rows.contiguous(), self.weight, self.weight_scale, self.bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+            y = fp8_gemm(rows, self.weight, self.weight_scale, self.bias)
+        return y if isinstance(x, QuantizedRows) else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def to_fp8(linear: nn.Linear) -> None:

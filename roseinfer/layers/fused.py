@@ -6,6 +6,8 @@ kernel:
 
 - ``add_layer_norm`` / ``add_rms_norm``: residual add + norm (one shared kernel).
 - ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` on the fused gate_up output.
+- ``fp8=True`` (RMSNorm, SwiGLU): the rows come out rounded to e4m3 with a scale each
+  (``QuantizedRows``), for an FP8 linear that reads them: its rounding's launch saved.
 - ``apply_rope``: gather cos/sin by position and rotate q and k, in place; with
   ``HeadNorms``, each head's q/k RMSNorm first, in the same kernel.
 
@@ -18,12 +20,34 @@ only shape-dependent outputs, so they are CUDA-graph capturable.
 from __future__ import annotations  # kernel annotations stay strings without triton
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     wait_for_inputs
+
+class QuantizedRows(NamedTuple):
+    """Rows rounded to e4m3 with a float32 scale each (the row's largest magnitude maps to
+    448), as FP8 linears read them: ``values`` [M, K], ``scales`` [M, 1], and the ``dtype``
+    the rows were rounded from (the product's)."""
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
+def takes_quantized_rows(linear) -> bool:
+    """Whether ``linear`` reads QuantizedRows in place of its input (FP8 linears do)."""
+    return getattr(linear, "takes_quantized_rows", False)
+
+
+def quantize_rows_torch(x: torch.Tensor) -> QuantizedRows:
+    """The plain-torch rounding of 2-D ``x``'s rows, as the kernels round them."""
+    scale = (x.float().abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-12)
+    values = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return QuantizedRows(values, scale, x.dtype)
+
 
 def _use_triton(use_triton: bool | None, x: torch.Tensor) -> bool:
     if use_triton is None:
@@ -56,9 +80,9 @@ def add_residual(h, res_row, res_out_row, cols, mask):
 
 
 @_kernel
-def rms_norm_row(h, w_ptr, out_ptr, cols, mask, n_cols, eps, UNIT_OFFSET: tl.constexpr):
+def rms_norm_row(h, w_ptr, dtype_ptr, cols, mask, n_cols, eps, UNIT_OFFSET: tl.constexpr):
     """The RMSNorm of a float32 row ``h``, in float32, rounded as transformers' norms
-    round (``out_ptr``'s dtype)."""
+    round (to ``dtype_ptr``'s dtype, the activations')."""
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
     if UNIT_OFFSET:  # Gemma's: scaled by 1 + weight in float32, rounded once
@@ -66,18 +90,31 @@ def rms_norm_row(h, w_ptr, out_ptr, cols, mask, n_cols, eps, UNIT_OFFSET: tl.con
     else:
         # LlamaRMSNorm rounds the normalised value to the activation dtype before
         # scaling by the weight.
-        y = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        y = (h * rstd).to(dtype_ptr.dtype.element_ty).to(tl.float32) * w
     return y
 
 
 @_kernel
+def store_e4m3_row(y, q_row, s_at, cols, mask):
+    """Row ``y`` (float32, already rounded to the activation dtype) as e4m3 at ``q_row``
+    and its scale at ``s_at``: the largest magnitude maps to 448, as ``quantize_rows``
+    rounds a stored row."""
+    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+    scale = tl.maximum(amax / 448.0, 1e-12)
+    tl.store(q_row + cols, tl.clamp(y / scale, -448.0, 448.0).to(tl.float8e4nv), mask=mask)
+    tl.store(s_at, scale)
+
+
+@_kernel
 def _add_norm_kernel(
-    x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, xw_ptr,
+    x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, xw_ptr, scale_ptr,
     s_x, s_res, s_out, s_res_out,                # row strides
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, IS_RMS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr = False, NORM_X: tl.constexpr = False,
+    UNIT_OFFSET: tl.constexpr = False, NORM_X: tl.constexpr = False, FP8: tl.constexpr = False,
 ):
+    """FP8: ``out`` is e4m3 (and ``scale_ptr`` a scale a row), the row rounded to
+    ``res_out``'s dtype first, as the unfused pair rounds what the norm stored."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 on long prefills
     cols = tl.arange(0, BLOCK)
@@ -91,7 +128,7 @@ def _add_norm_kernel(
         h = add_residual(h, res_ptr + row * s_res, res_out_ptr + row * s_res_out, cols, mask)
     h = h.to(tl.float32)
     if IS_RMS:
-        y = rms_norm_row(h, w_ptr, out_ptr, cols, mask, n_cols, eps, UNIT_OFFSET)
+        y = rms_norm_row(h, w_ptr, res_out_ptr, cols, mask, n_cols, eps, UNIT_OFFSET)
     else:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         mean = tl.sum(h, axis=0) / n_cols
@@ -99,32 +136,40 @@ def _add_norm_kernel(
         rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
         b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = centered * rstd * w + b
-    tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        y = y.to(res_out_ptr.dtype.element_ty).to(tl.float32)
+        store_e4m3_row(y, out_ptr + row * s_out, scale_ptr + row, cols, mask)
+    else:
+        tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _add_norm_triton(x, residual, weight, bias, eps, is_rms, unit_offset=False,
-                     x_weight=None):
-    """Returns (normed, x + residual), or (normed, x) itself when residual is None."""
+                     x_weight=None, fp8=False):
+    """Returns (normed, x + residual), or (normed, x) itself when residual is None;
+    ``fp8``: normed as QuantizedRows."""
     rows = _rows(x)
     n_rows, n_cols = rows.shape
-    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    out = torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn if fp8 else x.dtype,
+                      device=x.device)
+    scales = torch.empty((n_rows, 1), dtype=torch.float32, device=x.device) if fp8 else out
     if residual is None:
-        res = res_out = rows  # never touched: HAS_RESIDUAL is off
+        res = res_out = rows  # never written: HAS_RESIDUAL is off (FP8 reads its dtype)
     else:
         res = _rows(residual)
-        res_out = torch.empty_like(out)
+        res_out = torch.empty_like(rows, memory_format=torch.contiguous_format)
     block = triton.next_power_of_2(n_cols)
     pdl = dependent_launch(x.device, n_rows)
     _add_norm_kernel[(n_rows,)](
         rows, res, weight, weight if bias is None else bias, out, res_out,
-        weight if x_weight is None else x_weight,
+        weight if x_weight is None else x_weight, scales,
         rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         n_cols, eps,
         HAS_RESIDUAL=residual is not None, IS_RMS=is_rms, BLOCK=block, PDL=pdl,
-        UNIT_OFFSET=unit_offset, NORM_X=x_weight is not None, num_warps=_warps(block),
-        launch_pdl=pdl,
+        UNIT_OFFSET=unit_offset, NORM_X=x_weight is not None, FP8=fp8,
+        num_warps=_warps(block), launch_pdl=pdl,
     )
-    return out.view(x.shape), x if residual is None else res_out.view(x.shape)
+    normed = QuantizedRows(out, scales, x.dtype) if fp8 else out.view(x.shape)
+    return normed, x if residual is None else res_out.view(x.shape)
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -145,17 +190,23 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, use_triton: bool | None = None, unit_offset: bool = False,
-                 x_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 x_weight: torch.Tensor | None = None, fp8: bool = False
+                 ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """``h = x + residual`` (``x`` when residual is None), then ``(rms_norm(h), h)``.
 
     Rounds like transformers' LlamaRMSNorm: float32 variance of ``h``, then
     ``weight * (h * rsqrt(var + eps)).to(x.dtype)``; the result is ``x.dtype``.
     ``unit_offset``: Gemma's, ``(h * rsqrt(var + eps) * (1 + weight)).to(x.dtype)``.
     ``x_weight``: ``x`` is first normed by it, Gemma's way (a block's post-norm), in the
-    same kernel. With ``residual=None`` the second result is ``x`` itself.
+    same kernel. With ``residual=None`` the second result is ``x`` itself. ``fp8``: the
+    normed rows as QuantizedRows (2-D), rounded in the same kernel.
     """
     if _use_triton(use_triton, x):
-        return _add_norm_triton(x, residual, weight, None, eps, True, unit_offset, x_weight)
+        return _add_norm_triton(x, residual, weight, None, eps, True, unit_offset, x_weight,
+                                fp8)
+    if fp8:
+        normed, h = add_rms_norm(x, residual, weight, eps, False, unit_offset, x_weight)
+        return quantize_rows_torch(normed.reshape(-1, normed.shape[-1])), h
     if x_weight is not None:
         x = add_rms_norm(x, None, x_weight, eps, False, unit_offset=True)[0]
     h = x if residual is None else x + residual
@@ -171,9 +222,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 # ---------------------------------------------------------------- SwiGLU
 
 @_kernel
-def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_out, n_cols, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr, GELU: tl.constexpr = False):
-    """act(gate) * up of one row's block of columns: SiLU, or with ``GELU`` gelu-tanh."""
+def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, s_x, s_out, n_cols, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr, GELU: tl.constexpr = False, FP8: tl.constexpr = False):
+    """act(gate) * up of one row's block of columns: SiLU, or with ``GELU`` gelu-tanh.
+    FP8 (a program a whole row): ``out`` is e4m3 and ``scale_ptr`` a scale a row, the row
+    rounded to x's dtype first."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -185,25 +238,40 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_out, n_cols, BLOCK: tl.constexpr
         y = gate / (1.0 + tl.exp(-2.0 * u)) * up
     else:
         y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        store_e4m3_row(y, out_ptr + row * s_out, scale_ptr + row, cols, mask)
+    else:
+        tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+def _gated(gate_up: torch.Tensor, gelu: bool, fp8: bool = False):
     x = _rows(gate_up)
     n_cols = x.shape[1] // 2
-    out = torch.empty((x.shape[0], n_cols), dtype=x.dtype, device=x.device)
-    block = min(triton.next_power_of_2(n_cols), 1024)
+    out = torch.empty((x.shape[0], n_cols), dtype=torch.float8_e4m3fn if fp8 else x.dtype,
+                      device=x.device)
+    scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device) if fp8 \
+        else out
+    # FP8: a program holds a whole row, for its largest magnitude
+    block = triton.next_power_of_2(n_cols) if fp8 else min(triton.next_power_of_2(n_cols), 1024)
     pdl = dependent_launch(x.device, x.shape[0])
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, block))](
-        x, out, x.stride(0), out.stride(0), n_cols, BLOCK=block, PDL=pdl, GELU=gelu,
-        num_warps=_warps(block), launch_pdl=pdl)
+        x, out, scales, x.stride(0), out.stride(0), n_cols, BLOCK=block, PDL=pdl, GELU=gelu,
+        FP8=fp8, num_warps=_warps(block), launch_pdl=pdl)
+    if fp8:
+        return QuantizedRows(out, scales, x.dtype)
     return out.view(*gate_up.shape[:-1], n_cols)
 
 
-def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up = [..., 2I]`` (gate first); returns ``[..., I]``."""
+def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None, fp8: bool = False
+                 ) -> torch.Tensor | QuantizedRows:
+    """``silu(gate) * up`` for ``gate_up = [..., 2I]`` (gate first); returns ``[..., I]``;
+    ``fp8``: as QuantizedRows (2-D), rounded in the same kernel."""
     if _use_triton(use_triton, gate_up):
-        return _gated(gate_up, gelu=False)
+        return _gated(gate_up, gelu=False, fp8=fp8)
+    if fp8:
+        y = silu_and_mul(gate_up, False)
+        return quantize_rows_torch(y.reshape(-1, y.shape[-1]))
     if gate_up.dtype == torch.float32:  # nothing to round: no casts (30 layers a step)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

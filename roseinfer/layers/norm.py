@@ -17,16 +17,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                summed: bool = True):
+                summed: bool = True, fp8: bool = False):
         """(norm(x + residual), x + residual) in one kernel on CUDA. ``summed=False``:
         ``x`` is this rank's part of a row-parallel layer's output, summed over the
-        ranks first: in the same kernel where the one-shot all-reduce takes it."""
+        ranks first: in the same kernel where the one-shot all-reduce takes it. ``fp8``
+        (for a linear that takes them): the normed rows as QuantizedRows where this kernel
+        makes them, else a tensor (the one-shot all-reduce's), which the linear rounds."""
         if not summed and tp.group().size > 1:  # a group of one has nothing to sum
             fused = tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
             x = tp.all_reduce(x)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps, fp8=fp8)
 
 
 class GemmaRMSNorm(RMSNorm):

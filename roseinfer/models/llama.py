@@ -14,7 +14,7 @@ from torch import nn
 from roseinfer.core import tp
 from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
-from roseinfer.layers.fused import HeadNorms, silu_and_mul
+from roseinfer.layers.fused import HeadNorms, silu_and_mul, takes_quantized_rows
 from roseinfer.layers.norm import RMSNorm, ShardedRMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_params
 from roseinfer.models.bert import classifies, headless
@@ -77,15 +77,21 @@ class LlamaLayer(nn.Module):
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's part of the MLP's output (the caller sums the ranks')."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+        gated = silu_and_mul(self.gate_up_proj(h), fp8=takes_quantized_rows(self.down_proj))
+        return self.down_proj(gated)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
         """Returns (this rank's part of the layer's output, the residual stream before it
         is added): the next norm sums the ranks' parts, adds the two and normalises, in
         one kernel where it can. ``x`` is whole (the embedding's) when residual is None."""
-        h, residual = self.input_layernorm(x, residual, summed=residual is None)
+        # An FP8 linear's rows are rounded by the norm that makes them (a launch saved);
+        # a mixture of experts has no gate_up_proj: its router reads the rows too
+        h, residual = self.input_layernorm(x, residual, summed=residual is None,
+                                           fp8=takes_quantized_rows(self.qkv_proj))
         attn = self_attention(self, h, positions, summed=False)
-        h, residual = self.post_attention_layernorm(attn, residual, summed=False)
+        h, residual = self.post_attention_layernorm(
+            attn, residual, summed=False,
+            fp8=takes_quantized_rows(getattr(self, "gate_up_proj", None)))
         return self.mlp(h), residual
 
 
