@@ -28,10 +28,18 @@ def rand(gen, *shape, dtype):
 
 
 def assert_same_rows(got: QuantizedRows, want: QuantizedRows, dtype):
+    """Equal codes and scales; compiled, two kernels may round a float32 row's sums 1 ulp
+    apart (another reduction order or contraction), which moves a value across an e4m3
+    rounding boundary now and then: there, one code apart at <= 1 in 1,000 values."""
     assert got.values.dtype == FP8 and got.scales.shape == (got.values.shape[0], 1)
     assert got.dtype == want.dtype == dtype
-    assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))
-    assert torch.equal(got.scales, want.scales)
+    codes = got.values.view(torch.uint8).int(), want.values.view(torch.uint8).int()
+    if not CUDA:
+        assert torch.equal(*codes) and torch.equal(got.scales, want.scales)
+        return
+    apart = (codes[0] - codes[1]).abs()
+    assert apart.max() <= 1 and apart.sum() <= max(1, apart.numel() // 1000), apart.sum()
+    torch.testing.assert_close(got.scales, want.scales, rtol=2 ** -20, atol=0)
 
 
 @dtypes
@@ -73,18 +81,15 @@ def test_the_torch_twins_round_as_the_kernels(dtype):
 
 
 @pytest.mark.parametrize("rows", [1, 16])
-def test_an_fp8_linear_computes_the_same_from_the_norms_rows(rows):
+def test_an_fp8_linear_computes_from_rows_what_it_computes_from_the_tensor(rows):
     gen = torch.Generator().manual_seed(rows)
     dtype = torch.bfloat16 if FP8_GPU else torch.float32
-    x, w = rand(gen, rows, 256, dtype=dtype), rand(gen, 256, dtype=dtype)
+    x = rand(gen, rows, 256, dtype=dtype)
     weight = torch.randn(96, 256, generator=gen) / 16
     scale = absmax_scale(weight).view(-1)
-    q = (weight / scale[:, None]).to(FP8)
-    normed = add_rms_norm(x, None, w, 1e-5, use_triton=True)[0]
-    rows_fp8 = add_rms_norm(x, None, w, 1e-5, use_triton=True, fp8=True)[0]
-    want = fp8_skinny_linear(normed, q.to(DEVICE), scale.to(DEVICE))
-    got = fp8_skinny_linear(rows_fp8, q.to(DEVICE), scale.to(DEVICE))
-    assert got.dtype == dtype and torch.equal(got, want)
+    q = (weight / scale[:, None]).to(FP8).to(DEVICE)
+    got = fp8_skinny_linear(quantize_rows(x), q, scale.to(DEVICE))
+    assert got.dtype == dtype and torch.equal(got, fp8_skinny_linear(x, q, scale.to(DEVICE)))
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="FP8 linears are made on GPUs with FP8")
