@@ -82,7 +82,7 @@ def _rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
 
 def fp8_skinny_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor,
                       weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                      config=None) -> torch.Tensor:
+                      config=None, f8dot: bool = False) -> torch.Tensor:
     """The W8A8 product of at most MAX_ROWS rows (a 2-D ``x`` with unit column strides,
     or its QuantizedRows) with e4m3 ``weight`` [N, K] and its float32 per-channel
     ``weight_scale`` [N]."""
@@ -97,7 +97,7 @@ def fp8_skinny_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor,
         q, weight, bias if bias is not None else weight_scale, y, scale, weight_scale, m, n, k,
         q.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION="tf32",
-        SCALED=True, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        SCALED=True, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl, F8DOT=f8dot)
     return y
 
 
