@@ -42,9 +42,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
                    lends_ptr=None, l_rank=0, s_lh_split=0, s_lh_slice=0, s_lh_tok=0,
                    s_lb_slice=0, s_lb_slot=0, s_lb_n=0, LORA: tl.constexpr = False,
                    LORA_SPLIT: tl.constexpr = 1, LORA_SLICES: tl.constexpr = 1,
-                   LORA_R: tl.constexpr = 16, F8DOT: tl.constexpr = False):
+                   LORA_R: tl.constexpr = 16):
     """y = x @ w.T (+ b). SCALED: x and w hold e4m3 values, multiplied as float16 (which
-    holds each exactly; F8DOT: as e4m3, on FP8 tensor cores), and y is scaled by x's row scales ``xs`` and w's column scales
+    holds each exactly), and y is scaled by x's row scales ``xs`` and w's column scales
     ``ws`` (layers/fp8_linear.py). LORA: plus each row's LoRA expand, from the shrink's
     partials ``lh`` (layers/lora_kernels.py), the slots' B ``lb``, the rows' slots and the
     slices' first columns ``lends`` (a tile of columns lies in one slice)."""
@@ -66,7 +66,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
         else:
             w = tl.load(w_at, mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
             x = tl.load(x_at, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        if SCALED and not F8DOT:
+        if SCALED:
             x, w = x.to(tl.float16), w.to(tl.float16)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if SCALED:

@@ -1,10 +1,10 @@
-"""The FP8 skinny kernel's products as float16 (e4m3 widened in registers, as shipped)
-against e4m3 on the FP8 tensor cores (``F8DOT``), on the Llama-3-8B shapes, rows 1-16,
-over rows already rounded (QuantizedRows, as a norm hands them), per launch setting:
-µs per call over 8 copies of the weight in one CUDA graph, and each one's largest
-difference from the float64 product over the largest magnitude.
+"""The FP8 skinny kernel's launch settings on the Llama-3-8B shapes, rows 1-16, over rows
+already rounded (QuantizedRows, as a norm hands them): µs per call over 8 copies of the
+weight in one CUDA graph, and each one's largest difference from the float64 product
+over the largest magnitude. (At tree d3542d0 the script, then fp8_dot.py, also timed
+the products as e4m3 on the FP8 tensor cores against float16: docs/kernels.md.)
 
-Usage: python3 docs/bench/fp8_dot.py [--output-json F] [--shapes qkv,o,...]
+Usage: cd docs/bench && python3 fp8_skinny_sweep.py [--output-json F] [--shapes qkv,o,...]
 """
 import itertools
 
@@ -29,13 +29,12 @@ def measure(n, k):
     for m in ROWS:
         rows = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
         ref = (rows.values.double() * rows.scales.double()) @ w.t()
-        for f8dot, cfg in itertools.product((False, True), CONFIGS):
-            name = f"{'f8dot' if f8dot else 'f16'}_n{cfg[0]}_k{cfg[1]}_w{cfg[2]}_s{cfg[3]}_m{m}"
+        for cfg in CONFIGS:
+            name = f"f16_n{cfg[0]}_k{cfg[1]}_w{cfg[2]}_s{cfg[3]}_m{m}"
 
             def call(i):
                 m_ = layers[i]
-                return fp8_skinny_linear(rows, m_.weight, m_.weight_scale, config=cfg,
-                                         f8dot=f8dot)
+                return fp8_skinny_linear(rows, m_.weight, m_.weight_scale, config=cfg)
             try:
                 err = ((call(0).double() - ref).abs().max() / ref.abs().max()).item()
                 row[name] = (round(per_call(call) * 1e3, 2), round(err, 5))
