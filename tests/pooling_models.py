@@ -65,6 +65,13 @@ def sentence_model(tmp_path_factory, family: str, mode: str, normalize: bool) ->
     return str(folder)
 
 
+def language_model(tmp_path_factory, tied: bool) -> str:
+    """A tiny random Qwen3ForCausalLM (Qwen3-Reranker's kind: it answers in tokens)."""
+    from transformers import Qwen3ForCausalLM
+    return save(Qwen3ForCausalLM(Qwen3Config(**{**QWEN3, "tie_word_embeddings": tied})),
+                tmp_path_factory.mktemp("qwen3-lm"))
+
+
 def cross_encoder(tmp_path_factory, family: str, labels: int) -> str:
     folder = tmp_path_factory.mktemp(f"{family}-ce")
     if family == "bert":

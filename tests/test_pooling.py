@@ -153,3 +153,45 @@ def test_a_headless_decoder_embeds_by_its_last_token(tmp_path_factory):
     with torch.no_grad():
         want = torch.nn.functional.normalize(hf(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
     torch.testing.assert_close(embeddings(llm, [TEXTS[2]])[0], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
+def test_a_language_model_scores_by_its_yes_and_no_logits(tmp_path_factory, tied):
+    """classifier_from_token (Qwen3-Reranker's no/yes): each pair's score is the second
+    token's probability against the first's at the last position, as the model card
+    computes it from transformers' logits; three tokens classify by their softmax."""
+    from transformers import AutoModelForCausalLM
+    from tests.pooling_models import language_model
+    folder = language_model(tmp_path_factory, tied)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    llm = pooling_llm(folder, classifier_from_token="n,y")
+    query = "is it a fox"
+    ids = [llm.tokenizer(query, d)["input_ids"] for d in TEXTS]
+    no, yes = llm.tokenizer.convert_tokens_to_ids(["n", "y"])
+    with torch.no_grad():
+        last = torch.stack([hf(torch.tensor([i])).logits[0, -1] for i in ids])
+    want = torch.softmax(last[:, [no, yes]], -1)[:, 1]
+    got = torch.tensor([o.score for o in llm.score(query, TEXTS)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+    three = pooling_llm(folder, classifier_from_token=("a", "b", "c"))
+    abc = three.tokenizer.convert_tokens_to_ids(["a", "b", "c"])
+    with torch.no_grad():
+        last = torch.stack([hf(torch.tensor([three.tokenizer(t)["input_ids"]])).logits[0, -1]
+                            for t in TEXTS])
+    outputs = three.classify(TEXTS)
+    assert three.engine.labels == ["a", "b", "c"]
+    torch.testing.assert_close(torch.tensor([o.probs for o in outputs]),
+                               torch.softmax(last[:, abc], -1), rtol=1e-4, atol=1e-5)
+
+
+def test_classifier_from_token_refusals(tmp_path_factory, mean_bert):
+    from roseinfer.core.errors import ConfigError
+    from tests.pooling_models import language_model
+    folder = language_model(tmp_path_factory, tied=True)
+    with pytest.raises(ConfigError, match=r"\['maybe'\] are not tokens"):
+        pooling_llm(folder, classifier_from_token="n,maybe")
+    with pytest.raises(ConfigError, match="runner auto or set it to pooling"):
+        pooling_llm(folder, classifier_from_token="n,y", runner="generate")
+    with pytest.raises(ConfigError, match="needs a language model with its LM head"):
+        pooling_llm(mean_bert, classifier_from_token="n,y")

@@ -70,6 +70,10 @@ class EngineConfig:
     # generate, or pooling (embed, score, classify: core/pooling_engine.py); "auto": pooling
     # for a model that only pools (an encoder such as BERT), generate otherwise.
     runner: str = "auto"
+    # A language model scored by its next-token logits of these tokens (the pooling
+    # runner; core/token_classifier.py): Qwen3-Reranker's "no,yes". A comma-separated
+    # string or a sequence.
+    classifier_from_token: tuple[str, ...] | str | None = None
     # Processes (one per GPU, cuda:0..N-1) that each hold 1/N of every layer's
     # heads and MLP and of the vocabulary (docs/architecture.md, "Tensor parallelism").
     tensor_parallel_size: int = 1
@@ -155,6 +159,15 @@ class EngineConfig:
                               f"{self.cpu_weight_dtype!r}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ConfigError(f"runner must be auto, generate or pooling, got {self.runner!r}")
+        if isinstance(self.classifier_from_token, str):
+            self.classifier_from_token = tuple(self.classifier_from_token.split(","))
+        if self.classifier_from_token is not None:
+            self.classifier_from_token = tuple(self.classifier_from_token)
+            if not self.classifier_from_token or not all(self.classifier_from_token):
+                raise ConfigError("classifier_from_token: name one token or more, e.g. no,yes")
+            if self.runner == "generate":
+                raise ConfigError("classifier_from_token scores in the pooling runner: leave "
+                                  "runner auto or set it to pooling")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.cpu_compiled_step not in ("auto", "build", "off"):

@@ -34,7 +34,7 @@ class LLM:
 
     def __init__(self, model, tokenizer=None, plugins=None, **config):
         config = EngineConfig.from_kwargs(**config)
-        pooling = pooling_runner(model, config.runner, plugins)
+        pooling = pooling_runner(model, config.runner, plugins, config.classifier_from_token)
         self.engine = (PoolingEngine if pooling else Engine)(model, tokenizer, config, plugins)
         self.tokenizer = self.engine.tokenizer
 

@@ -9,6 +9,7 @@ There is no KV cache. ``add_request``, ``step``, ``abort`` and ``stats`` are the
 generate engine's, so a Redis worker serves either."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from roseinfer.core.pooling import PoolingOutput, Prepared, activate, finish, po
 from roseinfer.core.pooling_decoder import decoder_states
 from roseinfer.core.pooling_inputs import InputRules
 from roseinfer.core.pooling_task import PoolingTask
+from roseinfer.core.token_classifier import token_classifier
 from roseinfer.layers.encoder_attention import Packed
 from roseinfer.models import loader
 
@@ -58,6 +60,13 @@ class PoolingEngine:
         path = tokenizer or (model if isinstance(model, (str, os.PathLike)) else None)
         self.tokenizer = _tokenizer(path)
         self.spec = spec_of(model, self.hf_config, decoder=self.decoder)
+        names = getattr(self.hf_config, "id2label", None) or {}
+        labels = [names.get(i, f"LABEL_{i}") for i in range(self.hf_config.num_labels)]
+        if config.classifier_from_token:
+            self.model.score, labels = token_classifier(
+                self.model, self.hf_config, self.tokenizer, config.classifier_from_token)
+            self.spec = dataclasses.replace(
+                self.spec, activation="sigmoid" if len(labels) == 1 else None)
         limits = [self.hf_config.max_position_embeddings - getattr(
             self.model, "position_offset", 0), self.spec.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)
@@ -65,9 +74,7 @@ class PoolingEngine:
                                   None) is not None
         self.rules = InputRules(self.max_model_len, self.hf_config.vocab_size,
                                 getattr(self.hf_config, "type_vocab_size", 1) > 1)
-        names = getattr(self.hf_config, "id2label", None) or {}
-        self.labels = [names.get(i, f"LABEL_{i}") for i in range(self.hf_config.num_labels)] \
-            if self.classifier else None
+        self.labels = labels if self.classifier else None
         self.tasks = ("embed", "score", "classify") if self.classifier else ("embed", "score")
         self.loras = None
         self._queue: list[_Queued] = []
@@ -204,11 +211,11 @@ class PoolingEngine:
         return finish(rows, normalize, task.dimensions)
 
 
-def pooling_runner(model, runner: str, plugins=None) -> bool:
+def pooling_runner(model, runner: str, plugins=None, token_classifier=None) -> bool:
     """Whether ``model`` runs in the pooling runner: asked for, or (``auto``) a family
-    that only pools."""
-    if runner != "auto":
-        return runner == "pooling"
+    that only pools, or a language model scored by its tokens (``token_classifier``)."""
+    if runner != "auto" or token_classifier:
+        return runner != "generate"
     if _hub_id(model):
         from huggingface_hub import file_exists
         if file_exists(model, "modules.json"):
