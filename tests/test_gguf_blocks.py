@@ -119,7 +119,7 @@ def greedy(llm):
 
 @pytest.fixture(scope="module")
 def float32():
-    llm = LLM("smollm2", cpu_compiled_step="off")
+    llm = LLM("smollm2", cpu_weight_dtype="float32", cpu_compiled_step="off")
     return llm, greedy(llm)
 
 

@@ -23,10 +23,20 @@ def test_answers_a_chat_question(llm):
     assert out.finish_reason == "stop"   # the model ends its turn by itself
 
 
-def test_matches_transformers_greedy(llm):
+def test_the_default_multiplies_the_files_blocks(llm):
+    """cpu_weight_dtype "auto": the .gguf file's blocks, its kernels built here."""
+    from roseinfer.layers.gguf_linear import GgufLinear
+    assert llm.engine.config.cpu_weight_dtype == "gguf"
+    assert any(isinstance(m, GgufLinear) for m in llm.engine.model.modules())
+
+
+def test_matches_transformers_greedy():
+    """De-quantized to float32, the file's values give transformers' own greedy tokens."""
     from roseinfer.models.loader import hf_model
     from tests.models import hf_greedy
 
+    llm = LLM("SmolLM2-135M-Instruct", device="cpu", num_kv_blocks=64,
+              cpu_weight_dtype="float32", cpu_compiled_step="off")
     hf, _ = hf_model("SmolLM2-135M-Instruct")
     prompt = llm.tokenizer.encode(chat(llm, "Name a color."))
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))

@@ -3,8 +3,9 @@
     python3 docs/bench/cpu_default.py [--model SmolLM2-135M-Instruct] [--prompts 16]
         [--compiled-step auto|off|build] [--prompt-tokens 512] [--only "float32,gguf blocks"]
 
-Prints, for float32, bfloat16 and int8 linear weights and the GGUF file's own blocks
-(``cpu_weight_dtype``) and for a bfloat16 model (``dtype``): batch-1 decode ms/token (64
+Prints, for float32, bfloat16 and int8 linear weights, the GGUF file's own blocks
+(``cpu_weight_dtype``), the default ("auto": the blocks for a .gguf file) and for a
+bfloat16 model (``dtype``): batch-1 decode ms/token (64
 new tokens of one question, after a warm-up), prompt tokens a second (one prompt of
 ``--prompt-tokens``), how many of N greedy 64-token continuations equal the first
 variant's, and the time of ``LLM(model)`` in this process (imports done).
@@ -58,7 +59,7 @@ def main() -> None:
     greedy = SamplingParams(max_tokens=64, temperature=0)
     prompts = QUESTIONS[:args.prompts]
     reference = None
-    variants = {"float32": {}, "bfloat16 weights": {"cpu_weight_dtype": "bfloat16"},
+    variants = {"float32": {"cpu_weight_dtype": "float32"}, "default": {}, "bfloat16 weights": {"cpu_weight_dtype": "bfloat16"},
                 "int8 weights": {"cpu_weight_dtype": "int8"}, "gguf blocks": {"cpu_weight_dtype": "gguf"},
                 "bfloat16 model": {"dtype": "bfloat16"}}
     only = args.only.split(",") if args.only else list(variants)

@@ -84,8 +84,10 @@ class EngineConfig:
     # as bfloat16 or int8: a batch-1 step reads every weight once, so fewer bytes
     # make it faster, and greedy output drifts from float32's (layers/cpu_weights.py;
     # docs/benchmarks.md measures both). "gguf": a .gguf model's quantized linears
-    # (the LM head's too) multiplied as the file's blocks (layers/gguf_linear.py).
-    cpu_weight_dtype: str = "float32"
+    # (the LM head's too) multiplied as the file's blocks (layers/gguf_linear.py). "auto":
+    # gguf for a .gguf model where its kernels build here (a C++ compiler; once, cached),
+    # float32 otherwise.
+    cpu_weight_dtype: str = "auto"
     # A quantization method (a plugin name: fp8, int4) to quantize a float model with at
     # load; a quantized checkpoint's own quantization_config picks its method unset
     # (models/quantization.py).
@@ -154,9 +156,9 @@ class EngineConfig:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 0.95]")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.cpu_weight_dtype not in ("float32", "bfloat16", "int8", "gguf"):
-            raise ConfigError(f"cpu_weight_dtype must be float32, bfloat16, int8 or gguf, got "
-                              f"{self.cpu_weight_dtype!r}")
+        if self.cpu_weight_dtype not in ("auto", "float32", "bfloat16", "int8", "gguf"):
+            raise ConfigError(f"cpu_weight_dtype must be auto, float32, bfloat16, int8 or "
+                              f"gguf, got {self.cpu_weight_dtype!r}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ConfigError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if isinstance(self.classifier_from_token, str):

@@ -4,6 +4,7 @@ tensor-parallel group builds its own here too (core/tp_workers.py)."""
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,8 @@ from roseinfer.core.plugins import PluginRegistry
 from roseinfer.core.runner import ModelRunner
 from roseinfer.models import loader
 from roseinfer.layers.attention import PagedAttention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,6 +74,28 @@ def build_runner(model, kv_cache: KVCache, cfg: EngineConfig, plugins: PluginReg
                        cfg.max_num_batched_tokens if mixed_tokens is None else mixed_tokens,
                        peers, (min(verify_tokens, cfg.max_num_batched_tokens), per_seq),
                        cfg.enable_lora)
+
+
+def weights_decided(cfg: EngineConfig, spec, device: torch.device) -> EngineConfig:
+    """``cfg`` with cpu_weight_dtype "auto" decided: gguf for a .gguf model run in float32
+    on the CPU on one process, unquantized, where the block kernels build (once, cached);
+    float32 otherwise."""
+    if cfg.cpu_weight_dtype != "auto":
+        return cfg
+    gguf = device.type == "cpu" and resolve_dtype(cfg.dtype, device) == torch.float32 \
+        and cfg.quantization is None and cfg.tensor_parallel_size == 1 \
+        and loader.is_gguf(spec) and _block_kernels_build()
+    return cfg.replace(cpu_weight_dtype="gguf" if gguf else "float32")
+
+
+def _block_kernels_build() -> bool:
+    from roseinfer.layers.gguf_linear import build
+    try:
+        build()
+        return True
+    except RuntimeError as e:  # no compiler here: the file's values in float32, as before
+        log.warning("%s; the GGUF model runs de-quantized to float32 (slower)", e)
+        return False
 
 
 def _cpu_weight_dtype(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:

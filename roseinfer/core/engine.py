@@ -51,9 +51,10 @@ class EngineStats:
 class Engine:
     def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None,
                  plugins: Optional[PluginRegistry] = None):
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         self.plugins = plugins = plugins or default_registry()
         self.device = resolve_device(config.device)
+        self.config = config = device_side.weights_decided(config, model, self.device)
         self.peers = None
         if config.tensor_parallel_size > 1:
             self.device = rank_device(self.device, 0, config.tensor_parallel_size)

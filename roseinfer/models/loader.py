@@ -400,6 +400,13 @@ def _load_tokenizer(path, config=None):
         return None
 
 
+def is_gguf(spec) -> bool:
+    """Whether ``spec`` (a path or an alias) names a .gguf file."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return False
+    return str(ALIASES[spec]() if spec in ALIASES else spec).endswith(".gguf")
+
+
 def _gguf_file(spec) -> str:
     path = ALIASES[spec]() if isinstance(spec, str) and spec in ALIASES else spec
     if not str(path).endswith(".gguf"):

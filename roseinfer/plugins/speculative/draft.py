@@ -28,8 +28,8 @@ class DraftModel:
             if ctx.device.type == "cuda" else None
         self.engine = Engine(cfg.draft_model, config=cfg.replace(
             speculative=None, draft_model=None, tensor_parallel_size=1, quantization=None,
-            device=str(ctx.device), cpu_compiled_step="off", max_num_seqs=batch,
-            num_kv_blocks=blocks), plugins=ctx.plugins)
+            device=str(ctx.device), cpu_compiled_step="off", cpu_weight_dtype="auto",
+            max_num_seqs=batch, num_kv_blocks=blocks), plugins=ctx.plugins)
         if self.engine.vocab_size != ctx.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({self.engine.vocab_size} ids) "
                               f"is not the target's ({ctx.vocab_size}); pick a draft "
