@@ -211,10 +211,10 @@ class PoolingEngine:
         return finish(rows, normalize, task.dimensions)
 
 
-def pooling_runner(model, runner: str, plugins=None, token_classifier=None) -> bool:
+def pooling_runner(model, runner: str, plugins=None, classifier_from_token=None) -> bool:
     """Whether ``model`` runs in the pooling runner: asked for, or (``auto``) a family
-    that only pools, or a language model scored by its tokens (``token_classifier``)."""
-    if runner != "auto" or token_classifier:
+    that only pools, or a language model scored by its tokens (``classifier_from_token``)."""
+    if runner != "auto" or classifier_from_token:
         return runner != "generate"
     if _hub_id(model):
         from huggingface_hub import file_exists

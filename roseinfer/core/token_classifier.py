@@ -1,8 +1,8 @@
 """A language model's next-token logits as a classifier (``classifier_from_token``, as
 vLLM names it): the model's own LM head over each input's last token, the named tokens'
 logits kept, so a reranker that answers in tokens is served as a cross-encoder. (The
-head runs on one row an input: next to the layers over every token, about a thousandth
-of a Qwen3-Reranker-0.6B batch's work.)
+head runs on one row an input: next to the layers over every token, by arithmetic about
+a thousandth of a Qwen3-Reranker-0.6B batch's work.)
 
 Two tokens (Qwen3-Reranker's ``["no", "yes"]``) give one logit, the second's minus the
 first's: its sigmoid is the second token's probability against the first's, as the model
