@@ -74,7 +74,7 @@ def quantize_rows(x: torch.Tensor) -> QuantizedRows:
 # BLOCK_N, BLOCK_K, warps, stages: the fastest or within 4 % of it on each Llama-3-8B
 # linear at 1 and 16 rows on the H100 (docs/bench/fp8_linears.py). On the H200 three
 # stages: gate_up 31.4 against 36.7 us at one row, the other shapes within 0.3 us
-# (docs/bench/fp8_dot.py)
+# (docs/bench/fp8_skinny_sweep.py)
 CONFIG = (64, 512, 4, 4)
 H200_CONFIG = (64, 512, 4, 3)
 
@@ -156,11 +156,9 @@ class Fp8Linear(nn.Linear):
     takes_quantized_rows = True
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        if not isinstance(x, QuantizedRows):  # rows may be strided, columns not
-            flat = x.reshape(-1, x.shape[-1])
-            rows = quantize_rows(flat if flat.stride(1) == 1 else flat.contiguous())
-        else:
-            rows = x
+        flat = x if isinstance(x, QuantizedRows) else x.reshape(-1, x.shape[-1])
+        rows = _rows(flat if isinstance(flat, QuantizedRows) or flat.stride(1) == 1
+                     else flat.contiguous())  # rows may be strided, columns not
         m, k = rows.values.shape
         skinny_k = k <= SKINNY_MAX_K or fbgemm_rowwise(rows.values.device) is None
         if m <= MAX_ROWS and skinny_k:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     wait_for_inputs
+from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
 
 class QuantizedRows(NamedTuple):
     """Rows rounded to e4m3 with a float32 scale each (the row's largest magnitude maps to
@@ -44,9 +45,8 @@ def takes_quantized_rows(linear) -> bool:
 
 def quantize_rows_torch(x: torch.Tensor) -> QuantizedRows:
     """The plain-torch rounding of 2-D ``x``'s rows, as the kernels round them."""
-    scale = (x.float().abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-12)
-    values = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return QuantizedRows(values, scale, x.dtype)
+    scale = absmax_scale(x.float())
+    return QuantizedRows((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale, x.dtype)
 
 
 def _use_triton(use_triton: bool | None, x: torch.Tensor) -> bool:
