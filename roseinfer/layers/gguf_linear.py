@@ -19,13 +19,8 @@ de-quantized float32 model.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -70,37 +65,14 @@ def build(flags: tuple[str, ...] = NATIVE, namespace: str = "roseinfer_gguf"):
 
 
 def _load(flags: tuple[str, ...], namespace: str):
-    from torch.utils.cpp_extension import load
+    from roseinfer.layers.extensions import build_library
 
-    from roseinfer.models.loader import CACHE_DIR
-
-    if shutil.which("ninja") is None:  # the ninja wheel's, where none is on PATH
-        import ninja
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-    flags = (*flags, f"-DGGUF_NS={namespace}")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, torch.__version__, _cpu()])
-                         .encode()).hexdigest()[:16]
-    name = f"{namespace}_{key}"
-    folder = Path(CACHE_DIR) / "gguf_kernels"
-    library = folder / f"{name}.so"
-    if library.exists():
-        torch.ops.load_library(str(library))
-        return getattr(torch.ops, namespace)
-    log.info("building the GGUF block kernels for this CPU (once, about 30 s)")
-    folder.mkdir(parents=True, exist_ok=True)
-    # Built in a scratch folder and renamed into place: a build killed half-way leaves
-    # torch's lock file only there (in a shared folder it would stall every later build),
-    # and workers building at once each rename a whole library
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        try:
-            load(name=name, sources=[str(SOURCE)], extra_cflags=list(flags),
-                 build_directory=scratch, is_python_module=False)
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-            raise RuntimeError(f"could not build the GGUF block kernels ({e}); install a "
-                               f"C++ compiler, or use cpu_weight_dtype float32") from e
-        os.replace(os.path.join(scratch, f"{name}.so"), library)
-    return getattr(torch.ops, namespace)
+    try:
+        return build_library(SOURCE, namespace, (*flags, f"-DGGUF_NS={namespace}"), _cpu(),
+                             "the GGUF block kernels")
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; install a C++ compiler, or use cpu_weight_dtype "
+                           "float32") from e
 
 
 class GgufLinear(nn.Module):

@@ -2,28 +2,34 @@
 per group of input columns, ``w = level * scale + shift`` (``shift = -zero * scale``:
 symmetric levels have zero 8, AWQ's their own), kept packed, half a byte a weight.
 
-Up to ``MAX_ROWS`` rows (decode, verify steps) GemLite's Triton kernels multiply the
-packed words: its GEMV for one row, its split-K GEMM for more. Its layout is GPTQ's,
-int32 words ``[K / 8, N]``, input 8r + j in nibble j of word r, with scales and shifts
-``[K / group, N]``. Beyond, the weight is de-quantized into a bf16 buffer (``unpack``,
-at memory speed) and cuBLAS multiplies it: 1.4-1.5x the bf16 linear's time at 512 rows,
-1.04-1.11x at 2,048 (the de-quantization's share shrinks as the rows grow). docs/kernels.md ("INT4 linears") has the candidates measured per shape and
-row count (torch's tinygemm, GemLite's kernels, this module's own tensor-core kernel),
-and why these were chosen.
+Up to ``MAX_ROWS`` rows (decode, verify steps) the project's tensor-core kernel
+(layers/int4_mma.py, built with nvcc at first use) multiplies the packed words, in its
+own layout: panels of 32 columns, the nibbles of a word in its order. Where it cannot
+run (no nvcc, widths not in whole panels), GemLite's Triton kernels do, over GPTQ's
+layout (int32 words ``[K / 8, N]``, input 8r + j in nibble j of word r, scales and
+shifts ``[K / group, N]``): its GEMV for one row, its split-K GEMM for more. Beyond
+``MAX_ROWS`` the weight is de-quantized from either layout into a bf16 buffer
+(``unpack``, at memory speed) and cuBLAS multiplies it: 1.4-1.5x the bf16 linear's time
+at 512 rows, 1.04-1.11x at 2,048. docs/kernels.md ("INT4 linears") has the candidates
+measured per shape and row count, and why these were chosen.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
 import functools
 import importlib.util
+import logging
 import os
 
 import torch
 from torch import nn
 
 from roseinfer.core.triton_support import kernel, tl, triton
+from roseinfer.layers import int4_mma
+
+log = logging.getLogger(__name__)
 
 WORD = 8           # levels per int32 word
-MAX_ROWS = 64      # GemLite's kernels; cuBLAS over the de-quantized weight beyond
+MAX_ROWS = 64      # the packed kernels; cuBLAS over the de-quantized weight beyond
 
 
 def quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,42 +66,72 @@ def packs(k: int, group: int) -> bool:
 
 @kernel
 def _unpack_kernel(q_ptr, s_ptr, z_ptr, out_ptr, rows, N, GROUP_WORDS: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """BLOCK_R words by BLOCK_N columns of the weight, transposed: out [K, N]."""
+                   PANELS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_R words by BLOCK_N columns of the weight, transposed: out [K, N]. PANELS:
+    int4_mma's layout (panels of 32 columns, a word's nibbles in its SIGMA order), else
+    GPTQ's."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (r < rows)[:, None] & (cols < N)[None, :]
-    words = tl.load(q_ptr + r[:, None] * N + cols[None, :], mask=mask, other=0)
-    meta = (r // GROUP_WORDS)[:, None] * N + cols[None, :]
+    groups = rows // GROUP_WORDS
+    if PANELS:
+        panel = (cols // 32 * 32)[None, :]
+        at = panel * rows + r[:, None] * 32 + (cols % 32)[None, :]
+        meta = panel * groups + (r // GROUP_WORDS)[:, None] * 32 + (cols % 32)[None, :]
+    else:
+        at = r[:, None] * N + cols[None, :]
+        meta = (r // GROUP_WORDS)[:, None] * N + cols[None, :]
+    words = tl.load(q_ptr + at, mask=mask, other=0)
     scale = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)
     shift = tl.load(z_ptr + meta, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(8):
         value = ((words >> (4 * j)) & 15).to(tl.float32) * scale + shift
-        tl.store(out_ptr + (r * 8 + j)[:, None] * N + cols[None, :],
+        # the input nibble j holds: int4_mma.SIGMA[j] = 2 (j % 4) + j // 4, or j
+        row = r * 8 + (2 * (j % 4) + j // 4 if PANELS else j)
+        tl.store(out_ptr + row[:, None] * N + cols[None, :],
                  value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def unpack(qweight: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The weight's transpose [K, N], ``level * scale + shift`` in the scales' dtype
-    (into ``out`` where given)."""
-    rows, n = qweight.shape
+    (into ``out`` where given), from GPTQ's layout ([K / 8, N] words) or int4_mma's
+    ([N / 32, K / 8, 32])."""
+    panels = qweight.dim() == 3
+    rows, n = (qweight.shape[1], qweight.shape[0] * 32) if panels else qweight.shape
+    groups = scales.shape[1] if panels else scales.shape[0]
     if out is None:
         out = torch.empty(rows * WORD, n, dtype=scales.dtype, device=qweight.device)
     _unpack_kernel[(triton.cdiv(rows, 16), triton.cdiv(n, 128))](
-        qweight, scales, shifts, out, rows, n, GROUP_WORDS=rows // scales.shape[0],
+        qweight, scales, shifts, out, rows, n, GROUP_WORDS=rows // groups, PANELS=panels,
         BLOCK_R=16, BLOCK_N=128, num_warps=4)
     return out
 
 
+class PackedInt4(nn.Module):
+    """The weight in int4_mma's layout: its ``W_q`` words, ``scales`` and ``zeros`` (the
+    shifts), named as GemLite's are."""
+
+    def __init__(self, levels: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor):
+        super().__init__()
+        self.register_buffer("W_q", int4_mma.pack(levels))
+        self.register_buffer("scales", int4_mma.panels(scales.t()))
+        self.register_buffer("zeros", int4_mma.panels(shifts.t()))
+
+    def small(self, rows: torch.Tensor) -> torch.Tensor:
+        return int4_mma.mm(rows, self.W_q, self.scales, self.zeros)
+
+
 class Int4Linear(nn.Linear):
-    """An nn.Linear whose weight is packed in ``kernel``, a GemLite linear (module doc):
-    its ``W_q``, ``scales`` and ``zeros`` (the shifts)."""
+    """An nn.Linear whose weight is packed in ``kernel``: a PackedInt4, or a GemLite
+    linear (module doc); either's ``W_q``, ``scales`` and ``zeros`` (the shifts)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         g = self.kernel
-        if rows.shape[0] <= MAX_ROWS:
+        if rows.shape[0] <= MAX_ROWS and isinstance(g, PackedInt4):
+            y = g.small(rows)
+        elif rows.shape[0] <= MAX_ROWS:
             kind = "GEMV_REVSPLITK" if rows.shape[0] == 1 else "GEMM_SPLITK"
             y = g.forward_manual(rows.contiguous(), kind)
         else:
@@ -134,7 +170,8 @@ def _buffer(g) -> torch.Tensor:
     buf = _BUFFERS.get(key)
     if buf is None or buf.numel() < size:
         buf = _BUFFERS[key] = torch.empty(size, dtype=g.scales.dtype, device=g.W_q.device)
-    return buf[:size].view(g.W_q.shape[0] * WORD, g.W_q.shape[1])
+    k = (g.W_q.shape[1] if g.W_q.dim() == 3 else g.W_q.shape[0]) * WORD
+    return buf[:size].view(k, size // k)
 
 
 def to_int4(linear: nn.Linear, levels: torch.Tensor, scales: torch.Tensor,
@@ -147,11 +184,30 @@ def to_int4(linear: nn.Linear, levels: torch.Tensor, scales: torch.Tensor,
         scales = scales.expand(n, k // 128)
         zeros = None if zeros is None else zeros.expand(n, k // 128)
     zeros = torch.full_like(scales, 8.0) if zeros is None else zeros
-    g = gemlite_linear(levels, scales.to(dtype), zeros.to(dtype))
+    g = _own(levels, scales.to(dtype), zeros)
+    if g is None:
+        g = gemlite_linear(levels, scales.to(dtype), zeros.to(dtype))
     del linear.weight
     linear.kernel = g.requires_grad_(False)
     linear.__class__ = Int4Linear
     _buffer(g)  # now, not first inside a CUDA graph's capture
+
+
+def _own(levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+    """A PackedInt4 of the weight, tuned, where int4_mma runs it; else None."""
+    n, k = levels.shape
+    if scales.dtype != torch.bfloat16 or \
+            not int4_mma.runs(levels.device, n, k, k // scales.shape[1]):
+        return None
+    try:
+        int4_mma.ops(torch.cuda.get_device_capability(levels.device))
+    except RuntimeError as e:
+        log.warning("4-bit linears run GemLite's kernels: %s", e)
+        return None
+    # the shifts rounded to the scales' dtype, as GemLite keeps them
+    g = PackedInt4(levels, scales, (-zeros.float() * scales.float()).to(scales.dtype))
+    int4_mma.tune(g.W_q, g.scales, g.zeros)
+    return g
 
 
 def gemlite_linear(levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
