@@ -121,6 +121,10 @@ class PackedInt4(nn.Module):
     def small(self, rows: torch.Tensor) -> torch.Tensor:
         return int4_mma.mm(rows, self.W_q, self.scales, self.zeros)
 
+    def step_weights(self) -> list[torch.Tensor]:
+        """What a step reads (bench/floor.py counts parameters, and these are buffers)."""
+        return [self.W_q, self.scales, self.zeros]
+
 
 class Int4Linear(nn.Linear):
     """An nn.Linear whose weight is packed in ``kernel``: a PackedInt4, or a GemLite

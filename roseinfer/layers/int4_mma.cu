@@ -189,13 +189,16 @@ __global__ void __launch_bounds__(32 * WARPS_N * WARPS_K)
   for (int q = 0; q < 4; ++q) meta_q[q] = 32 * q / args.group * T::BN;
   const unsigned group_ends = args.group / 32 - 1;  // a group ends after quarter q: (q+1) & this == 0
 
-  float acc[M_TILES][BATCH_TILES][4], part[M_TILES][BATCH_TILES][4], xsum[BATCH_TILES][4];
+  // part and xsum: a group's sums, one chain of mmas each half (h), so that two chains
+  // of dependent mmas run side by side
+  float acc[M_TILES][BATCH_TILES][4], part[2][M_TILES][BATCH_TILES][4], xsum[2][BATCH_TILES][4];
 #pragma unroll
   for (int t = 0; t < M_TILES; ++t)
 #pragma unroll
     for (int b = 0; b < BATCH_TILES; ++b)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][b][i] = part[t][b][i] = xsum[b][i] = 0.f;
+      for (int i = 0; i < 4; ++i)
+        acc[t][b][i] = part[0][t][b][i] = part[1][t][b][i] = xsum[0][b][i] = xsum[1][b][i] = 0.f;
   const unsigned ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
 
   // this warp's columns and chunk in a stage
@@ -252,12 +255,12 @@ __global__ void __launch_bounds__(32 * WARPS_N * WARPS_K)
         uint4 xv = *reinterpret_cast<const uint4*>(xs + (8 * b + g) * T::X_STRIDE + 32 * q);
 #pragma unroll
         for (int t = 0; t < M_TILES; ++t) {
-          mma(FOLD ? part[t][b] : acc[t][b], a[t][0], xv.x, xv.y);
-          mma(FOLD ? part[t][b] : acc[t][b], a[t][1], xv.z, xv.w);
+          mma(FOLD ? part[0][t][b] : acc[t][b], a[t][0], xv.x, xv.y);
+          mma(FOLD ? part[1][t][b] : acc[t][b], a[t][1], xv.z, xv.w);
         }
         if constexpr (FOLD) {
-          mma(xsum[b], ones, xv.x, xv.y);
-          mma(xsum[b], ones, xv.z, xv.w);
+          mma(xsum[0][b], ones, xv.x, xv.y);
+          mma(xsum[1][b], ones, xv.z, xv.w);
         }
       }
       if constexpr (FOLD) {
@@ -274,14 +277,15 @@ __global__ void __launch_bounds__(32 * WARPS_N * WARPS_K)
             for (int b = 0; b < BATCH_TILES; ++b)
 #pragma unroll
               for (int i = 0; i < 4; ++i) {
-                acc[t][b][i] += scale[i / 2] * part[t][b][i] + bias[i / 2] * xsum[b][i % 2];
-                part[t][b][i] = 0.f;
+                acc[t][b][i] += scale[i / 2] * (part[0][t][b][i] + part[1][t][b][i]) +
+                                bias[i / 2] * (xsum[0][b][i % 2] + xsum[1][b][i % 2]);
+                part[0][t][b][i] = part[1][t][b][i] = 0.f;
               }
           }
 #pragma unroll
           for (int b = 0; b < BATCH_TILES; ++b)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) xsum[b][i] = 0.f;
+            for (int i = 0; i < 4; ++i) xsum[0][b][i] = xsum[1][b][i] = 0.f;
         }
       }
     }
