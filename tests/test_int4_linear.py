@@ -42,15 +42,21 @@ def test_what_packs():
 
 
 @needs_triton
+@pytest.mark.parametrize("layout", ["gptq", "panels"])
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
-def test_unpack_gives_every_weight(group):
+def test_unpack_gives_every_weight(group, layout):
+    """From GemLite's layout (GPTQ's) and from int4_mma's (panels of 32 columns, a
+    word's nibbles in its order)."""
+    from roseinfer.layers import int4_mma
     gen = torch.Generator().manual_seed(group)
-    levels, scales = quantize(torch.randn(40, 512, generator=gen), group)
+    levels, scales = quantize(torch.randn(64, 512, generator=gen), group)
     zeros = torch.randint(0, 16, scales.shape, generator=gen).float()
     ref = dequantize(levels, scales, zeros).double()
     bf = torch.bfloat16 if CUDA else torch.float32
-    got = unpack(pack_words(levels).to(DEVICE), scales.t().contiguous().to(DEVICE, bf),
-                 (-zeros * scales).t().contiguous().to(DEVICE, bf))
+    words, meta = (pack_words, torch.Tensor.contiguous) if layout == "gptq" else \
+        (int4_mma.pack, int4_mma.panels)
+    got = unpack(words(levels).to(DEVICE), meta(scales.t()).to(DEVICE, bf),
+                 meta((-zeros * scales).t()).to(DEVICE, bf))
     # a scale times a level 0..15 is exact; bfloat16 rounds the shift
     tol = 0 if not CUDA else 2 ** -7 * ref.abs().max().item()
     assert (got.double().cpu().t() - ref).abs().max() <= tol

@@ -1,20 +1,12 @@
 """The project's 4-bit tensor-core kernel (layers/int4_mma.py): its layout on the CPU
-(packing, panels, the de-quantization kernel over it through Triton's interpreter), and
-on a GPU every block config and split against the float64 product of the de-quantized
+(packing, panels; de-quantizing it: tests/test_int4_linear.py), and on a GPU every block config and split against the float64 product of the de-quantized
 weight."""
-import os
-
 import pytest
 import torch
 
 from roseinfer.layers import int4_mma
-from roseinfer.layers.int4_linear import dequantize, quantize, unpack
-
-CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-needs_triton = pytest.mark.skipif(not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="needs CUDA or TRITON_INTERPRET=1")
-DEVICE = "cuda" if CUDA else "cpu"
+from roseinfer.layers.int4_linear import quantize
+from tests.test_int4_linear import needs_cuda
 
 
 def test_a_word_holds_its_eight_inputs_in_sigma_order():
@@ -46,21 +38,6 @@ def test_configs_tile_only_whole_blocks_and_stages():
     assert int4_mma.fits(4, 1, 4096 + 32, 4096 + 128)  # 32 columns, one chunk a stage
     assert all(s * 64 * 28672 <= int4_mma.PARTIALS
                for _, s in int4_mma.candidates(64, 28672, 4096))
-
-
-@needs_triton
-@pytest.mark.parametrize("group", [32, 128])
-def test_unpack_reads_the_panels(group):
-    gen = torch.Generator().manual_seed(group)
-    levels, scales = quantize(torch.randn(64, 512, generator=gen), group)
-    zeros = torch.randint(0, 16, scales.shape, generator=gen).float()
-    ref = dequantize(levels, scales, zeros).double()
-    bf = torch.bfloat16 if CUDA else torch.float32
-    got = unpack(int4_mma.pack(levels).to(DEVICE),
-                 int4_mma.panels(scales.t().contiguous()).to(DEVICE, bf),
-                 int4_mma.panels((-zeros * scales).t().contiguous()).to(DEVICE, bf))
-    tol = 0 if not CUDA else 2 ** -7 * ref.abs().max().item()  # bf16 rounds the shift
-    assert (got.double().cpu().t() - ref).abs().max() <= tol
 
 
 @needs_cuda

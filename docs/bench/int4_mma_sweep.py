@@ -14,6 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bandwidth import copy_rate
 from linear_shapes import COPIES, per_call, run
 from roseinfer.layers import int4_mma
 from roseinfer.layers.int4_linear import dequantize, gemlite_linear, quantize
@@ -22,23 +23,6 @@ from roseinfer.layers.skinny_linear import skinny_linear
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 SPLITS = (1, 2, 4, 7, 8, 14, 16)
 CHECK_ROWS = (1, 3, 8, 9, 16, 17, 33, 64)
-
-
-def copy_rate() -> float:
-    """Bytes a second of a 2 GiB device copy, read plus written."""
-    x = torch.empty(1 << 30, device="cuda", dtype=torch.float16)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        y.copy_(x)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 4 * x.numel() / sorted(times)[5]
 
 
 def packed(n, k, group, gen):
