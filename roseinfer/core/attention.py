@@ -52,6 +52,7 @@ class StepContext:
     slots: SlotBatch
     groups: list[tuple[AttnMetadata, SlotBatch]] = field(default_factory=list)  # 1, 2, ...
     lora_slots: Optional[torch.Tensor] = None  # per token: its LoRA slot, -1 none (layers/lora.py)
+    seq_rows: Optional[torch.Tensor] = None    # per sequence: its table (and state) row
 
     def remap_groups(self, group_blocks: torch.Tensor) -> None:
         """Each other group's tables and slots: its blocks for group 0's

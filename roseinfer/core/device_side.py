@@ -17,6 +17,7 @@ from roseinfer.core.errors import ConfigError
 from roseinfer.core.kv_cache import KVCache
 from roseinfer.core.kv_groups import KVGroups
 from roseinfer.core.plugins import PluginRegistry
+from roseinfer.core import recurrent
 from roseinfer.core.runner import ModelRunner
 from roseinfer.models import loader
 from roseinfer.layers.attention import PagedAttention
@@ -33,6 +34,7 @@ class DeviceSide:
     kv_cache: KVCache
     runner: ModelRunner
     max_model_len: int
+    config: EngineConfig  # as built: what the model cannot serve turned off (recurrent.py)
     loras: Any = None  # core/lora.py's Loras, with enable_lora
 
 
@@ -119,6 +121,8 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
     model, hf_config, tokenizer = loader.load(
         spec, tokenizer, dtype, device, seed=cfg.seed or 0, plugins=plugins,
         cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype), quantization=cfg.quantization)
+    cfg = recurrent.decided(cfg, model)
+    recurrent.bind(model, cfg.max_num_seqs + 1, device, dtype)  # a row a table row
     loras = _loras(model, hf_config, cfg, device, dtype) if cfg.enable_lora else None
     peak = 0
     if device.type == "cuda" and cfg.num_kv_blocks is None:
@@ -127,7 +131,7 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
     max_model_len = _max_model_len(cfg, hf_config, kv_cache)
     runner = build_runner(model, kv_cache, cfg, plugins, device, max_model_len, peers)
     return DeviceSide(model, hf_config, tokenizer, dtype, kv_cache, runner, max_model_len,
-                      loras)
+                      cfg, loras)
 
 
 def _loras(model, hf_config, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):

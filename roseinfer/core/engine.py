@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from roseinfer.core import device_side, faults, speculation, tp
+from roseinfer.core import device_side, faults, recurrent, speculation, tp
 from roseinfer.core.cpu_step_choice import StepChoice
 from roseinfer.core.device_side import resolve_device, settle_heap
 from roseinfer.core.blocks import BlockManager
@@ -75,6 +75,8 @@ class Engine:
     def _build(self, model, tokenizer) -> None:
         config, plugins = self.config, self.plugins
         side = device_side.build(model, tokenizer, config, plugins, self.device, self.peers)
+        self.config = config = side.config
+        self.shares_prompts = not recurrent.layers(side.model)  # _queue
         self.dtype, self.model, self.hf_config = side.dtype, side.model, side.hf_config
         self.tokenizer, self.kv_cache, self.runner = side.tokenizer, side.kv_cache, side.runner
         self.loras = side.loras
@@ -221,7 +223,10 @@ class Engine:
             self.seqs[seq.key] = seq
         first, rest = samples[0], samples[1:]
         self.scheduler.add(first)
-        if rest:
+        if rest and not self.shares_prompts:
+            for seq in rest:  # a recurrent state to share is not kept: each computes its own
+                self.scheduler.add(seq)
+        elif rest:
             self._forks.append((first, rest))
             self._share_prompts()
 

@@ -157,6 +157,7 @@ class ModelRunner:
     def forward(self, ctx: StepContext, inp: PackedInputs, logits_rows=None) -> torch.Tensor:
         """Model forward under ``ctx``; logits of ``logits_rows`` (all rows if None)."""
         ctx.attn.block_tables = self.tables[inp.seq_rows]
+        ctx.seq_rows = inp.seq_rows  # recurrent layers' state rows (core/recurrent.py)
         ctx.attn.memo.clear()  # a decode window runs several forwards under one context
         ctx.slots.memo.clear()
         if self.group_blocks is not None:

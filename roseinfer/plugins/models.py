@@ -4,7 +4,8 @@ Qwen2-MoE, Mixtral, OLMoE and gpt-oss are Llama's layers with mixture-of-experts
 (roseinfer/models/moe.py); Gemma 2 and 3 have their own layers (roseinfer/models/gemma.py).
 BERT, RoBERTa, XLM-RoBERTa and ModernBERT are encoders, served by the pooling runner
 (roseinfer/models/bert.py, modernbert.py, core/pooling.py). DeepSeek-V2 and V3 have latent attention and
-DeepSeekMoE, GLM-4.5 DeepSeekMoE beside Llama's attention (roseinfer/models/deepseek.py)."""
+DeepSeekMoE, GLM-4.5 DeepSeekMoE beside Llama's attention (roseinfer/models/deepseek.py).
+Granite 4.0-H has Mamba2 layers beside attention ones (roseinfer/models/granite_hybrid.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
 
@@ -14,6 +15,7 @@ def roseinfer_register_model_architectures(register):
     from roseinfer.models.deepseek import DeepseekForCausalLM, Glm4MoeForCausalLM
     from roseinfer.models.gemma import GemmaForCausalLM
     from roseinfer.models.gpt2 import GPT2ForCausalLM
+    from roseinfer.models.granite_hybrid import GraniteHybridForCausalLM
     from roseinfer.models.modernbert import ModernBertModel
     from roseinfer.models.llama import LlamaForCausalLM
     from roseinfer.models.moe import MoeForCausalLM
@@ -31,3 +33,4 @@ def roseinfer_register_model_architectures(register):
     for model_type in ("deepseek_v2", "deepseek_v3"):
         register(model_type, DeepseekForCausalLM)
     register("glm4_moe", Glm4MoeForCausalLM)
+    register("granitemoehybrid", GraniteHybridForCausalLM)

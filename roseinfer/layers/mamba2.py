@@ -1,0 +1,136 @@
+"""Mamba2's mixer (the SSD layer), each sequence carrying its state from step to step.
+
+A sequence keeps, per mixer, the last ``kernel - 1`` inputs of its causal convolution and
+its SSM state (heads x head dim x state size, float32), in the rows of the recurrent-state
+cache (core/recurrent.py) that its block-table row names. A sequence whose step starts at
+position 0 starts from zeros, so a preempted and recomputed one, or a new one on a freed
+row, never reads another's state.
+
+Plain torch, a sequence at a time: the convolution over the stored inputs and the step's,
+then the SSM over the step's tokens in chunks (the SSD form: within a chunk a masked
+product, across chunks the state carried), one token a step in decode. It is the
+reference the GPU kernels will be checked against (issue 71); it runs eagerly, outside
+CUDA graphs and the compiled CPU step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roseinfer.core.attention import get_context
+
+CHUNK = 64  # tokens the SSM takes at once in a prompt
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of ``x * silu(gate)`` over groups of ``group`` channels (Mamba2's)."""
+
+    def __init__(self, size: int, group: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group, self.eps = group, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float() * F.silu(gate.float())
+        g = h.view(*h.shape[:-1], -1, self.group)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view_as(h).to(x.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> causal conv1d + SiLU over (x, B, C) -> SSM with per-head dt, A, D ->
+    gated RMSNorm -> out_proj; parameters named as transformers names them."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, state: int, groups: int,
+                 kernel: int, expand: int, eps: float, bias: bool = False,
+                 conv_bias: bool = True, dt_limit: tuple[float, float] = (0.0, float("inf"))):
+        super().__init__()
+        self.inner = expand * hidden
+        self.heads, self.head_dim, self.state, self.groups = heads, head_dim, state, groups
+        self.conv_dim = self.inner + 2 * groups * state
+        self.kernel, self.dt_limit = kernel, dt_limit
+        self.in_proj = nn.Linear(hidden, self.inner + self.conv_dim + heads, bias=bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim,
+                                bias=conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(heads))
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.D = nn.Parameter(torch.ones(heads))
+        self.norm = GatedRMSNorm(self.inner, self.inner // groups, eps)
+        self.out_proj = nn.Linear(self.inner, hidden, bias=bias)
+        self.conv_state = self.ssm_state = None  # core/recurrent.py binds them
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """A sequence's state: name -> (shape, whether it is kept in float32)."""
+        return {"conv_state": ((self.conv_dim, self.kernel - 1), False),
+                "ssm_state": ((self.heads, self.head_dim, self.state), True)}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.conv_state is None:
+            raise RuntimeError("Mamba2Mixer runs inside an engine step, after "
+                               "core/recurrent.py has bound its state rows")
+        gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], -1)
+        y = torch.zeros_like(gate)
+        for lo, hi, fresh, row in spans():
+            y[lo:hi] = self._sequence(xbc[lo:hi], dt[lo:hi], fresh, row)
+        return self.out_proj(self.norm(y, gate))
+
+    def _sequence(self, xbc: torch.Tensor, dt: torch.Tensor, fresh: bool,
+                  row: int) -> torch.Tensor:
+        """One sequence's step tokens (its state in ``row``): the SSM's output [T, inner]."""
+        conv, ssm = self.conv_state[row], self.ssm_state[row]
+        if fresh:
+            conv.zero_()
+            ssm.zero_()
+        window = torch.cat([conv, xbc.t()], dim=1)  # [conv_dim, kernel - 1 + T]
+        conv.copy_(window[:, window.shape[1] - (self.kernel - 1):])
+        xbc = F.silu(F.conv1d(window.unsqueeze(0), self.conv1d.weight, self.conv1d.bias,
+                              groups=self.conv_dim)[0].t())
+        x, b, c = xbc.split([self.inner, self.groups * self.state,
+                             self.groups * self.state], -1)
+        per_group = self.heads // self.groups
+        tokens = x.shape[0]
+        b = b.float().view(tokens, self.groups, self.state).repeat_interleave(per_group, 1)
+        c = c.float().view(tokens, self.groups, self.state).repeat_interleave(per_group, 1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [T, H]
+        x = x.float().view(tokens, self.heads, self.head_dim)
+        out = torch.empty_like(x)
+        a = -torch.exp(self.A_log.float()) * dt  # log of each token's decay, [T, H]
+        for start in range(0, tokens, CHUNK):
+            end = min(start + CHUNK, tokens)
+            out[start:end] = _ssd_chunk(x[start:end], dt[start:end], a[start:end],
+                                        b[start:end], c[start:end], ssm)
+        out = out + self.D.float()[:, None] * x
+        return out.view(tokens, self.inner).to(xbc.dtype)
+
+
+def _ssd_chunk(x, dt, a, b, c, state: torch.Tensor) -> torch.Tensor:
+    """One chunk of the SSM: y_t = sum_{u<=t} exp(A_t - A_u) (C_t . B_u) dt_u x_u +
+    exp(A_t) C_t . S, A the running sum of ``a``; the state S [H, P, N] moves on in place.
+    x [T, H, P]; dt, a [T, H]; b, c [T, H, N]."""
+    cum = a.cumsum(0)                                               # [T, H]
+    decay = cum[:, None, :] - cum[None, :, :]                       # [t, u, H]
+    causal = torch.ones(decay.shape[:2], dtype=torch.bool, device=x.device).tril()
+    weights = torch.where(causal[..., None], decay, float("-inf")).exp()
+    scores = torch.einsum("thn,uhn->tuh", c, b) * weights * dt[None]
+    y = torch.einsum("tuh,uhp->thp", scores, x)
+    y += torch.einsum("thn,hpn->thp", c, state) * cum.exp()[..., None]
+    last = cum[-1]                                                  # [H]
+    carried = (last[None] - cum).exp() * dt                         # [T, H]
+    state.mul_(last.exp()[:, None, None]).add_(
+        torch.einsum("th,thp,thn->hpn", carried, x, b))
+    return y
+
+
+def spans() -> list[tuple[int, int, bool, int]]:
+    """The step's sequences: (first token, end, starts at position 0, state row), read once a
+    forward (every recurrent layer of it shares them)."""
+    ctx = get_context()
+    memo = ctx.attn.memo
+    if "spans" not in memo:
+        starts = ctx.attn.query_start.tolist()
+        lens = ctx.attn.context_lens.tolist()
+        rows = ctx.seq_rows.tolist()
+        memo["spans"] = [(lo, hi, lens[s] == hi - lo, rows[s])
+                         for s, (lo, hi) in enumerate(zip(starts, starts[1:])) if hi > lo]
+    return memo["spans"]

@@ -1,0 +1,84 @@
+"""Hybrid models: Granite 4.0-H's Mamba2 layers beside attention ones (models/
+granite_hybrid.py), each sequence's recurrent state in the state cache (core/recurrent.py),
+against transformers' own model on tiny random configs: greedy ids equal for a batch of
+mixed lengths, with prompts in chunks, with samples of one request, under preemption;
+and what a recurrent state cannot serve yet, turned off or refused."""
+import pytest
+import torch
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.core.errors import ConfigError
+from tests.conftest import DEVICE
+from tests.models import hf_greedy
+from tests.test_greedy_equality import check, mixed_prompts
+
+
+def tiny_granite_hybrid(**overrides):
+    """Mamba2, attention, Mamba2 (8 heads of 8 over 2 groups, a 4-tap convolution, state 16),
+    experts of 48 (8, top 2) beside a shared MLP of 96."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(0)
+    config = GraniteMoeHybridConfig(**{
+        "vocab_size": 512, "hidden_size": 32, "intermediate_size": 48,
+        "shared_intermediate_size": 96, "num_hidden_layers": 3,
+        "layer_types": ["mamba", "attention", "mamba"], "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 16,
+        "position_embedding_type": "rope", "max_position_embeddings": 256,
+        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
+        "logits_scaling": 2.0, "initializer_range": 0.2, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, **overrides})
+    model = GraniteMoeHybridForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "router" in name:  # a router starts at 0: every expert would tie
+                torch.nn.init.normal_(p, std=0.5)
+            elif name.endswith(("dt_bias", "D")):
+                p.uniform_(-0.5, 1.0)
+            elif name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"num_local_experts": 0}, {"position_embedding_type": "nope"},
+    {"mamba_n_groups": 1, "tie_word_embeddings": True}],
+    ids=["moe", "dense", "nope", "one-group-tied"])
+def test_greedy_equals_transformers(overrides):
+    """A batch of mixed lengths (prompts longer than a 64-token SSM chunk among them)."""
+    prompts = mixed_prompts(5, seed=7) + [list(range(5, 80))]
+    check(tiny_granite_hybrid(**overrides), prompts, max_tokens=16)
+
+
+def test_prompts_in_chunks_and_decode_windows_carry_the_state():
+    """Chunked prefill (7 tokens a step, prompts cut mid-way) and a mixed step carry each
+    sequence's convolution inputs and SSM state from chunk to chunk."""
+    check(tiny_granite_hybrid(), mixed_prompts(4, seed=8) + [list(range(9, 60))],
+          max_tokens=10, max_num_batched_tokens=7, max_mixed_prefill_tokens=7)
+
+
+def test_preempted_sequences_recompute_their_state():
+    """Too few blocks for all at once: sequences are preempted and recomputed from position
+    0, their state rows handed to others in between."""
+    llm = check(tiny_granite_hybrid(), mixed_prompts(6, seed=9), max_tokens=24,
+                num_kv_blocks=14, max_num_seqs=4)
+    assert llm.engine.stats().num_preemptions > 0
+
+
+def test_samples_of_one_request_each_compute_their_prompt():
+    hf = tiny_granite_hybrid()
+    prompt = list(range(3, 40))
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=128) as llm:
+        assert not llm.engine.config.enable_prefix_cache and not llm.engine.shares_prompts
+        samples = llm.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=0,
+                                                        ignore_eos=True))[0]
+    assert [s.token_ids for s in samples] == [hf_greedy(hf, prompt, 8)] * 3
+
+
+def test_speculative_decoding_is_refused():
+    with pytest.raises(ConfigError, match="without speculative"):
+        LLM(tiny_granite_hybrid(), device=DEVICE, dtype="float32", speculative="ngram")
