@@ -82,3 +82,49 @@ def test_samples_of_one_request_each_compute_their_prompt():
 def test_speculative_decoding_is_refused():
     with pytest.raises(ConfigError, match="without speculative"):
         LLM(tiny_granite_hybrid(), device=DEVICE, dtype="float32", speculative="ngram")
+
+
+def tiny_qwen3_next(**overrides):
+    """Gated DeltaNet, DeltaNet, gated attention, DeltaNet (2 key heads of 8 serving 4
+    value heads of 6, a 4-tap convolution); experts of 24 (8, top 2) beside a gated shared
+    expert of 40, the second layer dense; partial rotary (0.5)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(**{
+        "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention",
+                        "linear_attention"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 40, "mlp_only_layers": [1],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.5},
+        "max_position_embeddings": 256, "initializer_range": 0.2, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, **overrides})
+    model = Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # a router starts at 0: every expert would tie
+                torch.nn.init.normal_(p, std=0.5)
+            elif name.endswith(("dt_bias", "A_log")):
+                p.uniform_(-1.0, 1.0)
+            elif "norm" in name:  # offsets from one, as Gemma's
+                p.uniform_(-0.5, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_experts": 0}],
+                         ids=["moe", "dense"])
+def test_qwen3_next_greedy_equals_transformers(overrides):
+    check(tiny_qwen3_next(**overrides), mixed_prompts(5, seed=11) + [list(range(5, 80))],
+          max_tokens=16)
+
+
+def test_qwen3_next_prompts_in_chunks_and_preemption():
+    llm = check(tiny_qwen3_next(), mixed_prompts(6, seed=12) + [list(range(9, 50))],
+                max_tokens=20, max_num_batched_tokens=7, max_mixed_prefill_tokens=7,
+                num_kv_blocks=24, max_num_seqs=4)
+    assert llm.engine.stats().num_preemptions > 0

@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from roseinfer.core.attention import get_context
 from roseinfer.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -61,3 +62,17 @@ def bind(model: torch.nn.Module, rows: int, device: torch.device, dtype: torch.d
             setattr(layer, name, t)
             total += t.numel() * t.element_size()
     return total
+
+
+def spans() -> list[tuple[int, int, bool, int]]:
+    """The step's sequences: (first token, end, starts at position 0, state row), read once a
+    forward (every recurrent layer of it shares them)."""
+    ctx = get_context()
+    memo = ctx.attn.memo
+    if "spans" not in memo:
+        starts = ctx.attn.query_start.tolist()
+        lens = ctx.attn.context_lens.tolist()
+        rows = ctx.seq_rows.tolist()
+        memo["spans"] = [(lo, hi, lens[s] == hi - lo, rows[s])
+                         for s, (lo, hi) in enumerate(zip(starts, starts[1:])) if hi > lo]
+    return memo["spans"]

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.core.attention import get_context
+from roseinfer.core.recurrent import spans
+from roseinfer.layers.state_conv import causal_conv
 
 CHUNK = 64  # tokens the SSM takes at once in a prompt
 
@@ -82,10 +83,7 @@ class Mamba2Mixer(nn.Module):
         if fresh:
             conv.zero_()
             ssm.zero_()
-        window = torch.cat([conv, xbc.t()], dim=1)  # [conv_dim, kernel - 1 + T]
-        conv.copy_(window[:, window.shape[1] - (self.kernel - 1):])
-        xbc = F.silu(F.conv1d(window.unsqueeze(0), self.conv1d.weight, self.conv1d.bias,
-                              groups=self.conv_dim)[0].t())
+        xbc = F.silu(causal_conv(conv, xbc, self.conv1d))
         x, b, c = xbc.split([self.inner, self.groups * self.state,
                              self.groups * self.state], -1)
         per_group = self.heads // self.groups
@@ -120,17 +118,3 @@ def _ssd_chunk(x, dt, a, b, c, state: torch.Tensor) -> torch.Tensor:
     state.mul_(last.exp()[:, None, None]).add_(
         torch.einsum("th,thp,thn->hpn", carried, x, b))
     return y
-
-
-def spans() -> list[tuple[int, int, bool, int]]:
-    """The step's sequences: (first token, end, starts at position 0, state row), read once a
-    forward (every recurrent layer of it shares them)."""
-    ctx = get_context()
-    memo = ctx.attn.memo
-    if "spans" not in memo:
-        starts = ctx.attn.query_start.tolist()
-        lens = ctx.attn.context_lens.tolist()
-        rows = ctx.seq_rows.tolist()
-        memo["spans"] = [(lo, hi, lens[s] == hi - lo, rows[s])
-                         for s, (lo, hi) in enumerate(zip(starts, starts[1:])) if hi > lo]
-    return memo["spans"]

@@ -1,0 +1,109 @@
+"""Gated DeltaNet, Qwen3-Next's linear attention, each sequence carrying its state from
+step to step (core/recurrent.py): the last ``kernel - 1`` inputs of its causal convolution
+over q, k and v, and per value head a [key dim, value dim] matrix in float32.
+
+Per token, after the convolution and SiLU, with q and k L2-normalised (q also scaled by
+1 / sqrt(key dim)) and each key head serving ``value heads / key heads`` value heads:
+
+    S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
+
+with ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; then an RMSNorm of
+each head's output gated by SiLU(z), and out_proj. Plain torch, a token at a time: the
+reference the GPU kernels (flash-linear-attention's chunked form) will be checked against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roseinfer.core.recurrent import spans
+from roseinfer.layers.state_conv import causal_conv
+
+
+class HeadGatedRMSNorm(nn.Module):
+    """RMSNorm over each head's ``size`` values, then times SiLU(gate) (norm before gate)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * h.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Parameters named as transformers' Qwen3NextGatedDeltaNet: ``in_proj_qkvz`` (per key
+    head: its q, k, then its value heads' v, then their z), ``in_proj_ba`` (per key head:
+    its value heads' b, then their a), ``conv1d``, ``dt_bias``, ``A_log``, ``norm``,
+    ``out_proj``."""
+
+    def __init__(self, hidden: int, key_heads: int, value_heads: int, key_dim: int,
+                 value_dim: int, kernel: int, eps: float):
+        super().__init__()
+        self.nk, self.nv, self.dk, self.dv = key_heads, value_heads, key_dim, value_dim
+        self.per_key = value_heads // key_heads
+        self.conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * key_heads * key_dim +
+                                      2 * value_heads * value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * value_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim,
+                                bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(value_heads))
+        self.A_log = nn.Parameter(torch.zeros(value_heads))
+        self.norm = HeadGatedRMSNorm(value_dim, eps)
+        self.out_proj = nn.Linear(value_heads * value_dim, hidden, bias=False)
+        self.kernel = kernel
+        self.conv_state = self.recurrent_state = None  # core/recurrent.py binds them
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        return {"conv_state": ((self.conv_dim, self.kernel - 1), False),
+                "recurrent_state": ((self.nv, self.dk, self.dv), True)}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.conv_state is None:
+            raise RuntimeError("GatedDeltaNet runs inside an engine step, after "
+                               "core/recurrent.py has bound its state rows")
+        tokens = h.shape[0]
+        r, dk, dv = self.per_key, self.dk, self.dv
+        q, k, v, z = self.in_proj_qkvz(h).view(tokens, self.nk, -1).split(
+            [dk, dk, r * dv, r * dv], -1)
+        b, a = self.in_proj_ba(h).view(tokens, self.nk, 2 * r).split([r, r], -1)
+        mixed = torch.cat([t.reshape(tokens, -1) for t in (q, k, v)], -1)
+        beta = b.reshape(tokens, self.nv).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(tokens, self.nv).float() +
+                                                   self.dt_bias.float())
+        out = torch.zeros(tokens, self.nv, dv, dtype=h.dtype, device=h.device)
+        for lo, hi, fresh, row in spans():
+            out[lo:hi] = self._sequence(mixed[lo:hi], beta[lo:hi], g[lo:hi], fresh, row)
+        out = self.norm(out, z.reshape(tokens, self.nv, dv))
+        return self.out_proj(out.reshape(tokens, -1))
+
+    def _sequence(self, mixed, beta, g, fresh: bool, row: int) -> torch.Tensor:
+        """One sequence's step tokens: its outputs [T, value heads, value dim]."""
+        conv, state = self.conv_state[row], self.recurrent_state[row]
+        if fresh:
+            conv.zero_()
+            state.zero_()
+        mixed = F.silu(causal_conv(conv, mixed, self.conv1d))
+        tokens = mixed.shape[0]
+        q, k, v = mixed.float().split([self.nk * self.dk, self.nk * self.dk,
+                                       self.nv * self.dv], -1)
+        q, k = (_l2norm(t.view(tokens, self.nk, self.dk)).repeat_interleave(self.per_key, 1)
+                for t in (q, k))
+        q = q / self.dk ** 0.5
+        v = v.view(tokens, self.nv, self.dv)
+        out = torch.empty_like(v)
+        for t in range(tokens):
+            state.mul_(g[t].exp()[:, None, None])
+            delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
+            state.add_(k[t][:, :, None] * delta[:, None, :])
+            out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+        return out.to(mixed.dtype)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
