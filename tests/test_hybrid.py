@@ -30,10 +30,15 @@ def tiny_granite_hybrid(**overrides):
         "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
         "logits_scaling": 2.0, "initializer_range": 0.2, "tie_word_embeddings": False,
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, **overrides})
-    model = GraniteMoeHybridForCausalLM(config).eval()
+    return spread(GraniteMoeHybridForCausalLM(config).eval(), router="router")
+
+
+def spread(model, router: str | None = None):
+    """Weights that start at constants drawn apart, so that they matter: routers (else
+    every expert ties), Mamba2's dt biases, D and A, and the norms."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "router" in name:  # a router starts at 0: every expert would tie
+            if router is not None and router in name:
                 torch.nn.init.normal_(p, std=0.5)
             elif name.endswith(("dt_bias", "D")):
                 p.uniform_(-0.5, 1.0)
@@ -128,3 +133,31 @@ def test_qwen3_next_prompts_in_chunks_and_preemption():
                 max_tokens=20, max_num_batched_tokens=7, max_mixed_prefill_tokens=7,
                 num_kv_blocks=24, max_num_seqs=4)
     assert llm.engine.stats().num_preemptions > 0
+
+
+def tiny_nemotron_h(**overrides):
+    """Mamba2, MLP, attention (no positions), Mamba2, MLP: 8 heads of 8 over 2 groups."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    config = NemotronHConfig(**{
+        "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+        "layers_block_type": ["linear_attention", "mlp", "full_attention", "linear_attention",
+                              "mlp"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 16,
+        "conv_kernel": 4, "chunk_size": 16, "max_position_embeddings": 256,
+        "initializer_range": 0.2, "tie_word_embeddings": False, "bos_token_id": 0,
+        "eos_token_id": 1, "pad_token_id": 0, **overrides})
+    return spread(NemotronHForCausalLM(config).eval())
+
+
+def test_nemotron_h_greedy_equals_transformers():
+    check(tiny_nemotron_h(), mixed_prompts(5, seed=13) + [list(range(5, 80))], max_tokens=16,
+          max_num_batched_tokens=16)
+
+
+def test_nemotron_h_experts_are_refused_by_name():
+    with pytest.raises(ConfigError, match="'moe' blocks are not built yet"):
+        LLM(tiny_nemotron_h(layers_block_type=["linear_attention", "moe", "full_attention"]),
+            device=DEVICE, dtype="float32")

@@ -43,11 +43,11 @@ class Mamba2Mixer(nn.Module):
     """in_proj -> causal conv1d + SiLU over (x, B, C) -> SSM with per-head dt, A, D ->
     gated RMSNorm -> out_proj; parameters named as transformers names them."""
 
-    def __init__(self, hidden: int, heads: int, head_dim: int, state: int, groups: int,
-                 kernel: int, expand: int, eps: float, bias: bool = False,
+    def __init__(self, hidden: int, inner: int, heads: int, head_dim: int, state: int,
+                 groups: int, kernel: int, eps: float, bias: bool = False,
                  conv_bias: bool = True, dt_limit: tuple[float, float] = (0.0, float("inf"))):
         super().__init__()
-        self.inner = expand * hidden
+        self.inner = inner
         self.heads, self.head_dim, self.state, self.groups = heads, head_dim, state, groups
         self.conv_dim = self.inner + 2 * groups * state
         self.kernel, self.dt_limit = kernel, dt_limit

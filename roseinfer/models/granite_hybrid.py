@@ -65,9 +65,10 @@ class GraniteHybridLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(e, cfg.rms_norm_eps)
         if kind == "mamba":
             self.mamba = Mamba2Mixer(
-                e, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups,
-                cfg.mamba_d_conv, cfg.mamba_expand, cfg.rms_norm_eps, cfg.mamba_proj_bias,
-                cfg.mamba_conv_bias, tuple(getattr(cfg, "time_step_limit", (0.0, float("inf")))))
+                e, int(cfg.mamba_expand * e), cfg.mamba_n_heads, cfg.mamba_d_head,
+                cfg.mamba_d_state, cfg.mamba_n_groups, cfg.mamba_d_conv, cfg.rms_norm_eps,
+                cfg.mamba_proj_bias, cfg.mamba_conv_bias,
+                tuple(getattr(cfg, "time_step_limit", (0.0, float("inf")))))
         else:
             h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
             d = getattr(cfg, "head_dim", None) or e // h

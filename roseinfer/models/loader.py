@@ -80,7 +80,7 @@ def _random_llama3(layers: int, hidden: int, intermediate: int, heads: int, tied
 
 def _random_family(name: str, **shape):
     """transformers' ``{name}Config`` (Qwen2, Qwen3, Mistral, Phi3, Qwen3Moe, Mixtral,
-    GptOss, Gemma2, Gemma3Text) at a real shape."""
+    GptOss, Gemma2, Gemma3Text, Qwen3Next) at a real shape."""
     def config():
         import transformers
         return getattr(transformers, f"{name}Config")(**{"max_position_embeddings": 32768,
@@ -155,6 +155,11 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
           # every layer global: what Gemma 3's window layers are measured against
           "gemma3-12b-full-random": _random_family(
               "Gemma3Text", **GEMMA3_12B, layer_types=["full_attention"] * 48),
+          # Qwen3-Next-80B-A3B: transformers' defaults are its shape (48 layers, 3 gated
+          # DeltaNet to 1 gated attention, 512 experts of 512 + a shared one, top 10)
+          "qwen3-next-80b-a3b-random": _random_family(
+              "Qwen3Next", max_position_embeddings=262144, rope_parameters={
+                  "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
           "phi3-mini-random": _random_family(
               "Phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,

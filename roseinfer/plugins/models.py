@@ -6,7 +6,8 @@ BERT, RoBERTa, XLM-RoBERTa and ModernBERT are encoders, served by the pooling ru
 (roseinfer/models/bert.py, modernbert.py, core/pooling.py). DeepSeek-V2 and V3 have latent attention and
 DeepSeekMoE, GLM-4.5 DeepSeekMoE beside Llama's attention (roseinfer/models/deepseek.py).
 Granite 4.0-H has Mamba2 layers beside attention ones (roseinfer/models/granite_hybrid.py),
-Qwen3-Next gated DeltaNet ones (roseinfer/models/qwen3_next.py)."""
+Qwen3-Next gated DeltaNet ones (roseinfer/models/qwen3_next.py), Nemotron-H Mamba2 blocks
+beside attention and MLP blocks (roseinfer/models/nemotron_h.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
 
@@ -17,6 +18,7 @@ def roseinfer_register_model_architectures(register):
     from roseinfer.models.gemma import GemmaForCausalLM
     from roseinfer.models.gpt2 import GPT2ForCausalLM
     from roseinfer.models.granite_hybrid import GraniteHybridForCausalLM
+    from roseinfer.models.nemotron_h import NemotronHForCausalLM
     from roseinfer.models.qwen3_next import Qwen3NextForCausalLM
     from roseinfer.models.modernbert import ModernBertModel
     from roseinfer.models.llama import LlamaForCausalLM
@@ -37,3 +39,4 @@ def roseinfer_register_model_architectures(register):
     register("glm4_moe", Glm4MoeForCausalLM)
     register("granitemoehybrid", GraniteHybridForCausalLM)
     register("qwen3_next", Qwen3NextForCausalLM)
+    register("nemotron_h", NemotronHForCausalLM)
