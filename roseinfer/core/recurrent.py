@@ -12,8 +12,10 @@ What a state cannot do yet, the engine turns off for such a model (``decided``):
 prefix-cache hit, or a sample sharing its first sample's prompt, would start a sequence
 past position 0 with no state for it, so the prefix cache and prompt sharing are off;
 drafts that are rejected would leave their tokens in the state, so speculative decoding
-is refused; the layers run a sequence at a time in plain torch, so CUDA graphs and the
-compiled CPU step are off (issue 71: snapshots at block boundaries, and kernels).
+is refused; the layers run in plain torch, a prompt's chunk at a time and a step's
+decoding sequences in one batch (``batches``), with host reads of the step's shape, so CUDA
+graphs and the compiled CPU step are off (issue 71: snapshots at block boundaries, and
+kernels).
 """
 from __future__ import annotations
 
@@ -64,15 +66,29 @@ def bind(model: torch.nn.Module, rows: int, device: torch.device, dtype: torch.d
     return total
 
 
-def spans() -> list[tuple[int, int, bool, int]]:
-    """The step's sequences: (first token, end, starts at position 0, state row), read once a
-    forward (every recurrent layer of it shares them)."""
+def batches() -> list[tuple[torch.Tensor, bool, torch.Tensor]]:
+    """The step's sequences as a recurrent layer takes them: (token indices [B, T], whether
+    they start at position 0, their state rows [B]). Every one-token sequence that goes on
+    from its state (decode) is in one batch; the others are a batch each. Read once a
+    forward: every recurrent layer of it shares them."""
     ctx = get_context()
     memo = ctx.attn.memo
-    if "spans" not in memo:
+    if "recurrent" not in memo:
         starts = ctx.attn.query_start.tolist()
         lens = ctx.attn.context_lens.tolist()
         rows = ctx.seq_rows.tolist()
-        memo["spans"] = [(lo, hi, lens[s] == hi - lo, rows[s])
-                         for s, (lo, hi) in enumerate(zip(starts, starts[1:])) if hi > lo]
-    return memo["spans"]
+        device = ctx.attn.query_start.device
+        decode, out = [], []
+        for s, (lo, hi) in enumerate(zip(starts, starts[1:])):
+            fresh = lens[s] == hi - lo
+            if hi - lo == 1 and not fresh:
+                decode.append((lo, rows[s]))
+            elif hi > lo:
+                out.append((torch.arange(lo, hi, device=device)[None], fresh,
+                            torch.tensor([rows[s]], device=device)))
+        if decode:
+            tokens, state_rows = zip(*decode)
+            out.append((torch.tensor(tokens, device=device)[:, None], False,
+                        torch.tensor(state_rows, device=device)))
+        memo["recurrent"] = out
+    return memo["recurrent"]

@@ -8,8 +8,9 @@ Per token, after the convolution and SiLU, with q and k L2-normalised (q also sc
     S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
 
 with ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; then an RMSNorm of
-each head's output gated by SiLU(z), and out_proj. Plain torch, a token at a time: the
-reference the GPU kernels (flash-linear-attention's chunked form) will be checked against.
+each head's output gated by SiLU(z), and out_proj. Plain torch, a token at a time (every
+decoding sequence of a step together): the reference the GPU kernels
+(flash-linear-attention's chunked form) will be checked against.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.core.recurrent import spans
+from roseinfer.core.recurrent import batches
 from roseinfer.layers.state_conv import causal_conv
 
 
@@ -77,31 +78,33 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.reshape(tokens, self.nv).float() +
                                                    self.dt_bias.float())
         out = torch.zeros(tokens, self.nv, dv, dtype=h.dtype, device=h.device)
-        for lo, hi, fresh, row in spans():
-            out[lo:hi] = self._sequence(mixed[lo:hi], beta[lo:hi], g[lo:hi], fresh, row)
+        for idx, fresh, rows in batches():
+            out[idx] = self._batch(mixed[idx], beta[idx], g[idx], fresh, rows)
         out = self.norm(out, z.reshape(tokens, self.nv, dv))
         return self.out_proj(out.reshape(tokens, -1))
 
-    def _sequence(self, mixed, beta, g, fresh: bool, row: int) -> torch.Tensor:
-        """One sequence's step tokens: its outputs [T, value heads, value dim]."""
-        conv, state = self.conv_state[row], self.recurrent_state[row]
+    def _batch(self, mixed, beta, g, fresh: bool, rows: torch.Tensor) -> torch.Tensor:
+        """B sequences' step tokens, T each: their outputs [B, T, value heads, value dim]."""
+        conv, state = self.conv_state[rows], self.recurrent_state[rows]  # copies, written back
         if fresh:
             conv.zero_()
             state.zero_()
         mixed = F.silu(causal_conv(conv, mixed, self.conv1d))
-        tokens = mixed.shape[0]
+        n, tokens = mixed.shape[:2]
         q, k, v = mixed.float().split([self.nk * self.dk, self.nk * self.dk,
                                        self.nv * self.dv], -1)
-        q, k = (_l2norm(t.view(tokens, self.nk, self.dk)).repeat_interleave(self.per_key, 1)
+        q, k = (_l2norm(t.view(n, tokens, self.nk, self.dk)).repeat_interleave(self.per_key, 2)
                 for t in (q, k))
         q = q / self.dk ** 0.5
-        v = v.view(tokens, self.nv, self.dv)
+        v = v.view(n, tokens, self.nv, self.dv)
         out = torch.empty_like(v)
         for t in range(tokens):
-            state.mul_(g[t].exp()[:, None, None])
-            delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
-            state.add_(k[t][:, :, None] * delta[:, None, :])
-            out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+            state.mul_(g[:, t].exp()[..., None, None])
+            delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t])) * \
+                beta[:, t][..., None]
+            state.add_(k[:, t][..., None] * delta[..., None, :])
+            out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+        self.conv_state[rows], self.recurrent_state[rows] = conv, state
         return out.to(mixed.dtype)
 
 

@@ -6,9 +6,10 @@ cache (core/recurrent.py) that its block-table row names. A sequence whose step 
 position 0 starts from zeros, so a preempted and recomputed one, or a new one on a freed
 row, never reads another's state.
 
-Plain torch, a sequence at a time: the convolution over the stored inputs and the step's,
-then the SSM over the step's tokens in chunks (the SSD form: within a chunk a masked
-product, across chunks the state carried), one token a step in decode. It is the
+Plain torch: a prompt's chunk at a time, and every decoding sequence of a step in one
+batch (core/recurrent.py, ``batches``): the convolution over the stored inputs and the
+step's, then the SSM over the step's tokens in chunks (the SSD form: within a chunk a
+masked product, across chunks the state carried). It is the
 reference the GPU kernels will be checked against (issue 71); it runs eagerly, outside
 CUDA graphs and the compiled CPU step.
 """
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.core.recurrent import spans
+from roseinfer.core.recurrent import batches
 from roseinfer.layers.state_conv import causal_conv
 
 CHUNK = 64  # tokens the SSM takes at once in a prompt
@@ -72,14 +73,15 @@ class Mamba2Mixer(nn.Module):
                                "core/recurrent.py has bound its state rows")
         gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], -1)
         y = torch.zeros_like(gate)
-        for lo, hi, fresh, row in spans():
-            y[lo:hi] = self._sequence(xbc[lo:hi], dt[lo:hi], fresh, row)
+        for tokens, fresh, rows in batches():
+            y[tokens] = self._batch(xbc[tokens], dt[tokens], fresh, rows)
         return self.out_proj(self.norm(y, gate))
 
-    def _sequence(self, xbc: torch.Tensor, dt: torch.Tensor, fresh: bool,
-                  row: int) -> torch.Tensor:
-        """One sequence's step tokens (its state in ``row``): the SSM's output [T, inner]."""
-        conv, ssm = self.conv_state[row], self.ssm_state[row]
+    def _batch(self, xbc: torch.Tensor, dt: torch.Tensor, fresh: bool,
+               rows: torch.Tensor) -> torch.Tensor:
+        """B sequences' step tokens, T each (their states in ``rows``): the SSM's output
+        [B, T, inner]."""
+        conv, ssm = self.conv_state[rows], self.ssm_state[rows]  # copies, written back
         if fresh:
             conv.zero_()
             ssm.zero_()
@@ -87,34 +89,36 @@ class Mamba2Mixer(nn.Module):
         x, b, c = xbc.split([self.inner, self.groups * self.state,
                              self.groups * self.state], -1)
         per_group = self.heads // self.groups
-        tokens = x.shape[0]
-        b = b.float().view(tokens, self.groups, self.state).repeat_interleave(per_group, 1)
-        c = c.float().view(tokens, self.groups, self.state).repeat_interleave(per_group, 1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [T, H]
-        x = x.float().view(tokens, self.heads, self.head_dim)
+        n, tokens = x.shape[:2]
+        b, c = (t.float().view(n, tokens, self.groups, self.state)
+                .repeat_interleave(per_group, 2) for t in (b, c))
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [B, T, H]
+        x = x.float().view(n, tokens, self.heads, self.head_dim)
         out = torch.empty_like(x)
-        a = -torch.exp(self.A_log.float()) * dt  # log of each token's decay, [T, H]
+        a = -torch.exp(self.A_log.float()) * dt  # log of each token's decay, [B, T, H]
         for start in range(0, tokens, CHUNK):
             end = min(start + CHUNK, tokens)
-            out[start:end] = _ssd_chunk(x[start:end], dt[start:end], a[start:end],
-                                        b[start:end], c[start:end], ssm)
+            out[:, start:end] = _ssd_chunk(x[:, start:end], dt[:, start:end],
+                                           a[:, start:end], b[:, start:end],
+                                           c[:, start:end], ssm)
+        self.conv_state[rows], self.ssm_state[rows] = conv, ssm
         out = out + self.D.float()[:, None] * x
-        return out.view(tokens, self.inner).to(xbc.dtype)
+        return out.view(n, tokens, self.inner).to(xbc.dtype)
 
 
 def _ssd_chunk(x, dt, a, b, c, state: torch.Tensor) -> torch.Tensor:
-    """One chunk of the SSM: y_t = sum_{u<=t} exp(A_t - A_u) (C_t . B_u) dt_u x_u +
-    exp(A_t) C_t . S, A the running sum of ``a``; the state S [H, P, N] moves on in place.
-    x [T, H, P]; dt, a [T, H]; b, c [T, H, N]."""
-    cum = a.cumsum(0)                                               # [T, H]
-    decay = cum[:, None, :] - cum[None, :, :]                       # [t, u, H]
-    causal = torch.ones(decay.shape[:2], dtype=torch.bool, device=x.device).tril()
+    """One chunk of the SSM for B sequences: y_t = sum_{u<=t} exp(A_t - A_u) (C_t . B_u)
+    dt_u x_u + exp(A_t) C_t . S, A the running sum of ``a``; the states S [B, H, P, N] move
+    on in place. x [B, T, H, P]; dt, a [B, T, H]; b, c [B, T, H, N]."""
+    cum = a.cumsum(1)                                               # [B, T, H]
+    decay = cum[:, :, None, :] - cum[:, None, :, :]                 # [B, t, u, H]
+    causal = torch.ones(decay.shape[1:3], dtype=torch.bool, device=x.device).tril()
     weights = torch.where(causal[..., None], decay, float("-inf")).exp()
-    scores = torch.einsum("thn,uhn->tuh", c, b) * weights * dt[None]
-    y = torch.einsum("tuh,uhp->thp", scores, x)
-    y += torch.einsum("thn,hpn->thp", c, state) * cum.exp()[..., None]
-    last = cum[-1]                                                  # [H]
-    carried = (last[None] - cum).exp() * dt                         # [T, H]
-    state.mul_(last.exp()[:, None, None]).add_(
-        torch.einsum("th,thp,thn->hpn", carried, x, b))
+    scores = torch.einsum("bthn,buhn->btuh", c, b) * weights * dt[:, None]
+    y = torch.einsum("btuh,buhp->bthp", scores, x)
+    y += torch.einsum("bthn,bhpn->bthp", c, state) * cum.exp()[..., None]
+    last = cum[:, -1]                                               # [B, H]
+    carried = (last[:, None] - cum).exp() * dt                      # [B, T, H]
+    state.mul_(last.exp()[..., None, None]).add_(
+        torch.einsum("bth,bthp,bthn->bhpn", carried, x, b))
     return y

@@ -9,11 +9,10 @@ from torch import nn
 
 
 def causal_conv(state: torch.Tensor, x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
-    """A depthwise causal convolution of one sequence's step tokens ``x`` [T, C] after
-    its stored inputs ``state`` [C, kernel - 1], which move on in place: [T, C], before
-    the activation."""
-    window = torch.cat([state, x.t().to(state.dtype)], dim=1)  # [C, kernel - 1 + T]
-    state.copy_(window[:, window.shape[1] - state.shape[1]:])
-    out = F.conv1d(window.unsqueeze(0).to(conv.weight.dtype), conv.weight, conv.bias,
-                   groups=window.shape[0])
-    return out[0].t().to(x.dtype)
+    """A depthwise causal convolution of B sequences' step tokens ``x`` [B, T, C] after
+    their stored inputs ``state`` [B, C, kernel - 1], which move on in place: [B, T, C],
+    before the activation."""
+    window = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=2)
+    state.copy_(window[..., window.shape[2] - state.shape[2]:])
+    out = F.conv1d(window.to(conv.weight.dtype), conv.weight, conv.bias, groups=window.shape[1])
+    return out.transpose(1, 2).to(x.dtype)
