@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.recurrent import batches
-from roseinfer.layers.state_conv import causal_conv
+from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
 
 
 class HeadGatedRMSNorm(nn.Module):
@@ -36,11 +36,12 @@ class HeadGatedRMSNorm(nn.Module):
         return ((self.weight * h.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentLayer):
     """Parameters named as transformers' Qwen3NextGatedDeltaNet: ``in_proj_qkvz`` (per key
     head: its q, k, then its value heads' v, then their z), ``in_proj_ba`` (per key head:
     its value heads' b, then their a), ``conv1d``, ``dt_bias``, ``A_log``, ``norm``,
     ``out_proj``."""
+    STATE = "recurrent_state"
 
     def __init__(self, hidden: int, key_heads: int, value_heads: int, key_dim: int,
                  value_dim: int, kernel: int, eps: float):
@@ -58,16 +59,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = HeadGatedRMSNorm(value_dim, eps)
         self.out_proj = nn.Linear(value_heads * value_dim, hidden, bias=False)
         self.kernel = kernel
-        self.conv_state = self.recurrent_state = None  # core/recurrent.py binds them
 
-    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
-        return {"conv_state": ((self.conv_dim, self.kernel - 1), False),
-                "recurrent_state": ((self.nv, self.dk, self.dv), True)}
+    def state_shape(self) -> tuple[int, ...]:
+        return self.nv, self.dk, self.dv
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.conv_state is None:
-            raise RuntimeError("GatedDeltaNet runs inside an engine step, after "
-                               "core/recurrent.py has bound its state rows")
         tokens = h.shape[0]
         r, dk, dv = self.per_key, self.dk, self.dv
         q, k, v, z = self.in_proj_qkvz(h).view(tokens, self.nk, -1).split(
@@ -85,10 +81,7 @@ class GatedDeltaNet(nn.Module):
 
     def _batch(self, mixed, beta, g, fresh: bool, rows: torch.Tensor) -> torch.Tensor:
         """B sequences' step tokens, T each: their outputs [B, T, value heads, value dim]."""
-        conv, state = self.conv_state[rows], self.recurrent_state[rows]  # copies, written back
-        if fresh:
-            conv.zero_()
-            state.zero_()
+        conv, state = self.states(rows, fresh)
         mixed = F.silu(causal_conv(conv, mixed, self.conv1d))
         n, tokens = mixed.shape[:2]
         q, k, v = mixed.float().split([self.nk * self.dk, self.nk * self.dk,
@@ -104,7 +97,7 @@ class GatedDeltaNet(nn.Module):
                 beta[:, t][..., None]
             state.add_(k[:, t][..., None] * delta[..., None, :])
             out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
-        self.conv_state[rows], self.recurrent_state[rows] = conv, state
+        self.keep(rows, conv, state)
         return out.to(mixed.dtype)
 
 

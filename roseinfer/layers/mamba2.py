@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.recurrent import batches
-from roseinfer.layers.state_conv import causal_conv
+from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens the SSM takes at once in a prompt
 
@@ -40,9 +40,10 @@ class GatedRMSNorm(nn.Module):
         return self.weight * g.view_as(h).to(x.dtype)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentLayer):
     """in_proj -> causal conv1d + SiLU over (x, B, C) -> SSM with per-head dt, A, D ->
     gated RMSNorm -> out_proj; parameters named as transformers names them."""
+    STATE = "ssm_state"
 
     def __init__(self, hidden: int, inner: int, heads: int, head_dim: int, state: int,
                  groups: int, kernel: int, eps: float, bias: bool = False,
@@ -60,17 +61,11 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(heads))
         self.norm = GatedRMSNorm(self.inner, self.inner // groups, eps)
         self.out_proj = nn.Linear(self.inner, hidden, bias=bias)
-        self.conv_state = self.ssm_state = None  # core/recurrent.py binds them
 
-    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
-        """A sequence's state: name -> (shape, whether it is kept in float32)."""
-        return {"conv_state": ((self.conv_dim, self.kernel - 1), False),
-                "ssm_state": ((self.heads, self.head_dim, self.state), True)}
+    def state_shape(self) -> tuple[int, ...]:
+        return self.heads, self.head_dim, self.state
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.conv_state is None:
-            raise RuntimeError("Mamba2Mixer runs inside an engine step, after "
-                               "core/recurrent.py has bound its state rows")
         gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], -1)
         y = torch.zeros_like(gate)
         for tokens, fresh, rows in batches():
@@ -81,10 +76,7 @@ class Mamba2Mixer(nn.Module):
                rows: torch.Tensor) -> torch.Tensor:
         """B sequences' step tokens, T each (their states in ``rows``): the SSM's output
         [B, T, inner]."""
-        conv, ssm = self.conv_state[rows], self.ssm_state[rows]  # copies, written back
-        if fresh:
-            conv.zero_()
-            ssm.zero_()
+        conv, ssm = self.states(rows, fresh)
         xbc = F.silu(causal_conv(conv, xbc, self.conv1d))
         x, b, c = xbc.split([self.inner, self.groups * self.state,
                              self.groups * self.state], -1)
@@ -101,7 +93,7 @@ class Mamba2Mixer(nn.Module):
             out[:, start:end] = _ssd_chunk(x[:, start:end], dt[:, start:end],
                                            a[:, start:end], b[:, start:end],
                                            c[:, start:end], ssm)
-        self.conv_state[rows], self.ssm_state[rows] = conv, ssm
+        self.keep(rows, conv, ssm)
         out = out + self.D.float()[:, None] * x
         return out.view(n, tokens, self.inner).to(xbc.dtype)
 

@@ -1,6 +1,7 @@
-"""The short causal convolution of recurrent layers (Mamba2's over x, B and C; gated
-DeltaNet's over q, k and v), each sequence's last ``kernel - 1`` inputs kept in its
-state row (core/recurrent.py)."""
+"""What recurrent layers (Mamba2, gated DeltaNet) share: the short causal convolution
+(Mamba2's over x, B and C; gated DeltaNet's over q, k and v), each sequence's last
+``kernel - 1`` inputs kept in its state row, and the rows themselves (core/recurrent.py
+binds them)."""
 from __future__ import annotations
 
 import torch
@@ -16,3 +17,35 @@ def causal_conv(state: torch.Tensor, x: torch.Tensor, conv: nn.Conv1d) -> torch.
     state.copy_(window[..., window.shape[2] - state.shape[2]:])
     out = F.conv1d(window.to(conv.weight.dtype), conv.weight, conv.bias, groups=window.shape[1])
     return out.transpose(1, 2).to(x.dtype)
+
+
+class RecurrentLayer(nn.Module):
+    """A layer with a state per sequence: its convolution's last inputs (``conv_state``,
+    [rows, conv_dim, kernel - 1]) and one float32 state named ``STATE`` (its shape a
+    sequence: ``state_shape``). Subclasses set ``conv_dim`` and ``kernel``."""
+    STATE = "state"
+
+    def state_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """A sequence's state: name -> (shape, whether it is kept in float32)."""
+        return {"conv_state": ((self.conv_dim, self.kernel - 1), False),
+                self.STATE: (self.state_shape(), True)}
+
+    def states(self, rows: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the rows' convolution inputs and state (zeros where ``fresh``), for
+        ``keep`` to write back."""
+        conv, state = getattr(self, "conv_state", None), getattr(self, self.STATE, None)
+        if conv is None:
+            raise RuntimeError(f"{type(self).__name__} runs inside an engine step, after "
+                               "core/recurrent.py has bound its state rows")
+        conv, state = conv[rows], state[rows]
+        if fresh:
+            conv.zero_()
+            state.zero_()
+        return conv, state
+
+    def keep(self, rows: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> None:
+        self.conv_state[rows] = conv
+        getattr(self, self.STATE)[rows] = state

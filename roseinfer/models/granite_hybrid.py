@@ -57,9 +57,10 @@ class SharedMlp(nn.Module):
 
 
 class GraniteHybridLayer(nn.Module):
-    def __init__(self, cfg, kind: str, attn_idx: int, rotary):
+    def __init__(self, cfg, layer_idx: int, rotary):
         super().__init__()
-        e = cfg.hidden_size
+        e, kinds = cfg.hidden_size, layer_types(cfg)
+        kind, attn_idx = kinds[layer_idx], kinds[:layer_idx].count("attention")
         self.kind, self.scale = kind, cfg.residual_multiplier
         self.input_layernorm = RMSNorm(e, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(e, cfg.rms_norm_eps)
@@ -94,25 +95,23 @@ class GraniteHybridLayer(nn.Module):
 
 
 class GraniteHybridForCausalLM(LlamaForCausalLM):
+    layer_class = GraniteHybridLayer
+    tied_by_default = True
+
     def __init__(self, cfg):
         if tp.group().size > 1:
             raise ConfigError("granitemoehybrid: tensor parallelism is not built for its "
                               "Mamba2 layers yet; run it with tensor_parallel_size 1")
-        nn.Module.__init__(self)
-        from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
-        rotary = self.rotaries(cfg)[0] if cfg.position_embedding_type == "rope" else NoRotary()
-        kinds = layer_types(cfg)
-        attn_idx = [kinds[:i].count("attention") for i in range(len(kinds))]
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GraniteHybridLayer(cfg, k, a, rotary)
-                                    for k, a in zip(kinds, attn_idx))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg)
         self.embedding_multiplier = cfg.embedding_multiplier
         self.logits_scaling = cfg.logits_scaling
-        self.tied = bool(getattr(cfg, "tie_word_embeddings", True))
-        if not self.tied:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.head = LogitsHead(cfg.vocab_size)
+
+    @staticmethod
+    def rotaries(cfg) -> list:
+        """RoPE's tables where ``position_embedding_type`` is rope, else none (NoPE)."""
+        if cfg.position_embedding_type == "rope":
+            return LlamaForCausalLM.rotaries(cfg)
+        return [NoRotary()] * cfg.num_hidden_layers
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embedding_multiplier
