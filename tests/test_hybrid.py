@@ -161,3 +161,43 @@ def test_nemotron_h_experts_are_refused_by_name():
     with pytest.raises(ConfigError, match="'moe' blocks are not built yet"):
         LLM(tiny_nemotron_h(layers_block_type=["linear_attention", "moe", "full_attention"]),
             device=DEVICE, dtype="float32")
+
+
+def test_the_chunked_forms_equal_their_recurrences():
+    """Mamba2's SSD chunk and the gated delta rule's closed form against the per-token
+    recurrences they stand for, from a nonzero state."""
+    from roseinfer.layers.gated_deltanet import _delta_chunk, _l2norm
+    from roseinfer.layers.mamba2 import _ssd_chunk
+
+    gen = torch.Generator().manual_seed(0)
+    n, length, heads, kdim, vdim = 2, 37, 4, 8, 6
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = _l2norm(rand(n, length, heads, kdim)), _l2norm(rand(n, length, heads, kdim))
+    v, start = rand(n, length, heads, vdim), rand(n, heads, kdim, vdim)
+    g, beta = -torch.rand(n, length, heads, generator=gen), torch.rand(n, length, heads,
+                                                                        generator=gen)
+    state, ref_state = start.clone(), start.clone()
+    out, ref = _delta_chunk(q, k, v, g, beta, state), torch.empty_like(v)
+    for t in range(length):
+        ref_state.mul_(g[:, t].exp()[..., None, None])
+        delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", ref_state, k[:, t])) * \
+            beta[:, t][..., None]
+        ref_state.add_(k[:, t][..., None] * delta[..., None, :])
+        ref[:, t] = torch.einsum("bhkv,bhk->bhv", ref_state, q[:, t])
+    assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(state, ref_state, atol=1e-5)
+
+    x, b, c = rand(n, length, heads, vdim), rand(n, length, heads, kdim), rand(n, length,
+                                                                               heads, kdim)
+    dt = torch.rand(n, length, heads, generator=gen)
+    a = -dt * torch.rand(heads, generator=gen)
+    start = rand(n, heads, vdim, kdim)
+    state, ref_state = start.clone(), start.clone()
+    out, ref = _ssd_chunk(x, dt, a, b, c, state), torch.empty_like(x)
+    for t in range(length):
+        ref_state.mul_(a[:, t].exp()[..., None, None]).add_(
+            dt[:, t][..., None, None] * x[:, t][..., None] * b[:, t][:, :, None, :])
+        ref[:, t] = torch.einsum("bhpn,bhn->bhp", ref_state, c[:, t])
+    assert torch.allclose(out, ref, atol=1e-4) and torch.allclose(state, ref_state, atol=1e-4)

@@ -8,9 +8,10 @@ Per token, after the convolution and SiLU, with q and k L2-normalised (q also sc
     S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
 
 with ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; then an RMSNorm of
-each head's output gated by SiLU(z), and out_proj. Plain torch, a token at a time (every
-decoding sequence of a step together): the reference the GPU kernels
-(flash-linear-attention's chunked form) will be checked against.
+each head's output gated by SiLU(z), and out_proj. Plain torch, in chunks of 64 tokens
+(the recurrence in closed form: one triangular solve a chunk), every decoding sequence of
+a step in one batch: the reference the GPU kernels (flash-linear-attention's) will be
+checked against.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from torch import nn
 
 from roseinfer.core.recurrent import batches
 from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
+
+CHUNK = 64  # tokens the delta rule takes at once in a prompt
 
 
 class HeadGatedRMSNorm(nn.Module):
@@ -91,14 +94,46 @@ class GatedDeltaNet(RecurrentLayer):
         q = q / self.dk ** 0.5
         v = v.view(n, tokens, self.nv, self.dv)
         out = torch.empty_like(v)
-        for t in range(tokens):
-            state.mul_(g[:, t].exp()[..., None, None])
-            delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t])) * \
-                beta[:, t][..., None]
-            state.add_(k[:, t][..., None] * delta[..., None, :])
-            out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+        for start in range(0, tokens, CHUNK):
+            end = min(start + CHUNK, tokens)
+            out[:, start:end] = _delta_chunk(q[:, start:end], k[:, start:end],
+                                             v[:, start:end], g[:, start:end],
+                                             beta[:, start:end], state)
         self.keep(rows, conv, state)
         return out.to(mixed.dtype)
+
+
+def _delta_chunk(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """One chunk of the gated delta rule for B sequences, the per-token recurrence in
+    closed form (G the running sum of ``g``, S the state at the chunk's start):
+
+        u_t = beta_t (v_t - e^{G_t} S^T k_t - sum_{s<t} e^{G_t - G_s} (k_s . k_t) u_s)
+        o_t = e^{G_t} S^T q_t + sum_{s<=t} e^{G_t - G_s} (k_s . q_t) u_s
+        S  <- e^{G_L} S + sum_s e^{G_L - G_s} k_s u_s^T
+
+    the u's from one unit lower-triangular solve. q, k [B, L, H, K]; v [B, L, H, V]; g,
+    beta [B, L, H]; the states S [B, H, K, V] move on in place."""
+    length = q.shape[1]
+    cum = g.cumsum(1)                                                # [B, L, H]
+    lower = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    decay = cum[:, :, None, :] - cum[:, None, :, :]                  # [B, t, s, H]
+    within = torch.where(lower[..., None], decay, float("-inf")).exp()
+    strict = within * (~torch.eye(length, dtype=torch.bool, device=q.device))[..., None]
+    grow = cum.exp()[..., None]                                      # [B, L, H, 1]
+    a = torch.einsum("bthk,bshk->bhts", k, k) * strict.permute(0, 3, 1, 2) * \
+        beta.permute(0, 2, 1)[..., None]                             # [B, H, t, s]
+    rhs = beta[..., None] * (v - torch.einsum("bthk,bhkv->bthv", k, state) * grow)
+    eye = torch.eye(length, dtype=a.dtype, device=a.device)
+    u = torch.linalg.solve_triangular(eye + a, rhs.permute(0, 2, 1, 3), upper=False,
+                                      unitriangular=True)            # [B, H, L, V]
+    scores = torch.einsum("bthk,bshk->bhts", q, k) * within.permute(0, 3, 1, 2)
+    out = torch.einsum("bhts,bhsv->bthv", scores, u) + \
+        torch.einsum("bthk,bhkv->bthv", q, state) * grow
+    last = cum[:, -1]                                                # [B, H]
+    carried = (last[:, None] - cum).exp()                            # [B, L, H]
+    state.mul_(last.exp()[..., None, None]).add_(
+        torch.einsum("bsh,bshk,bhsv->bhkv", carried, k, u))
+    return out
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
