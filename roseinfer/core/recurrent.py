@@ -24,10 +24,19 @@ import logging
 
 import torch
 
+from roseinfer.core import tp
 from roseinfer.core.attention import get_context
 from roseinfer.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def refuse_tensor_parallel(family: str) -> None:
+    """A family whose recurrent layers are not split over ranks yet refuses a group of
+    more than one, by name."""
+    if tp.group().size > 1:
+        raise ConfigError(f"{family}: tensor parallelism is not built for its recurrent "
+                          "layers yet; run it with tensor_parallel_size 1")
 
 
 def layers(model: torch.nn.Module) -> list:

@@ -21,7 +21,7 @@ import re
 import torch
 from torch import nn
 
-from roseinfer.core import tp
+from roseinfer.core import recurrent
 from roseinfer.core.errors import ConfigError
 from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.fused import silu_and_mul
@@ -99,9 +99,7 @@ class GraniteHybridForCausalLM(LlamaForCausalLM):
     tied_by_default = True
 
     def __init__(self, cfg):
-        if tp.group().size > 1:
-            raise ConfigError("granitemoehybrid: tensor parallelism is not built for its "
-                              "Mamba2 layers yet; run it with tensor_parallel_size 1")
+        recurrent.refuse_tensor_parallel("granitemoehybrid")
         super().__init__(cfg)
         self.embedding_multiplier = cfg.embedding_multiplier
         self.logits_scaling = cfg.logits_scaling

@@ -14,7 +14,7 @@ import re
 import torch
 from torch import nn
 
-from roseinfer.core import tp
+from roseinfer.core import recurrent
 from roseinfer.core.errors import ConfigError
 from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.mamba2 import Mamba2Mixer
@@ -69,9 +69,7 @@ class NemotronHBlock(nn.Module):
 
 class NemotronHForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg):
-        if tp.group().size > 1:
-            raise ConfigError("nemotron_h: tensor parallelism is not built for its Mamba2 "
-                              "layers yet; run it with tensor_parallel_size 1")
+        recurrent.refuse_tensor_parallel("nemotron_h")
         nn.Module.__init__(self)
         from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
         kinds = cfg.layers_block_type

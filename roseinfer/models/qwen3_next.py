@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from roseinfer.core import tp
-from roseinfer.core.errors import ConfigError
+from roseinfer.core import recurrent
 from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.gated_deltanet import GatedDeltaNet
 from roseinfer.layers.norm import GemmaRMSNorm
@@ -76,9 +75,7 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
     norm_class = GemmaRMSNorm
 
     def __init__(self, cfg):
-        if tp.group().size > 1:
-            raise ConfigError("qwen3_next: tensor parallelism is not built for its gated "
-                              "DeltaNet layers yet; run it with tensor_parallel_size 1")
+        recurrent.refuse_tensor_parallel("qwen3_next")
         super().__init__(cfg)
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
