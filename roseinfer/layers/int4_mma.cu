@@ -47,6 +47,16 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// A dependent launch (Hopper on): wait until the kernel before has ended and its writes are
+// visible, then let the next kernel start (the same contract as the Triton kernels'
+// core/triton_support.wait_for_inputs).
+__device__ __forceinline__ void wait_for_inputs() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+}
+
 // Two levels, (word >> shift) & 0x000F000F, as bf16 128 + level in each half
 __device__ __forceinline__ unsigned levels_128(unsigned word) {
   unsigned out;
@@ -107,6 +117,7 @@ struct Args {
   float* partials;
   int* counters;
   int M, N, K, group, iters, splits;  // iters: stages a block, whole (the host checks)
+  bool dependent;  // launched as a programmatic dependent of the kernel before
 };
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -162,26 +173,39 @@ __global__ void __launch_bounds__(32 * WARPS_N * WARPS_K)
   const int meta_dst = T::WORDS_BYTES / 2 + meta_which * T::META_BYTES / 2 +
                        meta_row * T::BN + meta_col;  // in bf16s from the stage
 
-  auto load = [&](int s, int it) {
-    if (it >= args.iters) return;
+  // Each block walks its inputs from its own stage on (blockIdx.x % iters, wrapping round),
+  // so that blocks side by side do not all read the same offset of their panels at once
+  // (2-10 % faster a call, docs/kernels.md). Weights and x are loaded apart: with a
+  // dependent launch the first stages' weights are read before the kernel before has ended.
+  const int x_valid = args.M > x_row ? (args.M - x_row + X_ROW_STEP - 1) / X_ROW_STEP : 0;
+  int weight_stage = blockIdx.x % args.iters, x_stage = weight_stage;
+  int weights_loaded = 0, x_loaded = 0;
+  auto load_weights = [&](int s) {  // s: a constant once the loops unroll
+    if (weights_loaded++ >= args.iters) return;
     unsigned char* stage = smem + s * T::STAGE_BYTES;
     unsigned* w = reinterpret_cast<unsigned*>(stage) + word_dst;
-    const unsigned* src = word_src + (size_t)it * WARPS_K * CHUNK_WORDS * PANEL;
+    const unsigned* src = word_src + (size_t)weight_stage * WARPS_K * CHUNK_WORDS * PANEL;
 #pragma unroll
     for (int j = 0; j < WORD_COPIES; ++j)
       cp_async16(w + j * WORD_ROW_STEP * T::WORD_STRIDE, src + j * WORD_ROW_STEP * PANEL, true);
     if (meta_copier)
       cp_async16(reinterpret_cast<__nv_bfloat16*>(stage) + meta_dst,
-                 meta_src + (size_t)it * meta_rows * PANEL, true);
-    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(stage + T::WORDS_BYTES +
-                                                         2 * T::META_BYTES) + x_dst;
+                 meta_src + (size_t)weight_stage * meta_rows * PANEL, true);
+    if (++weight_stage == args.iters) weight_stage = 0;
+  };
+  auto load_x = [&](int s) {
+    if (x_loaded++ >= args.iters) return;
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + s * T::STAGE_BYTES +
+                                                         T::WORDS_BYTES + 2 * T::META_BYTES) +
+                        x_dst;
+    const __nv_bfloat16* src = x_src + x_stage * WARPS_K * CHUNK;
 #pragma unroll
     for (int j = 0; j < X_COPIES; ++j) {
-      bool valid = x_row + j * X_ROW_STEP < args.M;
+      bool valid = j < x_valid;
       cp_async16(xs + j * X_ROW_STEP * T::X_STRIDE,
-                 valid ? x_src + it * WARPS_K * CHUNK + (size_t)j * X_ROW_STEP * args.K
-                       : args.x, valid);
+                 valid ? src + (size_t)j * X_ROW_STEP * args.K : args.x, valid);
     }
+    if (++x_stage == args.iters) x_stage = 0;
   };
 
   int meta_q[4];  // each quarter's group row in a chunk's scales
@@ -202,21 +226,30 @@ __global__ void __launch_bounds__(32 * WARPS_N * WARPS_K)
   const unsigned ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
 
   // this warp's columns and chunk in a stage
-  const int word_at = wk * CHUNK_WORDS * T::WORD_STRIDE + wn * 16 * M_TILES + g;
+  const int word_at = (wk * CHUNK_WORDS + c) * T::WORD_STRIDE + wn * 16 * M_TILES + g;
   const int meta_at = T::WORDS_BYTES / 2 + wk * groups_per_chunk * T::BN + wn * 16 * M_TILES + g;
   const int x_at = (T::WORDS_BYTES + 2 * T::META_BYTES) / 2 + wk * CHUNK + 8 * c;
 
+  // The first stages: weights, then (after the kernel before, where launched dependent) x,
+  // a commit group each stage, the first holding every weight copy.
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) load_weights(s);
+  if (args.dependent) wait_for_inputs();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    load(s, s);
+    load_x(s);
     cp_async_commit();
   }
-  for (int it = 0; it < args.iters; ++it) {
+  for (int it0 = 0; it0 < args.iters; it0 += STAGES)
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s) {
+    if (it0 + s >= args.iters) break;
     cp_async_wait<STAGES - 2>();
     __syncthreads();
-    load((it + STAGES - 1) % STAGES, it + STAGES - 1);
+    load_weights((s + STAGES - 1) % STAGES);
+    load_x((s + STAGES - 1) % STAGES);
     cp_async_commit();
-    unsigned char* stage = smem + it % STAGES * T::STAGE_BYTES;
+    unsigned char* stage = smem + s * T::STAGE_BYTES;
     const unsigned* w = reinterpret_cast<const unsigned*>(stage) + word_at;
     const __nv_bfloat16* sc = reinterpret_cast<const __nv_bfloat16*>(stage) + meta_at;
     const __nv_bfloat16* sh = sc + T::META_BYTES / 2;
@@ -227,8 +260,8 @@ __global__ void __launch_bounds__(32 * WARPS_N * WARPS_K)
       unsigned a[M_TILES][2][4];  // [tile][h][mma register]
 #pragma unroll
       for (int t = 0; t < M_TILES; ++t) {
-        unsigned lo = w[(c + 4 * q) * T::WORD_STRIDE + 16 * t];
-        unsigned hi = w[(c + 4 * q) * T::WORD_STRIDE + 16 * t + 8];
+        unsigned lo = w[4 * q * T::WORD_STRIDE + 16 * t];
+        unsigned hi = w[4 * q * T::WORD_STRIDE + 16 * t + 8];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           // registers: (column g, inputs +0 +1), (g + 8, +0 +1), (g, +2 +3), (g + 8, +2 +3)
@@ -265,6 +298,14 @@ __global__ void __launch_bounds__(32 * WARPS_N * WARPS_K)
       }
       if constexpr (FOLD) {
         if (((q + 1) & group_ends) == 0) {  // the group ends: scale its sums into acc
+          float xs_sum[BATCH_TILES][2];  // rows 2c and 2c + 1
+#pragma unroll
+          for (int b = 0; b < BATCH_TILES; ++b)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              xs_sum[b][i] = xsum[0][b][i] + xsum[1][b][i];
+              xsum[0][b][i] = xsum[1][b][i] = xsum[0][b][i + 2] = xsum[1][b][i + 2] = 0.f;
+            }
 #pragma unroll
           for (int t = 0; t < M_TILES; ++t) {
             float scale[2], bias[2];  // columns g and g + 8
@@ -277,15 +318,12 @@ __global__ void __launch_bounds__(32 * WARPS_N * WARPS_K)
             for (int b = 0; b < BATCH_TILES; ++b)
 #pragma unroll
               for (int i = 0; i < 4; ++i) {
-                acc[t][b][i] += scale[i / 2] * (part[0][t][b][i] + part[1][t][b][i]) +
-                                bias[i / 2] * (xsum[0][b][i % 2] + xsum[1][b][i % 2]);
+                float v = fmaf(scale[i / 2], part[0][t][b][i], acc[t][b][i]);
+                v = fmaf(scale[i / 2], part[1][t][b][i], v);
+                acc[t][b][i] = fmaf(bias[i / 2], xs_sum[b][i % 2], v);
                 part[0][t][b][i] = part[1][t][b][i] = 0.f;
               }
           }
-#pragma unroll
-          for (int b = 0; b < BATCH_TILES; ++b)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) xsum[0][b][i] = xsum[1][b][i] = 0.f;
         }
       }
     }
@@ -361,9 +399,13 @@ void launch(Args args, cudaStream_t stream) {
                                         T::SMEM));
     sized |= 1ull << device;
   }
-  dim3 grid(args.N / T::BN, args.splits);
-  kernel<<<grid, T::THREADS, T::SMEM, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchConfig_t launch{dim3(args.N / T::BN, args.splits), dim3(T::THREADS), T::SMEM, stream};
+  cudaLaunchAttribute dependent;
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  launch.attrs = &dependent;
+  launch.numAttrs = args.dependent ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&launch, kernel, args));
 }
 
 template <int BATCH_TILES>
@@ -380,7 +422,7 @@ void launch_config(int64_t config, const Args& args, cudaStream_t stream) {
 
 at::Tensor mm(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
               const at::Tensor& shifts, const at::Tensor& partials, const at::Tensor& counters,
-              int64_t config, int64_t splits) {
+              int64_t config, int64_t splits, bool dependent) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "int4 mm: x must be contiguous bf16 [M, K]");
   TORCH_CHECK(words.is_contiguous() && scales.is_contiguous() && shifts.is_contiguous(),
@@ -408,7 +450,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& words, const at::Tensor& sc
             reinterpret_cast<const __nv_bfloat16*>(shifts.data_ptr()),
             reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
             partials.data_ptr<float>(), counters.data_ptr<int>(),
-            M, N, K, group, 0, static_cast<int>(splits)};
+            M, N, K, group, 0, static_cast<int>(splits), dependent};
   auto stream = c10::cuda::getCurrentCUDAStream();
   if (M <= 8) launch_config<1>(config, args, stream);
   else if (M <= 16) launch_config<2>(config, args, stream);
@@ -421,7 +463,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& words, const at::Tensor& sc
 
 TORCH_LIBRARY(roseinfer_int4, lib) {
   lib.def("mm(Tensor x, Tensor words, Tensor scales, Tensor shifts, Tensor partials, "
-          "Tensor counters, int config, int splits) -> Tensor");
+          "Tensor counters, int config, int splits, bool dependent) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(roseinfer_int4, CUDA, lib) { lib.impl("mm", &mm); }

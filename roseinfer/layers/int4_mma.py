@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from roseinfer.core.triton_support import dependent_launch
+
 SOURCE = Path(__file__).with_name("int4_mma.cu")
 SIGMA = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a word holds input 8r + SIGMA[j]
 MAX_ROWS = 64
@@ -154,4 +156,5 @@ def mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, shifts: torch
         config, splits = choose(m, n, k, x.device)
     w = workspace(x.device)
     return ops(torch.cuda.get_device_capability(x.device)).mm(
-        x.contiguous(), words, scales, shifts, w.partials, w.counters, config, splits)
+        x.contiguous(), words, scales, shifts, w.partials, w.counters, config, splits,
+        dependent_launch(x.device, m))
