@@ -78,10 +78,59 @@ def test_samples_of_one_request_each_compute_their_prompt():
     hf = tiny_granite_hybrid()
     prompt = list(range(3, 40))
     with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=128) as llm:
-        assert not llm.engine.config.enable_prefix_cache and not llm.engine.shares_prompts
+        assert not llm.engine.shares_prompts
         samples = llm.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=0,
                                                         ignore_eos=True))[0]
     assert [s.token_ids for s in samples] == [hf_greedy(hf, prompt, 8)] * 3
+
+
+def greedy_run(llm, hf, prompt, max_tokens=12):
+    """One request through ``llm``: its output, checked against transformers'."""
+    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                 ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(hf, prompt, max_tokens), prompt
+    return out
+
+
+@pytest.mark.parametrize("family", ["granite", "qwen3_next"])
+def test_a_prefix_hit_restores_the_state_at_its_last_block(family):
+    """A second prompt sharing the first's 37 tokens hits its blocks up to the first's last
+    full block (36 tokens, the snapshot taken there: the first prompt's chunk made to end
+    at it) and goes on from the restored state, token-exact."""
+    hf = tiny_granite_hybrid() if family == "granite" else tiny_qwen3_next()
+    shared = list(range(3, 40))
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=128) as llm:
+        assert llm.engine.config.enable_prefix_cache
+        assert greedy_run(llm, hf, shared).num_cached_tokens == 0
+        out = greedy_run(llm, hf, shared + [50, 51, 52, 53, 54, 55])
+        assert out.num_cached_tokens == 36
+
+
+def test_a_second_turn_hits_the_reply_up_to_its_last_block():
+    """A conversation's next turn (the first prompt, its reply, a new message) hits the
+    latest block boundary the first sequence decoded past: 10 + 21 computed tokens, so 28."""
+    hf = tiny_qwen3_next()
+    first = list(range(7, 17))
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=128) as llm:
+        reply = greedy_run(llm, hf, first, max_tokens=22).token_ids
+        out = greedy_run(llm, hf, first + reply + [60, 61, 62])
+        assert out.num_cached_tokens == 28
+
+
+def test_a_prefix_without_its_snapshot_is_computed_again():
+    """One snapshot row (max_num_seqs 1): a second prompt's snapshot takes the first's row,
+    so the first prompt's blocks are still cached but its state is not. Asked again, it is
+    computed from its start (no hit at all), never from a state its tokens did not make;
+    that run keeps its snapshot again, and the next prompt sharing it hits."""
+    hf = tiny_granite_hybrid()
+    first, other = list(range(3, 30)), list(range(100, 127))
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=128,
+             max_num_seqs=1) as llm:
+        greedy_run(llm, hf, first, max_tokens=1)
+        greedy_run(llm, hf, other, max_tokens=1)
+        assert llm.engine.blocks.cached_tokens(first + [5]) == 0
+        assert greedy_run(llm, hf, first + [5], max_tokens=1).num_cached_tokens == 0
+        assert greedy_run(llm, hf, first + [6]).num_cached_tokens == 24
 
 
 def test_speculative_decoding_is_refused():

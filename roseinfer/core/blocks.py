@@ -86,6 +86,9 @@ class BlockManager:
         # tells a fleet which prompts this engine holds: frontends/redis_streams/routing.py)
         self.journal: Optional[list[tuple[int, bool, bool]]] = None
         self.on_free_seq: Callable[[object], None] = lambda seq: None
+        # A model with recurrent layers: their states at block boundaries
+        # (core/state_snapshots.py); a prefix ends only where one is held
+        self.states = None
 
     @property
     def cached(self) -> dict[int, int]:
@@ -126,9 +129,16 @@ class BlockManager:
                 self._take(row[g])
                 table.append(row[g])
         seq.block_hashes += hashes[:k]
+        if k and self.states is not None:
+            self.states.restore(seq, hashes[k - 1])
         if k and tables[0][0] != self.null and self.journal is not None:
             self.journal.append((hashes[0], True, True))  # a prompt in use: listed as recent
         return k * self.block_size
+
+    def chunk(self, seq, n: int) -> int:
+        """A prompt chunk of ``n`` tokens, shortened where a recurrent state is to be kept
+        inside it (StateSnapshots.chunk)."""
+        return n if self.states is None else self.states.chunk(seq, n)
 
     def cached_tokens(self, token_ids: Seq[int], root: int = NO_HASH) -> int:
         """What match_prefix would cover now, taking nothing."""
@@ -149,13 +159,15 @@ class BlockManager:
             row = self._held(parent, tokens)
             hashes.append(parent)
             rows.append(row)
+            restorable = self.states is None or self.states.held(parent)
             if not self.windowed:  # every group keeps its blocks: all held, or stop
                 if None in row:
                     break
-                k = i + 1
+                k = i + 1 if restorable else k
                 continue
             runs = [n + 1 if b is not None else 0 for n, b in zip(runs, row)]
-            if all(runs[g] >= i + 1 - self._first(g, (i + 1) * bs) for g in groups):
+            if restorable and all(runs[g] >= i + 1 - self._first(g, (i + 1) * bs)
+                                  for g in groups):
                 k = i + 1
             elif any(runs[g] <= i for g in groups if self.windows[g] is None):
                 break  # a full group lacks a block: no longer prefix can be taken
@@ -244,6 +256,8 @@ class BlockManager:
                 if self.caches[g].setdefault(h, b) == b and g == 0 and self.journal is not None:
                     self.journal.append((h, True, i == 0))
             seq.block_hashes.append(h)
+            if self.states is not None:
+                self.states.published(seq, i, h)
 
     def fork(self, parent, child) -> None:
         """Child shares every block of the parent (partial last block included)."""
@@ -277,6 +291,8 @@ class BlockManager:
             table.clear()
         seq.block_hashes.clear()
         seq.num_computed = 0
+        if self.states is not None:
+            self.states.forget(seq)
         self.on_free_seq(seq)
 
     def _take(self, b: int) -> None:

@@ -18,6 +18,7 @@ from roseinfer.core.kv_cache import KVCache
 from roseinfer.core.kv_groups import KVGroups
 from roseinfer.core.plugins import PluginRegistry
 from roseinfer.core import recurrent
+from roseinfer.core.state_snapshots import StateSnapshots
 from roseinfer.core.runner import ModelRunner
 from roseinfer.models import loader
 from roseinfer.layers.attention import PagedAttention
@@ -122,7 +123,8 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
         spec, tokenizer, dtype, device, seed=cfg.seed or 0, plugins=plugins,
         cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype), quantization=cfg.quantization)
     cfg = recurrent.decided(cfg, model)
-    recurrent.bind(model, cfg.max_num_seqs + 1, device, dtype)  # a row a table row
+    snapshots = recurrent.snapshot_rows(cfg, model)
+    recurrent.bind(model, cfg.max_num_seqs + 1 + snapshots, device, dtype)  # a row a table row
     loras = _loras(model, hf_config, cfg, device, dtype) if cfg.enable_lora else None
     peak = 0
     if device.type == "cuda" and cfg.num_kv_blocks is None:
@@ -130,6 +132,9 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
     kv_cache = build_kv_cache(model, cfg, plugins, device, dtype, peak)
     max_model_len = _max_model_len(cfg, hf_config, kv_cache)
     runner = build_runner(model, kv_cache, cfg, plugins, device, max_model_len, peers)
+    if snapshots:
+        runner.snapshots = StateSnapshots(model, cfg.max_num_seqs + 1, snapshots,
+                                          kv_cache.block_size)
     return DeviceSide(model, hf_config, tokenizer, dtype, kv_cache, runner, max_model_len,
                       cfg, loras)
 

@@ -96,6 +96,7 @@ class Engine:
                                    config.decode_steps, config.decode_steps_min_seqs, mixed_prefill,
                                    config.priority_aging_s)
         self.blocks.on_free_seq = self.runner.rows.release
+        self.blocks.states = self.runner.snapshots
         if self.loras is not None:
             self._serve_loras()
         plugins.get("logits_processor", config.structured_output)  # fail early, listing names

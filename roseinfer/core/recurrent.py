@@ -8,14 +8,14 @@ finished, so the cache needs no bookkeeping of its own. A layer finds its sequen
 in the step context (``StepContext.seq_rows``) and starts from zeros where a sequence's
 step starts at position 0.
 
-What a state cannot do yet, the engine turns off for such a model (``decided``): a
-prefix-cache hit, or a sample sharing its first sample's prompt, would start a sequence
-past position 0 with no state for it, so the prefix cache and prompt sharing are off;
-drafts that are rejected would leave their tokens in the state, so speculative decoding
-is refused; the layers run in plain torch, a prompt's chunk at a time and a step's
-decoding sequences in one batch (``batches``), with host reads of the step's shape, so CUDA
-graphs and the compiled CPU step are off (issue 71: snapshots at block boundaries, and
-kernels).
+A prefix-cache hit restores the state a snapshot kept at the hit's last block
+(core/state_snapshots.py: ``SNAPSHOTS_PER_SEQ`` rows a sequence seat, after the
+sequences' rows). What a state cannot do yet, the engine turns off for such a model
+(``decided``): drafts that are rejected would leave their tokens in the state, so
+speculative decoding is refused; samples of one prompt each compute it (or hit its
+snapshot), not share its first sample's blocks; the layers run in plain torch, a prompt's
+chunk at a time and a step's decoding sequences in one batch (``batches``), with host
+reads of the step's shape, so CUDA graphs and the compiled CPU step are off.
 """
 from __future__ import annotations
 
@@ -52,8 +52,7 @@ def decided(cfg, model: torch.nn.Module):
     if cfg.speculative:
         raise ConfigError(f"{type(model).__name__} keeps a recurrent state that rejected "
                           "draft tokens would leave behind: run it without speculative")
-    off = {name: value for name, value in (("enable_prefix_cache", False),
-                                           ("cuda_graphs", False),
+    off = {name: value for name, value in (("cuda_graphs", False),
                                            ("cpu_compiled_step", "off"))
            if getattr(cfg, name) != value}
     if off:
@@ -62,9 +61,18 @@ def decided(cfg, model: torch.nn.Module):
     return dataclasses.replace(cfg, **off)
 
 
+SNAPSHOTS_PER_SEQ = 1  # snapshot rows a sequence seat (max_num_seqs), with the prefix cache on
+
+
+def snapshot_rows(cfg, model: torch.nn.Module) -> int:
+    """Rows of states kept at block boundaries, for prefix-cache hits to restore."""
+    return SNAPSHOTS_PER_SEQ * cfg.max_num_seqs if cfg.enable_prefix_cache and layers(model) \
+        else 0
+
+
 def bind(model: torch.nn.Module, rows: int, device: torch.device, dtype: torch.dtype) -> int:
-    """Give every recurrent layer its state tensors, ``rows`` rows each (zeros); returns
-    their bytes."""
+    """Give every recurrent layer its state tensors, ``rows`` rows each (zeros): the
+    sequences' rows, then the snapshots' (core/state_snapshots.py); returns their bytes."""
     total = 0
     for layer in layers(model):
         for name, (shape, fp32) in layer.state_shapes().items():

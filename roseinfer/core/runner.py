@@ -73,6 +73,7 @@ class ModelRunner:
         self.lora = lora  # the model's projections take LoRA adapters (layers/lora.py)
         self.peers = peers  # tp_workers.Peers: the other ranks, on rank 0 of a group
         self.copies: list[tuple[int, int]] = []  # KV blocks copied since the last order
+        self.snapshots = None  # recurrent states at block boundaries (core/state_snapshots.py)
         self.kv_cache = kv_cache
         self.attention = attention
         self.device = device
@@ -197,6 +198,8 @@ class ModelRunner:
                                               self.rows, self.kv_cache.scratch_block, batch.steps)
         for seq in fresh:
             self.logits_work.start(seq)
+        if self.snapshots is not None:  # eager steps only: no graphs with recurrent state
+            self.snapshots.restore_rows(seqs)
         self._add_remaps(upd_idx, upd_val)
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
@@ -222,6 +225,8 @@ class ModelRunner:
             if step and layout is None:
                 advance(inp, self.tables, self.block_size, self.identity)
             logits = run(step)
+            if self.snapshots is not None:
+                self.snapshots.save(seqs, num_tokens, step)
             if extra:  # drafts and prefill chunks: one step, no window
                 logits, checked, prompt = self._split_extra(logits, len(rows), verify, plan)
             if not rows:

@@ -191,7 +191,7 @@ class Scheduler:
             if left == 1:  # decoding: the common case, kept to plain arithmetic
                 n = 1 if seq.draft is None else self._fit_draft(batch, seq, budget.tokens)
             else:
-                n = min(left, budget.prefill_room(seq))
+                n = self.blocks.chunk(seq, min(left, budget.prefill_room(seq)))
                 if n == 0:
                     i += 1  # no prefill budget is left for it
                     continue
@@ -233,7 +233,7 @@ class Scheduler:
                 seq.num_computed = self.blocks.match_prefix(seq)
                 if seq.num_cached_tokens is None:  # what the cache saved it, first time in
                     seq.num_cached_tokens = seq.num_computed
-            n = min(seq.num_scheduled_tokens - seq.num_computed, room)
+            n = self.blocks.chunk(seq, min(seq.num_scheduled_tokens - seq.num_computed, room))
             if not self.blocks.reserve(seq, n):
                 self.blocks.free_seq(seq)
                 break
