@@ -1,8 +1,9 @@
 """Hybrid models: Granite 4.0-H's Mamba2 layers beside attention ones (models/
 granite_hybrid.py), each sequence's recurrent state in the state cache (core/recurrent.py),
 against transformers' own model on tiny random configs: greedy ids equal for a batch of
-mixed lengths, with prompts in chunks, with samples of one request, under preemption;
-and what a recurrent state cannot serve yet, turned off or refused."""
+mixed lengths, with prompts in chunks, with samples of one request, under preemption,
+through prefix-cache hits that restore a state kept at a block boundary (and without one,
+recomputed); and what a recurrent state cannot serve yet, turned off or refused."""
 import pytest
 import torch
 
