@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -53,6 +53,8 @@ class StepContext:
     groups: list[tuple[AttnMetadata, SlotBatch]] = field(default_factory=list)  # 1, 2, ...
     lora_slots: Optional[torch.Tensor] = None  # per token: its LoRA slot, -1 none (layers/lora.py)
     seq_rows: Optional[torch.Tensor] = None    # per sequence: its table (and state) row
+    # What a model takes beside ids and positions (core/multimodal.py: image features)
+    model_inputs: Optional[Any] = None
 
     def remap_groups(self, group_blocks: torch.Tensor) -> None:
         """Each other group's tables and slots: its blocks for group 0's

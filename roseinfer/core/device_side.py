@@ -17,7 +17,7 @@ from roseinfer.core.errors import ConfigError
 from roseinfer.core.kv_cache import KVCache
 from roseinfer.core.kv_groups import KVGroups
 from roseinfer.core.plugins import PluginRegistry
-from roseinfer.core import recurrent
+from roseinfer.core import multimodal, recurrent
 from roseinfer.core.state_snapshots import StateSnapshots
 from roseinfer.core.runner import ModelRunner
 from roseinfer.models import loader
@@ -122,7 +122,7 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
     model, hf_config, tokenizer = loader.load(
         spec, tokenizer, dtype, device, seed=cfg.seed or 0, plugins=plugins,
         cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype), quantization=cfg.quantization)
-    cfg = recurrent.decided(cfg, model)
+    cfg = multimodal.decided(recurrent.decided(cfg, model), model)
     snapshots = recurrent.snapshot_rows(cfg, model)
     recurrent.bind(model, cfg.max_num_seqs + 1 + snapshots, device, dtype)  # a row a table row
     loras = _loras(model, hf_config, cfg, device, dtype) if cfg.enable_lora else None

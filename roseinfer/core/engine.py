@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from roseinfer.core import device_side, faults, recurrent, speculation, tp
+from roseinfer.core import device_side, faults, multimodal, recurrent, speculation, tp
 from roseinfer.core.cpu_step_choice import StepChoice
 from roseinfer.core.device_side import resolve_device, settle_heap
 from roseinfer.core.blocks import BlockManager
@@ -195,19 +195,32 @@ class Engine:
         if request_id in self.seqs or request_id in self.groups:
             raise InvalidRequestError("rid", f"request id {request_id!r} is already in use")
         self._check_lora(lora)
+        prompt, images = multimodal.split(prompt)
         ids = self.intake.prompt_ids(prompt, params)
+        if images is not None:
+            ids, images = multimodal.prepare(self.model, ids, images)
         if params.n == 1:
             seq = self.intake.sequence(request_id, 0, ids, params, emitted_ids, emitted_text, lora)
-            self._queue([seq])
+            self._queue(self._with_images([seq], images))
             return
         indexes = range(params.n) if indexes is None else indexes
         if not indexes or not all(is_int(i) and 0 <= i < params.n for i in indexes):
             raise InvalidRequestError("indexes", f"must name samples in [0, {params.n})")
         emitted_ids, emitted_text = emitted_ids or {}, emitted_text or {}
-        self._queue([self.intake.sequence(request_id, i, ids, params.sample(i),
-                                          emitted_ids.get(i), emitted_text.get(i), lora)
-                     for i in sorted(set(indexes))])
+        self._queue(self._with_images([
+            self.intake.sequence(request_id, i, ids, params.sample(i), emitted_ids.get(i),
+                                 emitted_text.get(i), lora) for i in sorted(set(indexes))],
+            images))
         self.groups[request_id] = params.n
+
+    @staticmethod
+    def _with_images(seqs: list[Sequence], images) -> list[Sequence]:
+        """The samples carrying their prompt's images; their blocks' hashes chain from the
+        images' too, so no prompt with other images takes them."""
+        for seq in seqs if images is not None else ():
+            seq.images = images
+            seq.hash_root = hash((seq.hash_root, images.digest))
+        return seqs
 
     def _check_lora(self, lora: Optional[str]) -> None:
         if lora is None:

@@ -24,7 +24,7 @@ class Sequence:
                  "sample_slot",
                  "row", "synced", "sample_words", "logprobs", "prompt_logprobs",
                  "constraints", "num_accepted", "index", "key", "error", "draft", "spec",
-                 "num_cached_tokens", "lora", "lora_slot", "hash_root")
+                 "num_cached_tokens", "lora", "lora_slot", "hash_root", "images")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_len: int, arrival_time: float, generator: Optional[torch.Generator] = None,
@@ -71,6 +71,7 @@ class Sequence:
         self.lora = lora               # the adapter's name (core/lora.py), None: the base model
         self.lora_slot = -1            # its adapter's slot while running
         self.hash_root = root_hash(lora)  # its blocks' hashes chain from here (core/blocks.py)
+        self.images = None             # its prompt's images (core/multimodal.py)
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from roseinfer.core import tp
+from roseinfer.core import multimodal, tp
 from roseinfer.core.attention import AttnMetadata, StepContext, set_context
 from roseinfer.core.cuda_graphs import StepGraphs
 from roseinfer.core.kv_cache import KVCache, SlotBatch
@@ -74,6 +74,8 @@ class ModelRunner:
         self.peers = peers  # tp_workers.Peers: the other ranks, on rank 0 of a group
         self.copies: list[tuple[int, int]] = []  # KV blocks copied since the last order
         self.snapshots = None  # recurrent states at block boundaries (core/state_snapshots.py)
+        self.takes_images = hasattr(model, "encode_images")  # core/multimodal.py
+        self.model_inputs = None  # the step's, beside ids and positions (StepContext)
         self.kv_cache = kv_cache
         self.attention = attention
         self.device = device
@@ -159,6 +161,7 @@ class ModelRunner:
         """Model forward under ``ctx``; logits of ``logits_rows`` (all rows if None)."""
         ctx.attn.block_tables = self.tables[inp.seq_rows]
         ctx.seq_rows = inp.seq_rows  # recurrent layers' state rows (core/recurrent.py)
+        ctx.model_inputs = self.model_inputs
         ctx.attn.memo.clear()  # a decode window runs several forwards under one context
         ctx.slots.memo.clear()
         if self.group_blocks is not None:
@@ -200,6 +203,8 @@ class ModelRunner:
             self.logits_work.start(seq)
         if self.snapshots is not None:  # eager steps only: no graphs with recurrent state
             self.snapshots.restore_rows(seqs)
+        images = multimodal.step_inputs(seqs, num_tokens, self.device) \
+            if self.takes_images else None
         self._add_remaps(upd_idx, upd_val)
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
@@ -224,7 +229,9 @@ class ModelRunner:
         for step in range(batch.steps):
             if step and layout is None:
                 advance(inp, self.tables, self.block_size, self.identity)
+            self.model_inputs = images if not step or images is None else images.advanced(step)
             logits = run(step)
+            self.model_inputs = None
             if self.snapshots is not None:
                 self.snapshots.save(seqs, num_tokens, step)
             if extra:  # drafts and prefill chunks: one step, no window

@@ -58,3 +58,33 @@ class RotaryEmbedding(nn.Module):
         if self not in memo:  # the first layer gathers the step's rows for all
             memo[self] = rope_rows(positions, self.cos, self.sin)
         return rotate_qk_(q, k, *memo[self], num_heads, num_kv_heads)
+
+
+class MultimodalRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's M-RoPE: the rotated dims' frequencies in three sections (``sections``:
+    their sizes, in frequencies), each turned by its own component of a token's position
+    (time, height, width). A step whose model inputs carry them (``positions3``, [3, N];
+    core/multimodal.py) rotates by those; any other step's tokens have three equal
+    components, which is plain RoPE."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, sections: list[int],
+                 scaling: float = 1.0):
+        super().__init__(inv_freq, max_positions, scaling)
+        assert sum(sections) == inv_freq.numel(), "M-RoPE sections must cover the frequencies"
+        self.sections = list(sections)
+
+    def forward(self, positions, q, k, num_heads, num_kv_heads, norms: HeadNorms | None = None):
+        ctx = get_context()
+        positions3 = getattr(ctx.model_inputs, "positions3", None)
+        if positions3 is None:
+            return super().forward(positions, q, k, num_heads, num_kv_heads, norms)
+        assert norms is None, "M-RoPE takes no q/k norms"
+        memo = ctx.attn.memo
+        if self not in memo:
+            ends = torch.tensor(self.sections).cumsum(0).tolist()
+            cos = torch.cat([self.cos[positions3[i], lo:hi] for i, (lo, hi)
+                             in enumerate(zip([0] + ends[:-1], ends))], dim=-1)
+            sin = torch.cat([self.sin[positions3[i], lo:hi] for i, (lo, hi)
+                             in enumerate(zip([0] + ends[:-1], ends))], dim=-1)
+            memo[self] = rope_rows(torch.arange(cos.shape[0], device=cos.device), cos, sin)
+        return rotate_qk_(q, k, *memo[self], num_heads, num_kv_heads)

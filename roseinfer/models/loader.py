@@ -5,6 +5,7 @@ a hub id, or an alias from ``ALIASES``.
 """
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import logging
@@ -300,7 +301,7 @@ def _resolve(spec):
     """-> (hf_config, hf-style tensors by name, tokenizer or None); a directory's
     tensors are safetensors slices, read when cut (_shards)."""
     if not isinstance(spec, (str, os.PathLike)):  # a model instance: transformers' modeling
-        return spec.config, spec.state_dict(), None  # code (5 s to import) is loaded already
+        return text_part(spec.config), spec.state_dict(), None  # code is loaded already
     path = ALIASES[spec]() if spec in ALIASES else spec
     if str(path).endswith(".gguf"):
         path = _converted_gguf(path)
@@ -474,15 +475,21 @@ def _config(path: str):
 
 
 # Vision-language checkpoints whose text part roseinfer serves (its family's
-# convert_hf_state_dict and shard_rule leave the rest out).
+# convert_hf_state_dict and shard_rule leave the rest out), and those whose images it
+# takes too: their text config carries the vision config and the image token's id.
 TEXT_PARTS = ("gemma3",)
+VISION_LANGUAGE = ("qwen2_5_vl",)
 
 
 def text_part(config):
-    """The text model's config of a checkpoint in TEXT_PARTS (whether its LM head is the
-    embedding is the whole model's to say); any other as it is."""
-    if config.model_type not in TEXT_PARTS:
+    """The text model's config of a checkpoint in TEXT_PARTS or VISION_LANGUAGE (whether
+    its LM head is the embedding is the whole model's to say); any other as it is."""
+    if config.model_type not in TEXT_PARTS + VISION_LANGUAGE:
         return config
-    text = config.get_text_config()
-    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+    text = copy.deepcopy(config.get_text_config())  # a model instance's config is its own
+    tied = getattr(config, "tie_word_embeddings", None)
+    text.tie_word_embeddings = getattr(text, "tie_word_embeddings", False) if tied is None \
+        else tied
+    if config.model_type in VISION_LANGUAGE:
+        text.vision_config, text.image_token_id = config.vision_config, config.image_token_id
     return text

@@ -7,7 +7,8 @@ BERT, RoBERTa, XLM-RoBERTa and ModernBERT are encoders, served by the pooling ru
 DeepSeekMoE, GLM-4.5 DeepSeekMoE beside Llama's attention (roseinfer/models/deepseek.py).
 Granite 4.0-H has Mamba2 layers beside attention ones (roseinfer/models/granite_hybrid.py),
 Qwen3-Next gated DeltaNet ones (roseinfer/models/qwen3_next.py), Nemotron-H Mamba2 blocks
-beside attention and MLP blocks (roseinfer/models/nemotron_h.py)."""
+beside attention and MLP blocks (roseinfer/models/nemotron_h.py). Qwen2.5-VL takes images
+beside Qwen2's decoder (roseinfer/models/qwen2_5_vl.py, core/multimodal.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
 
@@ -19,6 +20,7 @@ def roseinfer_register_model_architectures(register):
     from roseinfer.models.gpt2 import GPT2ForCausalLM
     from roseinfer.models.granite_hybrid import GraniteHybridForCausalLM
     from roseinfer.models.nemotron_h import NemotronHForCausalLM
+    from roseinfer.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
     from roseinfer.models.qwen3_next import Qwen3NextForCausalLM
     from roseinfer.models.modernbert import ModernBertModel
     from roseinfer.models.llama import LlamaForCausalLM
@@ -40,3 +42,5 @@ def roseinfer_register_model_architectures(register):
     register("granitemoehybrid", GraniteHybridForCausalLM)
     register("qwen3_next", Qwen3NextForCausalLM)
     register("nemotron_h", NemotronHForCausalLM)
+    for model_type in ("qwen2_5_vl", "qwen2_5_vl_text"):
+        register(model_type, Qwen2_5_VLForConditionalGeneration)

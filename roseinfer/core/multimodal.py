@@ -1,0 +1,168 @@
+"""Images in a prompt, for vision-language models (models/qwen2_5_vl.py).
+
+A prompt with images is a dict, as vLLM names it: ``{"prompt": text}`` or
+``{"prompt_token_ids": ids}``, with ``"multi_modal_data": {"image": image or [images]}``
+(PIL images, or PNG/JPEG/WebP bytes). The prompt holds one image token a picture (the chat
+template's ``<|vision_start|><|image_pad|><|vision_end|>``). When the request comes in
+(``prepare``) the model's image processor prepares the images, each image token is widened
+to as many as the image has features, and the vision tower runs on them all; the features
+stay with the sequence (``Images``), with every prompt token's three-part position. A step
+then puts each image token's feature in place of its embedding and gives every token its
+position (``step_inputs``). The images' pixels are hashed into the sequence's block-hash
+root (core/blocks.py), so cached blocks are shared only by prompts with the same images.
+
+What the engine cannot do with them yet, it turns off for such a model (``decided``): CUDA
+graphs and the compiled CPU step (a step's inputs are more than ids and positions).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from roseinfer.core.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+MAX_IMAGES = 16  # a prompt's images, at most
+PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
+
+
+@dataclass
+class Images:
+    """A prompt's images as its sequence carries them."""
+    features: torch.Tensor  # [image tokens, hidden]: the tower's, in prompt order
+    at: torch.Tensor  # [image tokens]: each one's index in the prompt
+    positions3: torch.Tensor  # [3, prompt tokens]: M-RoPE positions (time, height, width)
+    delta: int  # a token past the prompt at index i has position i + delta (all three)
+    digest: int  # of the prepared pixels
+
+
+@dataclass
+class StepImages:
+    """A step's model inputs (StepContext.model_inputs): features for its image tokens."""
+    rows: torch.Tensor  # the step's token indices that take a feature
+    features: torch.Tensor  # [rows, hidden]
+    positions3: torch.Tensor  # [3, step tokens]
+
+    def advanced(self, step: int) -> "StepImages":
+        """Window step ``step`` of a decode window: every position ``step`` on, no image."""
+        return dataclasses.replace(self, rows=self.rows[:0], features=self.features[:0],
+                                   positions3=self.positions3 + step)
+
+
+def split(prompt):
+    """(the prompt as text or ids, its images or None)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - PROMPT_KEYS
+    if unknown:
+        raise InvalidRequestError("prompt", f"unknown prompt keys {sorted(unknown)}; a prompt "
+                                  f"dict takes {sorted(PROMPT_KEYS)}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise InvalidRequestError("prompt", "a prompt dict takes one of prompt (text) and "
+                                  "prompt_token_ids")
+    data = prompt.get("multi_modal_data") or {}
+    if set(data) - {"image"}:
+        raise InvalidRequestError("multi_modal_data", f"only images are taken; got "
+                                  f"{sorted(set(data) - {'image'})}")
+    images = data.get("image")
+    if images is not None and not isinstance(images, (list, tuple)):
+        images = [images]
+    text = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+    return text, list(images) if images else None
+
+
+def prepare(model, ids: list[int], images: list) -> tuple[list[int], Images]:
+    """The prompt's ids with each image token widened to its image's features, and the
+    images as the sequence carries them."""
+    if not hasattr(model, "encode_images"):
+        raise InvalidRequestError("multi_modal_data", f"{type(model).__name__} takes no "
+                                  "images; send text only, or serve a vision-language model")
+    if len(images) > MAX_IMAGES:
+        raise InvalidRequestError("multi_modal_data", f"{len(images)} images; at most "
+                                  f"{MAX_IMAGES} a prompt")
+    slots = [i for i, t in enumerate(ids) if t == model.image_token_id]
+    if len(slots) != len(images):
+        raise InvalidRequestError("multi_modal_data", f"the prompt has {len(slots)} image "
+                                  f"tokens (id {model.image_token_id}) for {len(images)} "
+                                  "images: one each")
+    prepared = _processor(model)(images=[_picture(x) for x in images], return_tensors="pt")
+    pixels, grids = prepared["pixel_values"], prepared["image_grid_thw"]
+    counts = (grids.prod(-1) // model.merge ** 2).tolist()
+    widened, last = [], 0
+    for slot, count in zip(slots, counts):
+        widened += ids[last:slot] + [model.image_token_id] * count
+        last = slot + 1
+    widened += ids[last:]
+    positions3, delta = model.image_positions(widened, grids)
+    at = torch.tensor([i for i, t in enumerate(widened) if t == model.image_token_id])
+    digest = int.from_bytes(hashlib.blake2b(pixels.float().numpy().tobytes(), digest_size=8,
+                                            person=b"images").digest(), "little", signed=True)
+    return widened, Images(model.encode_images(pixels, grids), at, positions3, delta, digest)
+
+
+def _processor(model):
+    """The model's image processor (one a model): Qwen2-VL's, at the tower's patch sizes."""
+    if getattr(model, "image_processor", None) is None:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil)
+        model.image_processor = Qwen2VLImageProcessorPil(
+            patch_size=model.patch, temporal_patch_size=model.temporal_patch,
+            merge_size=model.merge)
+    return model.image_processor
+
+
+def _picture(image):
+    """A PIL image in RGB, from a PIL image or encoded bytes."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, (bytes, bytearray)):
+        try:
+            image = Image.open(io.BytesIO(image))
+            image.load()
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+            raise InvalidRequestError("multi_modal_data", f"not a readable image ({e}); "
+                                      "send PNG, JPEG or WebP bytes") from None
+    if not isinstance(image, Image.Image):
+        raise InvalidRequestError("multi_modal_data", f"an image must be a PIL image or "
+                                  f"encoded bytes, not {type(image).__name__}")
+    return image.convert("RGB")
+
+
+def step_inputs(seqs, num_tokens, device: torch.device):
+    """The step's ``StepImages``, or None where no sequence of it has images."""
+    if all(seq.images is None for seq in seqs):
+        return None
+    rows, features, positions3, t = [], [], [], 0
+    for seq, n in zip(seqs, num_tokens):
+        idx = torch.arange(seq.num_computed, seq.num_computed + n)
+        images = seq.images
+        if images is None:
+            positions3.append(idx.expand(3, -1))
+        else:
+            prompt = images.positions3.shape[1]
+            past = idx.expand(3, -1) + images.delta
+            positions3.append(torch.where(idx < prompt, images.positions3[
+                :, idx.clamp(max=prompt - 1)], past))
+            inside = (images.at >= idx[0]) & (images.at <= idx[-1])
+            rows.append(images.at[inside] - idx[0] + t)
+            features.append(images.features[inside])
+        t += n
+    return StepImages(torch.cat(rows).to(device), torch.cat(features).to(device),
+                      torch.cat(positions3, dim=1).to(device))
+
+
+def decided(cfg, model: torch.nn.Module):
+    """``cfg`` with what a step with image inputs cannot run under turned off."""
+    if not hasattr(model, "encode_images"):
+        return cfg
+    off = {name: value for name, value in (("cuda_graphs", False), ("cpu_compiled_step", "off"))
+           if getattr(cfg, name) != value}
+    if off:
+        log.info("%s takes images: %s", type(model).__name__,
+                 ", ".join(f"{k}={v}" for k, v in off.items()))
+    return dataclasses.replace(cfg, **off)
