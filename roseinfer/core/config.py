@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import tomllib
 from dataclasses import dataclass, fields
 from typing import Optional
 
 from roseinfer.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -195,6 +198,15 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def turned_off(cfg: EngineConfig, why: str, settings: dict) -> EngineConfig:
+    """``cfg`` with ``settings`` (name: the value that turns it off) applied, those that
+    change it logged with ``why`` (what in the model cannot run under them)."""
+    off = {name: value for name, value in settings.items() if getattr(cfg, name) != value}
+    if off:
+        log.info("%s: %s", why, ", ".join(f"{k}={v}" for k, v in off.items()))
+    return dataclasses.replace(cfg, **off)
 
 
 def engine_args_parser() -> argparse.ArgumentParser:

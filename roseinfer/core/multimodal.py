@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import logging
 from dataclasses import dataclass
 
 import torch
 
+from roseinfer.core.config import turned_off
 from roseinfer.core.errors import InvalidRequestError
 
-log = logging.getLogger(__name__)
 MAX_IMAGES = 16  # a prompt's images, at most
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
 
@@ -90,7 +89,8 @@ def prepare(model, ids: list[int], images: list) -> tuple[list[int], Images]:
         raise InvalidRequestError("multi_modal_data", f"the prompt has {len(slots)} image "
                                   f"tokens (id {model.image_token_id}) for {len(images)} "
                                   "images: one each")
-    prepared = _processor(model)(images=[_picture(x) for x in images], return_tensors="pt")
+    prepared = model.image_processor(images=[_picture(x) for x in images],
+                                     return_tensors="pt")
     pixels, grids = prepared["pixel_values"], prepared["image_grid_thw"]
     counts = (grids.prod(-1) // model.merge ** 2).tolist()
     widened, last = [], 0
@@ -103,17 +103,6 @@ def prepare(model, ids: list[int], images: list) -> tuple[list[int], Images]:
     digest = int.from_bytes(hashlib.blake2b(pixels.float().numpy().tobytes(), digest_size=8,
                                             person=b"images").digest(), "little", signed=True)
     return widened, Images(model.encode_images(pixels, grids), at, positions3, delta, digest)
-
-
-def _processor(model):
-    """The model's image processor (one a model): Qwen2-VL's, at the tower's patch sizes."""
-    if getattr(model, "image_processor", None) is None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil)
-        model.image_processor = Qwen2VLImageProcessorPil(
-            patch_size=model.patch, temporal_patch_size=model.temporal_patch,
-            merge_size=model.merge)
-    return model.image_processor
 
 
 def _picture(image):
@@ -160,9 +149,5 @@ def decided(cfg, model: torch.nn.Module):
     """``cfg`` with what a step with image inputs cannot run under turned off."""
     if not hasattr(model, "encode_images"):
         return cfg
-    off = {name: value for name, value in (("cuda_graphs", False), ("cpu_compiled_step", "off"))
-           if getattr(cfg, name) != value}
-    if off:
-        log.info("%s takes images: %s", type(model).__name__,
-                 ", ".join(f"{k}={v}" for k, v in off.items()))
-    return dataclasses.replace(cfg, **off)
+    return turned_off(cfg, f"{type(model).__name__} takes images",
+                      {"cuda_graphs": False, "cpu_compiled_step": "off"})

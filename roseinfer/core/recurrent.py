@@ -19,16 +19,12 @@ reads of the step's shape, so CUDA graphs and the compiled CPU step are off.
 """
 from __future__ import annotations
 
-import dataclasses
-import logging
-
 import torch
 
 from roseinfer.core import tp
 from roseinfer.core.attention import get_context
+from roseinfer.core.config import turned_off
 from roseinfer.core.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 def refuse_tensor_parallel(family: str) -> None:
@@ -52,13 +48,8 @@ def decided(cfg, model: torch.nn.Module):
     if cfg.speculative:
         raise ConfigError(f"{type(model).__name__} keeps a recurrent state that rejected "
                           "draft tokens would leave behind: run it without speculative")
-    off = {name: value for name, value in (("cuda_graphs", False),
-                                           ("cpu_compiled_step", "off"))
-           if getattr(cfg, name) != value}
-    if off:
-        log.info("%s keeps recurrent state: %s", type(model).__name__,
-                 ", ".join(f"{k}={v}" for k, v in off.items()))
-    return dataclasses.replace(cfg, **off)
+    return turned_off(cfg, f"{type(model).__name__} keeps recurrent state",
+                      {"cuda_graphs": False, "cpu_compiled_step": "off"})
 
 
 SNAPSHOTS_PER_SEQ = 1  # snapshot rows a sequence seat (max_num_seqs), with the prefix cache on

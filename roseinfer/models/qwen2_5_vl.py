@@ -23,11 +23,16 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
             Qwen2_5_VisionTransformerPretrainedModel)
 
-        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg.vision_config)
-        self.image_token_id = cfg.image_token_id
-        self.merge = cfg.vision_config.spatial_merge_size
-        self.patch = cfg.vision_config.patch_size
-        self.temporal_patch = cfg.vision_config.temporal_patch_size
+        vision = cfg.vision_config
+        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision)
+        self.image_token_id, self.merge = cfg.image_token_id, vision.spatial_merge_size
+        # Qwen2-VL's processor at the tower's patch sizes, its other settings (the
+        # pixels an image is resized within) the processor's defaults
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil)
+        self.image_processor = Qwen2VLImageProcessorPil(
+            patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+            merge_size=vision.spatial_merge_size)
 
     @staticmethod
     def rotaries(cfg) -> list[RotaryEmbedding]:
