@@ -168,6 +168,26 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
 ALIASES = {"SmolLM2-135M-Instruct": _smollm2_gguf, "smollm2": _smollm2_gguf}
 
 
+def _random_qwen2_5_vl_7b():
+    """Qwen2.5-VL-7B-Instruct's shape: Qwen2-7B's decoder with M-RoPE, a 32-block tower of
+    1,280 (full attention in every eighth block, windows of 112 pixels in the others)."""
+    from transformers import Qwen2_5_VLConfig
+    return text_part(Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                         max_position_embeddings=128000, rope_parameters={
+                             "rope_type": "default", "mrope_section": [16, 24, 24],
+                             "rope_theta": 1e6}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                           out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31]),
+        tie_word_embeddings=False)), None
+
+
+RANDOM["qwen2.5-vl-7b-random"] = _random_qwen2_5_vl_7b
+
+
 def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0, plugins=None,
          cpu_weight_dtype: str = "float32", quantization: str | None = None):
     """Returns (module, hf_config, tokenizer); ``plugins`` (a PluginRegistry) has the
