@@ -82,7 +82,8 @@ def test_the_linear_uses_the_blocks_or_their_weights(rows, bf16_gemm, monkeypatc
     blocks, deq = quantized(Q.Q4_1, 48, 96)
     bias = torch.randn(48)
     layer = GgufLinear(blocks, int(Q.Q4_1), 96, bias)
-    x = torch.randn(1, rows, 96)  # the rows the linear sees, in a batch's shape
+    # the rows the linear sees, in a batch's shape; seeded, as the reference rounds x itself
+    x = torch.randn(1, rows, 96, generator=torch.Generator().manual_seed(rows))
     if rows < gguf_linear.DOT_ROWS:
         want, tol = F.linear(quantize_rows_like_kernel(x), deq, bias), 1e-5
     elif bf16_gemm:
@@ -109,7 +110,11 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "How many legs does a spider have?", "Explain gravity in one sentence."]
 
 
-NEAR_TIE = 0.1  # nats between float32's first and second choice
+# Nats between float32's first and second choice. Rounding x to int8 makes a step's
+# logits a step function of tiny changes: two builds of the kernels whose products differ
+# by float32 sums' order alone (at most 6e-7 of a product) moved first-token log
+# probabilities of these prompts by up to 0.19 nats, so a tie is what lies within twice that
+NEAR_TIE = 0.4
 
 
 def greedy(llm):
