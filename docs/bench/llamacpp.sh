@@ -3,9 +3,10 @@
 #
 # Builds llama-bench from the vendor/llama.cpp of the registry's llama-cpp-python sdist
 # (once, into $BUILD), runs it on the file (decode tg64, prompt pp32 and pp512, and
-# 32 + 64 together), then roseinfer's batch-1 decode of the same model through
-# docs/bench/cpu_default.py (float32 and the file's own blocks, each with its compiled
-# step built first). Both with two threads.
+# 32 + 64 together) and llama-batched-bench (16 sequences of 32 + 64 tokens), then
+# roseinfer's batch-1 decode of the same model through docs/bench/cpu_default.py (float32
+# and the file's own blocks, each with its compiled step built first) and its 16-request
+# row through `roseinfer bench offline`. Both with two threads.
 # Usage: [OUT=dir] [BUILD=/tmp/llamacpp] [THREADS=2] bash docs/bench/llamacpp.sh
 set -euo pipefail
 OUT=${OUT:-bench-results}; mkdir -p "$OUT"
@@ -13,13 +14,14 @@ BUILD=${BUILD:-/tmp/llamacpp}
 THREADS=${THREADS:-2}
 VERSION=0.3.36
 src="$BUILD/llama_cpp_python-$VERSION/vendor/llama.cpp"
-if [ ! -x "$src/build/bin/llama-bench" ]; then
+if [ ! -x "$src/build/bin/llama-batched-bench" ]; then
   mkdir -p "$BUILD"
   python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$BUILD"
   tar -xzf "$BUILD/llama_cpp_python-$VERSION.tar.gz" -C "$BUILD"
   cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF > "$OUT/llamacpp-cmake.log"
-  cmake --build "$src/build" --target llama-bench -j "$(nproc)" > "$OUT/llamacpp-build.log"
+  cmake --build "$src/build" --target llama-bench llama-batched-bench -j "$(nproc)" \
+    > "$OUT/llamacpp-build.log"
 fi
 gguf=$(python3 -c "from roseinfer.models.loader import ALIASES; print(ALIASES['smollm2']())")
 { lscpu | grep -E "Model name|Flags" | cut -c1-200; date -u; git rev-parse --short HEAD; } \
@@ -28,3 +30,9 @@ gguf=$(python3 -c "from roseinfer.models.loader import ALIASES; print(ALIASES['s
   | tee "$OUT/llama-bench.md"
 python3 docs/bench/cpu_default.py --prompts 4 --compiled-step build \
   --only "float32,gguf blocks" | tee "$OUT/roseinfer.txt"
+"$src/build/bin/llama-batched-bench" -m "$gguf" -t "$THREADS" -c 2048 -npp 32 -ntg 64 \
+  -npl 16 | tee "$OUT/llama-batched-bench.md"
+python3 -m roseinfer.cli bench offline --model smollm2 --device cpu --dataset random \
+  --ignore-eos --no-enable-prefix-cache --no-progress --warmup-runs 1 --repeat-runs 2 \
+  --input-len 32 --num-requests 16 --max-num-seqs 16 --max-new-tokens 64 \
+  --cpu-weight-dtype gguf | tee "$OUT/roseinfer-16.txt"
