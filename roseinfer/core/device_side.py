@@ -132,6 +132,7 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
     kv_cache = build_kv_cache(model, cfg, plugins, device, dtype, peak)
     max_model_len = _max_model_len(cfg, hf_config, kv_cache)
     runner = build_runner(model, kv_cache, cfg, plugins, device, max_model_len, peers)
+    runner.rope_shift = multimodal.bind(model, cfg.max_num_seqs + 1, device)
     if snapshots:
         runner.snapshots = StateSnapshots(model, cfg.max_num_seqs + 1, snapshots,
                                           kv_cache.block_size)

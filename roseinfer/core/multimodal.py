@@ -11,12 +11,13 @@ then puts each image token's feature in place of its embedding and gives every t
 position (``step_inputs``). The images' pixels are hashed into the sequence's block-hash
 root (core/blocks.py), so cached blocks are shared only by prompts with the same images.
 
-What the engine cannot do with them yet, it turns off for such a model (``decided``): CUDA
-graphs and the compiled CPU step (a step's inputs are more than ids and positions).
+Past the prompt an image sequence's three position components are equal, its index plus
+an offset: its decode steps run the text path (CUDA graphs too) with each token's position
+shifted by its sequence's offset (``shift_rows``). What the engine cannot do with them yet,
+it turns off for such a model (``decided``): mixed CUDA graphs and the compiled CPU step.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 from dataclasses import dataclass
@@ -46,11 +47,6 @@ class StepImages:
     rows: torch.Tensor  # the step's token indices that take a feature
     features: torch.Tensor  # [rows, hidden]
     positions3: torch.Tensor  # [3, step tokens]
-
-    def advanced(self, step: int) -> "StepImages":
-        """Window step ``step`` of a decode window: every position ``step`` on, no image."""
-        return dataclasses.replace(self, rows=self.rows[:0], features=self.features[:0],
-                                   positions3=self.positions3 + step)
 
 
 def split(prompt):
@@ -123,8 +119,10 @@ def _picture(image):
 
 
 def step_inputs(seqs, num_tokens, device: torch.device):
-    """The step's ``StepImages``, or None where no sequence of it has images."""
-    if all(seq.images is None for seq in seqs):
+    """The step's ``StepImages``, or None where no sequence of it computes tokens of an
+    image prompt (past it, a sequence's positions are its offset on: ``shift_rows``)."""
+    if all(seq.images is None or seq.num_computed >= seq.images.positions3.shape[1]
+           for seq in seqs):
         return None
     rows, features, positions3, t = [], [], [], 0
     for seq, n in zip(seqs, num_tokens):
@@ -145,9 +143,31 @@ def step_inputs(seqs, num_tokens, device: torch.device):
                       torch.cat(positions3, dim=1).to(device))
 
 
+def shift_rows(shift: torch.Tensor, seqs) -> None:
+    """Each of the step's sequences' position offset into its row of ``shift``: an image
+    prompt's past it, else 0 (a row a text sequence had may go to an image one)."""
+    rows = torch.tensor([seq.row for seq in seqs])
+    offsets = torch.tensor([0 if seq.images is None else seq.images.delta for seq in seqs])
+    shift[rows.to(shift.device)] = offsets.to(shift.device)
+
+
+def bind(model: torch.nn.Module, rows: int, device: torch.device):
+    """The position offsets of ``rows`` sequence rows, shared by the model's M-RoPE
+    (zeros: text); None for a model without images."""
+    if not hasattr(model, "encode_images"):
+        return None
+    shift = torch.zeros(rows, dtype=torch.long, device=device)
+    for module in model.modules():
+        if hasattr(module, "shift"):
+            module.shift = shift
+    return shift
+
+
 def decided(cfg, model: torch.nn.Module):
-    """``cfg`` with what a step with image inputs cannot run under turned off."""
+    """``cfg`` with what a step with image inputs cannot run under turned off: a step that
+    computes an image prompt's tokens runs eagerly (``Runner.launch``), decode steps in
+    graphs; mixed graphs (a prompt chunk beside decodes) would need both."""
     if not hasattr(model, "encode_images"):
         return cfg
     return turned_off(cfg, f"{type(model).__name__} takes images",
-                      {"cuda_graphs": False, "cpu_compiled_step": "off"})
+                      {"mixed_graph_max_tokens": 0, "cpu_compiled_step": "off"})

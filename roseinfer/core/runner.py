@@ -74,7 +74,7 @@ class ModelRunner:
         self.peers = peers  # tp_workers.Peers: the other ranks, on rank 0 of a group
         self.copies: list[tuple[int, int]] = []  # KV blocks copied since the last order
         self.snapshots = None  # recurrent states at block boundaries (core/state_snapshots.py)
-        self.takes_images = hasattr(model, "encode_images")  # core/multimodal.py
+        self.rope_shift = None  # a model with images: its rows' position offsets (multimodal)
         self.model_inputs = None  # the step's, beside ids and positions (StepContext)
         self.kv_cache = kv_cache
         self.attention = attention
@@ -194,7 +194,11 @@ class ModelRunner:
         plan = PromptPlan.of(seqs, num_tokens, self.device) if processed else None
         verify = VerifyPlan.of(seqs, num_tokens) if batch.drafted else None
         extra = (verify.row_list if verify else []) + (plan.row_list if plan else [])
-        layout = self._layout(n_tok, n_seq, verify, plan, processed)
+        # a step computing an image prompt's tokens runs eagerly (core/multimodal.py)
+        images = multimodal.step_inputs(seqs, num_tokens, self.device) \
+            if self.rope_shift is not None else None
+        layout = None if images is not None else \
+            self._layout(n_tok, n_seq, verify, plan, processed)
         host = self.stager.host_views(*(layout[:2] if layout else (n_tok, n_seq)))
         fresh = [s for s in seqs if s.row < 0 and s.params.penalized] if processed else []
         rows, upd_idx, upd_val, greedy = fill(host, seqs, num_tokens, self.block_size,
@@ -203,8 +207,8 @@ class ModelRunner:
             self.logits_work.start(seq)
         if self.snapshots is not None:  # eager steps only: no graphs with recurrent state
             self.snapshots.restore_rows(seqs)
-        images = multimodal.step_inputs(seqs, num_tokens, self.device) \
-            if self.takes_images else None
+        if self.rope_shift is not None:
+            multimodal.shift_rows(self.rope_shift, seqs)
         self._add_remaps(upd_idx, upd_val)
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
@@ -229,7 +233,7 @@ class ModelRunner:
         for step in range(batch.steps):
             if step and layout is None:
                 advance(inp, self.tables, self.block_size, self.identity)
-            self.model_inputs = images if not step or images is None else images.advanced(step)
+            self.model_inputs = images  # a prompt's step: no window
             logits = run(step)
             self.model_inputs = None
             if self.snapshots is not None:

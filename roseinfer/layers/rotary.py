@@ -65,18 +65,23 @@ class MultimodalRotaryEmbedding(RotaryEmbedding):
     their sizes, in frequencies), each turned by its own component of a token's position
     (time, height, width). A step whose model inputs carry them (``positions3``, [3, N];
     core/multimodal.py) rotates by those; any other step's tokens have three equal
-    components, which is plain RoPE."""
+    components: plain RoPE, at each token's position plus its sequence's offset (``shift``,
+    by sequence row: an image prompt's offset past it, else 0) where the step computes a
+    token a sequence (decode, which CUDA graphs capture)."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, sections: list[int],
                  scaling: float = 1.0):
         super().__init__(inv_freq, max_positions, scaling)
         assert sum(sections) == inv_freq.numel(), "M-RoPE sections must cover the frequencies"
         self.sections = list(sections)
+        self.shift: torch.Tensor | None = None  # [sequence rows], core/multimodal.py binds it
 
     def forward(self, positions, q, k, num_heads, num_kv_heads, norms: HeadNorms | None = None):
         ctx = get_context()
         positions3 = getattr(ctx.model_inputs, "positions3", None)
         if positions3 is None:
+            if self.shift is not None and positions.shape[0] == ctx.seq_rows.shape[0]:
+                positions = positions + self.shift[ctx.seq_rows]
             return super().forward(positions, q, k, num_heads, num_kv_heads, norms)
         assert norms is None, "M-RoPE takes no q/k norms"
         memo = ctx.attn.memo
