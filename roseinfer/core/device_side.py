@@ -131,8 +131,9 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
         peak = step_peak(model, hf_config, cfg, plugins, device, dtype)
     kv_cache = build_kv_cache(model, cfg, plugins, device, dtype, peak)
     max_model_len = _max_model_len(cfg, hf_config, kv_cache)
+    shift = multimodal.bind(model, cfg.max_num_seqs + 1, device)  # before graphs capture
     runner = build_runner(model, kv_cache, cfg, plugins, device, max_model_len, peers)
-    runner.rope_shift = multimodal.bind(model, cfg.max_num_seqs + 1, device)
+    runner.rope_shift = shift
     if snapshots:
         runner.snapshots = StateSnapshots(model, cfg.max_num_seqs + 1, snapshots,
                                           kv_cache.block_size)
