@@ -15,7 +15,7 @@ from roseinfer.models import gguf_blocks
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 KINDS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
-PORTABLE = ("-O3", "-march=x86-64-v2")
+PORTABLE = ("-O3", "-march=x86-64-v2", *gguf_linear.OPENMP)
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])

@@ -38,7 +38,10 @@ BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 100: 24, 101: 44}
 # else float32 (docs/kernels.md, "GGUF blocks on the CPU").
 DOT_ROWS = 32
 BF16_GEMM = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-NATIVE = ("-O3", "-march=native")
+# at::parallel_for spreads a call's rows over torch's threads only where the kernels are
+# compiled with OpenMP (as torch is): without it every call ran on one thread
+OPENMP = ("-fopenmp",) if torch.backends.openmp.is_available() else ()
+NATIVE = ("-O3", "-march=native", *OPENMP)
 _built: dict[tuple[str, ...], object] = {}
 
 
