@@ -7,7 +7,9 @@
 # roseinfer's batch-1 decode of the same model through docs/bench/cpu_default.py (float32
 # and the file's own blocks, each with its compiled step built first) and its 16-request
 # row through `roseinfer bench offline`. Both with two threads.
-# Usage: [OUT=dir] [BUILD=/tmp/llamacpp] [THREADS=2] bash docs/bench/llamacpp.sh
+# FLOATS=1: also the same weights as F32 and BF16 files (llama.cpp's convert_hf_to_gguf.py
+# over roseinfer's de-quantized checkpoint), beside roseinfer's float32 and bfloat16 weights.
+# Usage: [OUT=dir] [BUILD=/tmp/llamacpp] [THREADS=2] [FLOATS=1] bash docs/bench/llamacpp.sh
 set -euo pipefail
 OUT=${OUT:-bench-results}; mkdir -p "$OUT"
 BUILD=${BUILD:-/tmp/llamacpp}
@@ -36,3 +38,27 @@ python3 -m roseinfer.cli bench offline --model smollm2 --device cpu --dataset ra
   --ignore-eos --no-enable-prefix-cache --no-progress --warmup-runs 1 --repeat-runs 2 \
   --input-len 32 --num-requests 16 --max-num-seqs 16 --max-new-tokens 64 \
   --cpu-weight-dtype gguf | tee "$OUT/roseinfer-16.txt"
+if [ "${FLOATS:-0}" = 1 ]; then
+  python3 -m pip install -q sentencepiece  # convert_hf_to_gguf.py imports it
+  hf="$BUILD/smollm2-hf"
+  rm -rf "$hf" && cp -r "$(python3 -c "from roseinfer.models.loader import _converted_gguf
+print(_converted_gguf('$gguf'))")" "$hf"
+  python3 - "$hf/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c.pop("quantization_config", None)  # the converter reads the float weights as they are
+c["architectures"] = ["LlamaForCausalLM"]
+json.dump(c, open(sys.argv[1], "w"))
+PY
+  for t in f32 bf16; do
+    python3 "$src/convert_hf_to_gguf.py" "$hf" --outtype $t --outfile "$BUILD/smollm2-$t.gguf" \
+      > "$OUT/convert-$t.log" 2>&1
+    "$src/build/bin/llama-bench" -m "$BUILD/smollm2-$t.gguf" -t "$THREADS" -p 512 -n 64 -r 3 \
+      | tee "$OUT/llama-bench-$t.md"
+  done
+  python3 docs/bench/cpu_default.py --prompts 4 --compiled-step build --only float32 \
+    | tee "$OUT/roseinfer-floats.txt"
+  # bfloat16 weights have no compiled step (core/cpu_step.py): eager
+  python3 docs/bench/cpu_default.py --prompts 4 --compiled-step off \
+    --only "bfloat16 weights" | tee -a "$OUT/roseinfer-floats.txt"
+fi
