@@ -205,10 +205,7 @@ class ModelRunner:
                                               self.rows, self.kv_cache.scratch_block, batch.steps)
         for seq in fresh:
             self.logits_work.start(seq)
-        if self.snapshots is not None:  # eager steps only: no graphs with recurrent state
-            self.snapshots.restore_rows(seqs)
-        if self.rope_shift is not None:
-            multimodal.shift_rows(self.rope_shift, seqs)
+        self._state_rows(seqs)
         self._add_remaps(upd_idx, upd_val)
         if upd_idx:
             host = self.stager.add_updates(host, upd_idx, upd_val)
@@ -233,11 +230,7 @@ class ModelRunner:
         for step in range(batch.steps):
             if step and layout is None:
                 advance(inp, self.tables, self.block_size, self.identity)
-            self.model_inputs = images  # a prompt's step: no window
-            logits = run(step)
-            self.model_inputs = None
-            if self.snapshots is not None:
-                self.snapshots.save(seqs, num_tokens, step)
+            logits = self._run_step(run, step, images, seqs, num_tokens)
             if extra:  # drafts and prefill chunks: one step, no window
                 logits, checked, prompt = self._split_extra(logits, len(rows), verify, plan)
             if not rows:
@@ -256,6 +249,26 @@ class ModelRunner:
             self._record(step, tokens)
         return self._land(batch, rows, [f for f in found if f is not None] or None, prompt,
                           checked)
+
+    def _state_rows(self, seqs) -> None:
+        """What the step's sequences carry on the device beside their tables, queued before
+        its forward: recurrent states restored from snapshots, images' position offsets."""
+        if self.snapshots is not None:  # eager steps only: no graphs with recurrent state
+            self.snapshots.restore_rows(seqs)
+        if self.rope_shift is not None:
+            multimodal.shift_rows(self.rope_shift, seqs)
+
+    def _run_step(self, run, step: int, images, seqs, num_tokens) -> torch.Tensor:
+        """Window step ``step``'s logits, under the step's image inputs (a prompt's step:
+        no window); then the recurrent states that end a block at it are kept."""
+        self.model_inputs = images
+        try:
+            logits = run(step)
+        finally:
+            self.model_inputs = None
+        if self.snapshots is not None:
+            self.snapshots.save(seqs, num_tokens, step)
+        return logits
 
     def _layout(self, n_tok: int, n_seq: int, verify, plan, processed: bool):
         """The captured layout the step runs in, or None (eager). Only verify graphs
