@@ -2,8 +2,8 @@
 on tiny random configs, images prepared by the same processor: greedy ids equal with one
 image, with two of different sizes, with text only, with image tokens split over prompt
 chunks, beside text-only requests; the M-RoPE positions equal transformers'; prefix-cache
-blocks shared only by prompts with the same images; bad image inputs refused by name
-(core/multimodal.py)."""
+blocks shared only by prompts with the same images; bad image inputs refused by name,
+a decompression bomb before its pixels are decoded (core/multimodal.py)."""
 import io
 
 import numpy as np
@@ -125,13 +125,31 @@ def test_cached_blocks_are_shared_only_by_the_same_images(hf, llm):
     assert again.token_ids == first.token_ids
 
 
+def declared_png(width: int, height: int) -> bytes:
+    """A small PNG whose header declares ``width`` x ``height`` pixels (a decompression
+    bomb's shape: its pixels are never there)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(
+            ">I", zlib.crc32(kind + data))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(
+        b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+
+
 @pytest.mark.parametrize("prompt, match", [
+    (with_images(ONE, declared_png(10_000, 10_000)), "10000 x 10000 pixels"),
+    (with_images(ONE, declared_png(100_000, 100_000)), "decompression bomb"),
+    (with_images(ONE, b"\x00" * (33 << 20)), "at most 33,554,432"),
+    (with_images([IMAGE] * 1000, [picture(28, 28, 9)] * 1000), "at most 16"),
     (with_images(ONE, [picture(56, 56, 8)] * 2), "2 images"),
     (with_images(ONE, b"not an image"), "not a readable image"),
     (with_images(ONE, 3), "PIL image or encoded bytes"),
     ({"prompt_token_ids": ONE, "multi_modal_data": {"video": []}}, "only images"),
     ({"prompt_token_ids": ONE, "images": []}, "unknown prompt keys"),
-], ids=["count", "bytes", "type", "video", "key"])
+], ids=["pixels", "bomb", "encoded-size", "thousand", "count", "bytes", "type", "video", "key"])
 def test_bad_image_inputs_are_refused_by_name(llm, prompt, match):
     with pytest.raises(InvalidRequestError, match=match):
         llm.generate([prompt], GREEDY)

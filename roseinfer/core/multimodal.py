@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ from roseinfer.core.config import turned_off
 from roseinfer.core.errors import InvalidRequestError
 
 MAX_IMAGES = 16  # a prompt's images, at most
+MAX_IMAGE_BYTES = 32 << 20  # an encoded image's bytes, at most
+MAX_PIXELS = 64 << 20  # an image's pixels, at most, read from its header before decoding
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
 
 
@@ -106,8 +109,14 @@ def _picture(image):
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(image, (bytes, bytearray)):
+        if len(image) > MAX_IMAGE_BYTES:
+            raise InvalidRequestError("multi_modal_data", f"an image of {len(image):,} bytes; "
+                                      f"at most {MAX_IMAGE_BYTES:,}: send it smaller")
         try:
-            image = Image.open(io.BytesIO(image))
+            with warnings.catch_warnings():  # a large size is refused by name below
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(image))  # reads the header: size, not pixels
+            _check_size(image)
             image.load()
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
             raise InvalidRequestError("multi_modal_data", f"not a readable image ({e}); "
@@ -115,7 +124,17 @@ def _picture(image):
     if not isinstance(image, Image.Image):
         raise InvalidRequestError("multi_modal_data", f"an image must be a PIL image or "
                                   f"encoded bytes, not {type(image).__name__}")
+    _check_size(image)
     return image.convert("RGB")
+
+
+def _check_size(image) -> None:
+    """Refuses an image of more than MAX_PIXELS pixels, before its pixels are decoded (a
+    small file may declare a huge image)."""
+    width, height = image.size
+    if width * height > MAX_PIXELS:
+        raise InvalidRequestError("multi_modal_data", f"an image of {width} x {height} "
+                                  f"pixels; at most {MAX_PIXELS:,} pixels: resize it")
 
 
 def step_inputs(seqs, num_tokens, device: torch.device):
