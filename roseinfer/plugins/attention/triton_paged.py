@@ -75,22 +75,27 @@ MERGE_DIMS = 256       # a merge program's dims: every head dim the tuning table
 @_kernel
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
                   sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  K_T: tl.constexpr):
+                  K_T: tl.constexpr, MASK_KEYS: tl.constexpr = True):
     """K and V of keys [start, start + BLOCK_N) of one KV head, through the block
-    table; keys at or past ``kv_hi`` are masked (zeros). Returns (positions, ok, k, v):
+    table; keys at or past ``kv_hi`` are masked (zeros), unless ``MASK_KEYS`` is off (the
+    caller knows the tile lies below ``kv_hi``). Returns (positions, ok, k, v):
     k as [keys, dims], or with ``K_T`` loaded as [dims, keys], the operand of q @ k.T as
     it is. An 8-bit K tile transposed in registers went through shared memory element by
     element (no transposing ldmatrix for 8 bits), which loading it transposed avoids."""
     k_pos = start + tl.arange(0, BLOCK_N)
     k_ok = k_pos < kv_hi
+    key_mask = k_ok if MASK_KEYS else k_pos >= 0
     # int64: block index * block stride overflows int32 on large caches.
-    block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    if MASK_KEYS:
+        block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(block_table + k_pos // BLOCK_SIZE).to(tl.int64)
     base = block * sc_b + kv_head * sc_h + (k_pos % BLOCK_SIZE) * sc_o
     kv_off = base[:, None] + d[None, :] * sc_d
-    kv_mask = k_ok[:, None] & d_ok[None, :]
+    kv_mask = key_mask[:, None] & d_ok[None, :]
     if K_T:
         k = tl.load(k_cache_ptr + base[None, :] + d[:, None] * sc_d,
-                    mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+                    mask=d_ok[:, None] & key_mask[None, :], other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -140,6 +145,27 @@ def _seen(k_pos, k_ok, q_pos, window, HAS_WINDOW: tl.constexpr):
 
 
 @_kernel
+def _prefill_tiles(q, m_i, l_i, acc, lo, hi, kv_hi, q_pos, window, k_cache_ptr, v_cache_ptr,
+                   block_table, kv_head, d, d_ok, sc_b, sc_h, sc_o, sc_d, scale_log2,
+                   softcap_log2, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """Keys [lo, hi) into a q-block's running softmax, tile by tile; ``MASKED`` off where
+    every row sees every key of the range (no causal mask, no bound on the loads)."""
+    for start in range(lo, hi, BLOCK_N):
+        k_pos, k_ok, k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
+            sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N, KV_FP16, MASKED)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's e4m3 values, exactly
+        s = _capped(_scores(q, k, DOT_PRECISION, KV_FP16) * scale_log2, softcap_log2, SOFTCAP)
+        if MASKED:
+            s = tl.where(_seen(k_pos, k_ok, q_pos, window, HAS_WINDOW), s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, HAS_WINDOW)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@_kernel
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr,
@@ -186,17 +212,22 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         kv_lo = tl.maximum(context_len - q_len + first_tok - window + 1, 0)
 
+    # Keys every row sees (up to the first query's own position; no window) take tiles
+    # without the causal mask; the tiles from there to kv_hi, the diagonal, with it.
+    full_hi = kv_lo
+    if not HAS_WINDOW:
+        seen_by_all = tl.minimum(context_len - q_len + first_tok + 1, kv_hi)
+        full_hi = kv_lo + (seen_by_all - kv_lo) // BLOCK_N * BLOCK_N
     m_i, l_i = _softmax_start(sinks_ptr, head, row_ok, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        k_pos, k_ok, k, v = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block_table, start, kv_hi, kv_head, d, d_ok,
-            sc_b, sc_h, sc_o, sc_d, BLOCK_SIZE, BLOCK_N, KV_FP16)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's e4m3 values, exactly
-        s = _capped(_scores(q, k, DOT_PRECISION, KV_FP16) * scale_log2, softcap_log2, SOFTCAP)
-        s = tl.where(_seen(k_pos, k_ok, q_pos, window, HAS_WINDOW), s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, HAS_WINDOW)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    m_i, l_i, acc = _prefill_tiles(
+        q, m_i, l_i, acc, kv_lo, full_hi, kv_hi, q_pos, window, k_cache_ptr, v_cache_ptr,
+        block_table, kv_head, d, d_ok, sc_b, sc_h, sc_o, sc_d, scale_log2, softcap_log2,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, KV_FP16, HAS_WINDOW, SOFTCAP, False)
+    m_i, l_i, acc = _prefill_tiles(
+        q, m_i, l_i, acc, full_hi, kv_hi, kv_hi, q_pos, window, k_cache_ptr, v_cache_ptr,
+        block_table, kv_head, d, d_ok, sc_b, sc_h, sc_o, sc_d, scale_log2, softcap_log2,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, KV_FP16, HAS_WINDOW, SOFTCAP, True)
     out = acc / l_i[:, None]
     tl.store(out_ptr + row[:, None] * so_n + head[:, None] * so_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
