@@ -6,13 +6,13 @@ blocks shared only by prompts with the same images; bad image inputs refused by 
 a decompression bomb before its pixels are decoded (core/multimodal.py)."""
 import io
 
-import numpy as np
 import pytest
 import torch
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.core.errors import InvalidRequestError
 from tests.conftest import DEVICE
+from tests.vision_models import declared_png, picture, reference, tiny_qwen2_5_vl
 
 IMAGE, START, END = 300, 301, 302
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -20,52 +20,13 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def hf():
-    """Two decoder layers (4 heads of 16, M-RoPE sections 2/3/3), a two-block tower (one
-    windowed, one full), 2 x 2 merging into the decoder's width."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                          "rope_theta": 10000.0},
-                         max_position_embeddings=1024, initializer_range=0.1),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                           out_hidden_size=64, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
-                           initializer_range=0.1),
-        image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END,
-        bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
+    return tiny_qwen2_5_vl(512, IMAGE, START, END)
 
 
 @pytest.fixture(scope="module")
 def llm(hf):
     with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256) as llm:
         yield llm
-
-
-def picture(height, width, seed):
-    from PIL import Image
-
-    pixels = np.random.RandomState(seed).rand(height, width, 3) * 255
-    return Image.fromarray(pixels.astype("uint8"))
-
-
-def reference(hf, llm, ids, images, max_tokens=10):
-    """transformers' greedy ids for the widened prompt ``ids`` and its images."""
-    kwargs = {}
-    if images:
-        prepared = llm.engine.model.image_processor(images=images, return_tensors="pt")
-        kwargs = dict(pixel_values=prepared["pixel_values"],
-                      image_grid_thw=prepared["image_grid_thw"],
-                      mm_token_type_ids=(torch.tensor([ids]) == IMAGE).int())
-    hf.model.rope_deltas = None  # transformers keeps the last prompt's offset between calls
-    out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens,
-                      attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                      do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
-    return out[0, len(ids):].tolist()
 
 
 def with_images(ids, images):
@@ -86,9 +47,9 @@ def test_greedy_equals_transformers_with_one_and_two_images_and_text(hf, llm):
     outs = llm.generate(prompts, GREEDY)
     assert len(outs[0].prompt_token_ids) == len(ONE) - 1 + 6
     assert len(outs[1].prompt_token_ids) == len(TWO) - 2 + 4 + 12
-    assert outs[0].token_ids == reference(hf, llm, outs[0].prompt_token_ids, [a])
-    assert outs[1].token_ids == reference(hf, llm, outs[1].prompt_token_ids, [b, c])
-    assert outs[2].token_ids == reference(hf, llm, [5, 6, 7, 8, 9], None)
+    assert outs[0].token_ids == reference(hf, llm.engine.model, outs[0].prompt_token_ids, [a])
+    assert outs[1].token_ids == reference(hf, llm.engine.model, outs[1].prompt_token_ids, [b, c])
+    assert outs[2].token_ids == reference(hf, llm.engine.model, [5, 6, 7, 8, 9], None)
 
 
 def test_image_tokens_split_over_prompt_chunks(hf):
@@ -97,8 +58,8 @@ def test_image_tokens_split_over_prompt_chunks(hf):
     with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256,
              max_num_batched_tokens=5, max_mixed_prefill_tokens=5) as llm:
         outs = llm.generate([[9, 8, 7], with_images(ONE, image)], GREEDY)
-        assert outs[1].token_ids == reference(hf, llm, outs[1].prompt_token_ids, [image])
-        assert outs[0].token_ids == reference(hf, llm, [9, 8, 7], None)
+        assert outs[1].token_ids == reference(hf, llm.engine.model, outs[1].prompt_token_ids, [image])
+        assert outs[0].token_ids == reference(hf, llm.engine.model, [9, 8, 7], None)
 
 
 def test_positions_equal_transformers(hf, llm):
@@ -121,22 +82,8 @@ def test_cached_blocks_are_shared_only_by_the_same_images(hf, llm):
     other = llm.generate([with_images(ONE, b)], GREEDY)[0]
     again = llm.generate([with_images(ONE, a)], GREEDY)[0]
     assert other.num_cached_tokens == 0 and again.num_cached_tokens == 12
-    assert other.token_ids == reference(hf, llm, other.prompt_token_ids, [b])
+    assert other.token_ids == reference(hf, llm.engine.model, other.prompt_token_ids, [b])
     assert again.token_ids == first.token_ids
-
-
-def declared_png(width: int, height: int) -> bytes:
-    """A small PNG whose header declares ``width`` x ``height`` pixels (a decompression
-    bomb's shape: its pixels are never there)."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(
-            ">I", zlib.crc32(kind + data))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(
-        b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
 
 
 @pytest.mark.parametrize("prompt, match", [

@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
-from roseinfer.core import reasoning
+from roseinfer.core import content_parts, reasoning
 from roseinfer.core.config import EngineConfig, config_from_args
 from roseinfer.core.engine import Engine, Prompt
 from roseinfer.core.errors import InvalidRequestError
@@ -99,12 +99,15 @@ class LLM:
         calls out of the text with the model family's parser (config tool_call_parser),
         "required" or a named function constrains the output to calls. A reasoning
         model's thinking is split from the content (config reasoning_parser);
-        ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``)."""
+        ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``).
+        A message's content may be a list of OpenAI content parts, text and images as
+        bytes or data URLs (core/content_parts.py), for a vision-language model."""
         self._check_runner(Engine, "chat")
         spec = check_tools(tools, tool_choice, parallel_tool_calls)
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("chat answers one turn: use n=1 (generate takes n > 1)")
+        messages, images = _content_parts(messages)
         prompt = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True,
             **({"tools": list(spec.tools)} if spec is not None else {}),
@@ -116,7 +119,8 @@ class LLM:
         if parser is not None:  # structured output constrains the answer alone
             params = dataclasses.replace(params, answer_gate=reasoning.answer_gate(
                 parser, self.tokenizer, parser.opened(prompt)))
-        (out,) = self.generate([prompt], params)
+        (out,) = self.generate([{"prompt": prompt, "multi_modal_data": {"image": images}}
+                                if images else prompt], params)
         thought, text, found = self._split_reasoning(prompt, out)
         if spec is None:
             return ChatOutput(text, [], out.finish_reason, out, thought)
@@ -224,3 +228,15 @@ def llm_from_args(args) -> LLM:
     for name, path in getattr(args, "lora_modules", None) or ():
         llm.add_lora(name, path)
     return llm
+
+
+def _content_parts(messages: list[dict]) -> tuple[list[dict], list[bytes]]:
+    """The messages as the chat template takes them, and their images' bytes in order."""
+    out, images = [], []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            content, found = content_parts.parse(m["content"], f"messages[{i}].content")
+            m = {**m, "content": content}
+            images += [data for data, _ in found]
+        out.append(m)
+    return out, images

@@ -2,10 +2,11 @@
 
 A prompt with images is a dict, as vLLM names it: ``{"prompt": text}`` or
 ``{"prompt_token_ids": ids}``, with ``"multi_modal_data": {"image": image or [images]}``
-(PIL images, or PNG/JPEG/WebP bytes). The prompt holds one image token a picture (the chat
-template's ``<|vision_start|><|image_pad|><|vision_end|>``). When the request comes in
-(``prepare``) the model's image processor prepares the images, each image token is widened
-to as many as the image has features, and the vision tower runs on them all; the features
+(PIL images, PNG/JPEG/WebP bytes, or ``Pixels`` already prepared). The prompt holds one
+image token a picture (the chat template's ``<|vision_start|><|image_pad|><|vision_end|>``).
+The model's image processor prepares the images (``preprocess``: a worker does it in its
+reader thread, off the step loop); when the request comes in (``prepare``) each image token
+is widened to as many as the image has features, and the vision tower runs on them all; the features
 stay with the sequence (``Images``), with every prompt token's three-part position. A step
 then puts each image token's feature in place of its embedding and gives every token its
 position (``step_inputs``). The images' pixels are hashed into the sequence's block-hash
@@ -26,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from roseinfer.core.config import turned_off
+from roseinfer.core.content_parts import MAX_IMAGE_BYTES
 from roseinfer.core.errors import InvalidRequestError
 
 MAX_IMAGES = 16  # a prompt's images, at most
-MAX_IMAGE_BYTES = 32 << 20  # an encoded image's bytes, at most
 MAX_PIXELS = 64 << 20  # an image's pixels, at most, read from its header before decoding
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
 
@@ -68,29 +69,54 @@ def split(prompt):
         raise InvalidRequestError("multi_modal_data", f"only images are taken; got "
                                   f"{sorted(set(data) - {'image'})}")
     images = data.get("image")
+    text = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+    if isinstance(images, Pixels):
+        return text, images
     if images is not None and not isinstance(images, (list, tuple)):
         images = [images]
-    text = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
     return text, list(images) if images else None
 
 
-def prepare(model, ids: list[int], images: list) -> tuple[list[int], Images]:
-    """The prompt's ids with each image token widened to its image's features, and the
-    images as the sequence carries them."""
+@dataclass
+class Pixels:
+    """A prompt's images as the model's image processor prepared them."""
+    values: torch.Tensor  # [patches, channels x patch volume]
+    grids: torch.Tensor  # [images, 3]: each one's (time, height, width) in patches
+
+
+def preprocess(model, images: list, fields: list[str] | None = None) -> Pixels:
+    """The images decoded, checked and prepared by ``model``'s image processor (CPU work
+    that grows with the pixels: a worker's reader thread runs it). ``fields``: what each
+    image is called in an error (default multi_modal_data)."""
+    fields = fields or ["multi_modal_data"] * len(images)
     if not hasattr(model, "encode_images"):
-        raise InvalidRequestError("multi_modal_data", f"{type(model).__name__} takes no "
-                                  "images; send text only, or serve a vision-language model")
+        raise InvalidRequestError(fields[0], f"{type(model).__name__} takes no images; send "
+                                  "text only, or serve a vision-language model")
     if len(images) > MAX_IMAGES:
-        raise InvalidRequestError("multi_modal_data", f"{len(images)} images; at most "
+        raise InvalidRequestError(fields[MAX_IMAGES], f"{len(images)} images; at most "
                                   f"{MAX_IMAGES} a prompt")
+    values, grids = [], []
+    for image, field in zip(images, fields):  # one at a time: a refusal names its image
+        picture = _picture(image, field)
+        try:
+            prepared = model.image_processor(images=[picture], return_tensors="pt")
+        except ValueError as e:  # e.g. an aspect ratio past the processor's bound
+            raise InvalidRequestError(field, f"cannot be prepared ({e})") from None
+        values.append(prepared["pixel_values"])
+        grids.append(prepared["image_grid_thw"])
+    return Pixels(torch.cat(values), torch.cat(grids))
+
+
+def prepare(model, ids: list[int], images) -> tuple[list[int], Images]:
+    """The prompt's ids with each image token widened to its image's features, and the
+    images (a list, or ``Pixels``) as the sequence carries them."""
+    pixels = images if isinstance(images, Pixels) else preprocess(model, images)
     slots = [i for i, t in enumerate(ids) if t == model.image_token_id]
-    if len(slots) != len(images):
+    if len(slots) != len(pixels.grids):
         raise InvalidRequestError("multi_modal_data", f"the prompt has {len(slots)} image "
-                                  f"tokens (id {model.image_token_id}) for {len(images)} "
+                                  f"tokens (id {model.image_token_id}) for {len(pixels.grids)} "
                                   "images: one each")
-    prepared = model.image_processor(images=[_picture(x) for x in images],
-                                     return_tensors="pt")
-    pixels, grids = prepared["pixel_values"], prepared["image_grid_thw"]
+    grids = pixels.grids
     counts = (grids.prod(-1) // model.merge ** 2).tolist()
     widened, last = [], 0
     for slot, count in zip(slots, counts):
@@ -99,41 +125,43 @@ def prepare(model, ids: list[int], images: list) -> tuple[list[int], Images]:
     widened += ids[last:]
     positions3, delta = model.image_positions(widened, grids)
     at = torch.tensor([i for i, t in enumerate(widened) if t == model.image_token_id])
-    digest = int.from_bytes(hashlib.blake2b(pixels.float().numpy().tobytes(), digest_size=8,
-                                            person=b"images").digest(), "little", signed=True)
-    return widened, Images(model.encode_images(pixels, grids), at, positions3, delta, digest)
+    digest = int.from_bytes(hashlib.blake2b(pixels.values.float().numpy().tobytes(),
+                                            digest_size=8, person=b"images").digest(),
+                            "little", signed=True)
+    return widened, Images(model.encode_images(pixels.values, grids), at, positions3, delta,
+                           digest)
 
 
-def _picture(image):
+def _picture(image, field: str):
     """A PIL image in RGB, from a PIL image or encoded bytes."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(image, (bytes, bytearray)):
         if len(image) > MAX_IMAGE_BYTES:
-            raise InvalidRequestError("multi_modal_data", f"an image of {len(image):,} bytes; "
-                                      f"at most {MAX_IMAGE_BYTES:,}: send it smaller")
+            raise InvalidRequestError(field, f"an image of {len(image):,} bytes; "
+                                      f"at most {MAX_IMAGE_BYTES:,}: send it smaller", "too_long")
         try:
             with warnings.catch_warnings():  # a large size is refused by name below
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 image = Image.open(io.BytesIO(image))  # reads the header: size, not pixels
-            _check_size(image)
+            _check_size(image, field)
             image.load()
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
-            raise InvalidRequestError("multi_modal_data", f"not a readable image ({e}); "
+            raise InvalidRequestError(field, f"not a readable image ({e}); "
                                       "send PNG, JPEG or WebP bytes") from None
     if not isinstance(image, Image.Image):
-        raise InvalidRequestError("multi_modal_data", f"an image must be a PIL image or "
+        raise InvalidRequestError(field, f"an image must be a PIL image or "
                                   f"encoded bytes, not {type(image).__name__}")
-    _check_size(image)
+    _check_size(image, field)
     return image.convert("RGB")
 
 
-def _check_size(image) -> None:
+def _check_size(image, field: str) -> None:
     """Refuses an image of more than MAX_PIXELS pixels, before its pixels are decoded (a
     small file may declare a huge image)."""
     width, height = image.size
     if width * height > MAX_PIXELS:
-        raise InvalidRequestError("multi_modal_data", f"an image of {width} x {height} "
+        raise InvalidRequestError(field, f"an image of {width} x {height} "
                                   f"pixels; at most {MAX_PIXELS:,} pixels: resize it")
 
 

@@ -108,6 +108,8 @@ def test_a_function_call_then_its_output(tool_llm, start_worker, gateway):  # no
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0]"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": []}, "input"),

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from roseinfer.core import content_parts
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.sampling import is_int, is_number
 from roseinfer.core.tools import check_tools
@@ -173,12 +174,14 @@ def _message(m, i: int) -> dict:
     content = m.get("content")
     if content is None and extra.get("tool_calls"):
         content = ""
-    if isinstance(content, list):  # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise bad(f"{param}.content", f"only text content parts; others {_LATER}")
-        content = "".join(p.get("text", "") for p in content)
-    if not isinstance(content, str):
-        raise bad(f"{param}.content", "content must be a string or a list of text parts")
+    if isinstance(content, list):  # content parts: images go to the worker as bytes
+        try:
+            content = content_parts.as_sent(*content_parts.parse(content, f"{param}.content"))
+        except InvalidRequestError as e:
+            raise bad(e.field, e.message) from None
+    if not isinstance(content, (str, list)):
+        raise bad(f"{param}.content", "content must be a string or a list of content parts "
+                  "(text, image_url)")
     return {"role": role, "content": content, **extra}
 
 

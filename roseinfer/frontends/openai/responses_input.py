@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from roseinfer.core import content_parts
+from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.openai.mapping import APIError, bad
 
 UNSUPPORTED = {"conversation": None, "prompt": None, "truncation": "disabled"}
@@ -112,20 +114,30 @@ def _role(item: dict, field: str) -> str:
     return role
 
 
-def _text(content, field: str) -> str:
-    """A message's content: a string, or text parts (input_text, output_text, text)."""
+def _text(content, field: str) -> str | list[dict]:
+    """A message's content: a string, or parts: text (input_text, output_text, text) and
+    images (input_image, as a data URL), checked here (errors name the input item) and
+    kept as data URLs: a stored conversation is JSON."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad(f"{field}.content", "content must be a string or a list of text parts")
-    texts = []
+        raise bad(f"{field}.content", "content must be a string or a list of content parts")
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise bad(f"{field}.content[{j}]", f"content parts of type {kind!r} are not "
-                      "supported by this server: input_text, output_text")
-        texts.append(_str(part, "text", f"{field}.content[{j}]"))
-    return "".join(texts)
+        at = f"{field}.content[{j}]"
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": _str(part, "text", at)})
+        elif kind == "input_image":
+            parts.append({"type": "image_url", "url": _str(part, "image_url", at)})
+        else:
+            raise bad(at, f"content parts of type {kind!r} are not supported by this server: "
+                      "input_text, output_text, input_image")
+    try:
+        text, images = content_parts.parse(parts, f"{field}.content")
+    except InvalidRequestError as e:
+        raise bad(e.field, e.message) from None
+    return parts if images else text
 
 
 def _str(item: dict, key: str, field: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-from roseinfer.core import reasoning
+from roseinfer.core import multimodal, reasoning
 from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.plugins import default_registry
 from roseinfer.core.tools import ToolStream, parser_name
@@ -40,6 +40,7 @@ class Admission:
         name = reasoning.parser_name(getattr(config, "reasoning_parser", "auto"), hf_config)
         self.reasoning = plugins.create("reasoning_parser", name) if name else None
         self.prepare = getattr(engine, "prepare", None)  # a pooling engine's (core/pooling_engine.py)
+        self.model = getattr(engine, "model", None)  # a vision-language model prepares images
 
     def __call__(self, entry_id: str, fields: dict) -> Request:
         """The entry as a request whose text prompt is already token ids; raises
@@ -55,13 +56,18 @@ class Admission:
             req.prompt = self.prepare(req.pooling, self.tokenizer)
             return req
         if isinstance(req.prompt, Chat):
-            text = self._render(req.prompt)
+            chat = req.prompt
+            pixels = self._images(chat)
+            text = self._render(chat)
             if self.reasoning is not None:
                 req.reasoning_inside = self.reasoning.opened(text)
                 # response_format and forced tool calls constrain the answer alone
                 req.params.answer_gate = reasoning.answer_gate(self.reasoning, self.tokenizer,
                                                                req.reasoning_inside)
             req.prompt = self.tokenizer.encode(text)
+            if pixels is not None:
+                req.prompt = {"prompt_token_ids": req.prompt,
+                              "multi_modal_data": {"image": pixels}}
         elif isinstance(req.prompt, str) and self.tokenizer is not None:
             text = req.prompt if req.raw else self.templated(req.prompt)
             req.prompt = self.tokenizer.encode(text)
@@ -72,6 +78,14 @@ class Admission:
             else:
                 self.processors.prepare(req.params)
         return req
+
+    def _images(self, chat: Chat):
+        """A chat's images decoded and prepared for the model (here, off the step loop),
+        or None where it has none."""
+        if not chat.images:
+            return None
+        images, fields = zip(*chat.images)
+        return multimodal.preprocess(self.model, list(images), list(fields))
 
     def tool_streams(self, req: Request):
         """A maker of each sample's ToolStream, for a request with tools; else None."""

@@ -10,7 +10,7 @@ import argparse
 import re
 import struct
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import msgpack
@@ -40,6 +40,9 @@ class Chat:
     messages: list[dict]
     tools: Optional[Tools] = None
     template_kwargs: Optional[dict] = None  # chat_template_kwargs: the template's own options
+    # the images of its content parts (core/content_parts.py): (encoded bytes, the field
+    # that carried it), in order; each message holds {"type": "image"} where one goes
+    images: list = field(default_factory=list)
 
 
 # text, token ids of the worker's model, messages, or a pooling task (embed, score, classify)

@@ -10,6 +10,7 @@ from typing import Optional
 
 import msgpack
 
+from roseinfer.core import content_parts
 from roseinfer.core.errors import InvalidRequestError, short as _short
 from roseinfer.core.sampling import MAX_N, SamplingParams, is_int
 from roseinfer.core.tools import Tools, check_tools
@@ -168,25 +169,31 @@ def _prompt(body: dict, limits: Limits) -> Prompt:
 def _chat(messages, limits: Limits) -> Chat:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of maps with role "
-                                  f"({', '.join(ROLES)}) and content (a string)")
-    chat = Chat([_message(m, f"messages[{i}]") for i, m in enumerate(messages)])
-    _check_chars("messages", sum(len(m["content"]) + len(str(m.get("tool_calls", "")))
-                                 for m in chat.messages), limits)
+                                  f"({', '.join(ROLES)}) and content (a string or a list "
+                                  "of content parts)")
+    chat = Chat([])
+    for i, m in enumerate(messages):
+        message, images = _message(m, f"messages[{i}]")
+        chat.messages.append(message)
+        chat.images += images
+    _check_chars("messages", sum(content_parts.text_chars(m["content"]) +
+                                 len(str(m.get("tool_calls", ""))) for m in chat.messages),
+                 limits)
     return chat
 
 
-def _message(m, field: str) -> dict:
-    """One turn: role and content; an assistant turn may carry the tool calls it made
-    (content may then be empty), a tool turn the id of the call it answers."""
+def _message(m, field: str) -> tuple[dict, list]:
+    """One turn: role and content, and the images of its content parts (bytes, field);
+    an assistant turn may carry the tool calls it made (content may then be empty), a
+    tool turn the id of the call it answers."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise InvalidRequestError(field, f"must be a map with role ({', '.join(ROLES)}) and "
-                                  "content (a string)")
+                                  "content (a string or a list of content parts)")
     calls = m.get("tool_calls")
     content = m.get("content")
     if content is None and calls and m["role"] == "assistant":
         content = ""
-    if not isinstance(content, str):
-        raise InvalidRequestError(f"{field}.content", f"must be a string, got {_short(content)}")
+    content, images = content_parts.parse(content, f"{field}.content")
     out = {"role": m["role"], "content": content}
     if calls is not None:
         if m["role"] != "assistant" or not isinstance(calls, list):
@@ -198,7 +205,7 @@ def _message(m, field: str) -> dict:
     for key in ("tool_call_id", "name"):
         if isinstance(m.get(key), str):
             out[key] = m[key]
-    return out
+    return out, images
 
 
 def _past_call(call, field: str) -> dict:

@@ -1,0 +1,63 @@
+"""Tiny Qwen2.5-VL models, pictures and transformers' greedy reference, for the
+vision-language tests (tests/test_vision_language.py, tests/frontends/test_vision_serving.py)."""
+import struct
+import zlib
+
+import numpy as np
+import torch
+
+
+def tiny_qwen2_5_vl(vocab: int = 512, image: int = 300, start: int = 301, end: int = 302):
+    """Two decoder layers (4 heads of 16, M-RoPE sections 2/3/3), a two-block tower (one
+    windowed, one full), 2 x 2 merging into the decoder's width; ``image``, ``start``,
+    ``end``: the image token and the ids around it."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                          "rope_theta": 10000.0},
+                         max_position_embeddings=1024, initializer_range=0.1),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                           initializer_range=0.1),
+        image_token_id=image, vision_start_token_id=start, vision_end_token_id=end,
+        bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def picture(height, width, seed):
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).rand(height, width, 3) * 255
+    return Image.fromarray(pixels.astype("uint8"))
+
+
+def reference(hf, model, ids, images, max_tokens=10):
+    """transformers' greedy ids for the widened prompt ``ids`` and its images, prepared by
+    ``model``'s (roseinfer's) image processor."""
+    kwargs = {}
+    if images:
+        prepared = model.image_processor(images=images, return_tensors="pt")
+        kwargs = dict(pixel_values=prepared["pixel_values"],
+                      image_grid_thw=prepared["image_grid_thw"],
+                      mm_token_type_ids=(torch.tensor([ids]) == hf.config.image_token_id).int())
+    hf.model.rope_deltas = None  # transformers keeps the last prompt's offset between calls
+    out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens,
+                      attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def declared_png(width: int, height: int) -> bytes:
+    """A small PNG whose header declares ``width`` x ``height`` pixels (a decompression
+    bomb's shape: its pixels are never there)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(
+            ">I", zlib.crc32(kind + data))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(
+        b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
