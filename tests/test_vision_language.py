@@ -107,3 +107,25 @@ def test_a_text_model_refuses_images(llama_model):
     with LLM(llama_model, device=DEVICE, dtype="float32", num_kv_blocks=64) as llm:
         with pytest.raises(InvalidRequestError, match="takes no images"):
             llm.generate([with_images([5, 6], picture(56, 56, 9))], GREEDY)
+
+
+def test_a_checkpoint_directory_prepares_images_as_its_preprocessor_config_says(hf, tmp_path):
+    """The checkpoint's pixel bounds (here at most 56 x 56 pixels: a 112 x 112 image gives
+    4 features, not the processor defaults' 16), as transformers' own processor reads
+    them from the same directory."""
+    import json
+    import types
+
+    from transformers import AutoImageProcessor
+
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 784,
+        "max_pixels": 3136, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}))
+    theirs = types.SimpleNamespace(image_processor=AutoImageProcessor.from_pretrained(tmp_path))
+    image = picture(112, 112, 10)
+    with LLM(str(tmp_path), device=DEVICE, dtype="float32", block_size=4,
+             num_kv_blocks=64) as llm:
+        out = llm.generate([with_images(ONE, image)], GREEDY)[0]
+    assert len(out.prompt_token_ids) == len(ONE) - 1 + 4
+    assert out.token_ids == reference(hf, theirs, out.prompt_token_ids, [image])

@@ -491,7 +491,12 @@ def _config(path: str):
         with open(full) as f:
             return PlainConfig(**json.load(f))
     from transformers import AutoConfig
-    return text_part(AutoConfig.from_pretrained(path))
+    config = text_part(AutoConfig.from_pretrained(path))
+    processor = os.path.join(path, "preprocessor_config.json")
+    if hasattr(config, "vision_config") and os.path.exists(processor):
+        with open(processor) as f:  # the image processor's settings (its pixel bounds)
+            config.preprocessor_config = json.load(f)
+    return config
 
 
 # Vision-language checkpoints whose text part roseinfer serves (its family's

@@ -26,13 +26,15 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         vision = cfg.vision_config
         self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision)
         self.image_token_id, self.merge = cfg.image_token_id, vision.spatial_merge_size
-        # Qwen2-VL's processor at the tower's patch sizes, its other settings (the
-        # pixels an image is resized within) the processor's defaults
+        # Qwen2-VL's processor as the checkpoint's preprocessor_config.json sets it (the
+        # pixels an image is resized within: Qwen2.5-VL's allow 12.8 M, the processor's
+        # defaults 1 M), else at the tower's patch sizes with the processor's defaults
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil)
-        self.image_processor = Qwen2VLImageProcessorPil(
-            patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-            merge_size=vision.spatial_merge_size)
+        self.image_processor = Qwen2VLImageProcessorPil.from_dict({
+            "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+            "merge_size": vision.spatial_merge_size,
+            **getattr(cfg, "preprocessor_config", {})})
 
     @staticmethod
     def rotaries(cfg) -> list[RotaryEmbedding]:
