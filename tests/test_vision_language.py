@@ -129,3 +129,36 @@ def test_a_checkpoint_directory_prepares_images_as_its_preprocessor_config_says(
         out = llm.generate([with_images(ONE, image)], GREEDY)[0]
     assert len(out.prompt_token_ids) == len(ONE) - 1 + 4
     assert out.token_ids == reference(hf, theirs, out.prompt_token_ids, [image])
+
+
+def test_an_image_seen_before_is_not_encoded_again(hf, llm, monkeypatch):
+    """A second turn with the same image takes its features from the encoder cache; a
+    prompt with that image and a new one encodes only the new one; outputs stay exact."""
+    a, b = picture(56, 84, 11), picture(84, 56, 12)
+    encoded = []
+    model = llm.engine.model
+    encode = model.encode_images
+    monkeypatch.setattr(model, "encode_images",
+                        lambda pixels, grids: encoded.append(grids.tolist()) or encode(pixels, grids))
+    first = llm.generate([with_images(ONE, a)], GREEDY)[0]
+    turn = llm.generate([with_images(ONE + [14, 15], a)], GREEDY)[0]
+    both = llm.generate([with_images(TWO, [a, b])], GREEDY)[0]
+    assert encoded == [[[1, 4, 6]], [[1, 6, 4]]]  # a once, then b alone
+    assert turn.token_ids == reference(hf, model, turn.prompt_token_ids, [a])
+    assert both.token_ids == reference(hf, model, both.prompt_token_ids, [a, b])
+    assert first.token_ids == reference(hf, model, first.prompt_token_ids, [a])
+    assert llm.engine.encoder_cache.hits >= 2
+
+
+def test_the_encoder_cache_keeps_the_recent_images_within_its_bytes():
+    from roseinfer.core.encoder_cache import EncoderCache
+
+    cache = EncoderCache(max_bytes=3 * 400)
+    for key in range(4):
+        cache.put(key, torch.full((10, 10), float(key)))  # 400 bytes each
+    assert len(cache) == 3 and cache.get(0) is None and cache.bytes == 1200
+    assert torch.equal(cache.get(1), torch.full((10, 10), 1.0))
+    cache.put(4, torch.zeros(10, 10))  # 2 is now the least recently used
+    assert cache.get(2) is None and cache.get(1) is not None
+    cache.put(5, torch.zeros(20, 20))  # larger than the budget: not kept
+    assert cache.get(5) is None and len(cache) == 3

@@ -14,6 +14,7 @@ from roseinfer.core.cpu_step_choice import StepChoice
 from roseinfer.core.device_side import resolve_device, settle_heap
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
+from roseinfer.core.encoder_cache import EncoderCache
 from roseinfer.core.errors import ConfigError, InvalidRequestError
 from roseinfer.core.intake import Intake, Prompt
 from roseinfer.core.outputs import RequestOutput
@@ -77,6 +78,7 @@ class Engine:
         side = device_side.build(model, tokenizer, config, plugins, self.device, self.peers)
         self.config = config = side.config
         self.shares_prompts = not recurrent.layers(side.model)  # _queue
+        self.encoder_cache = EncoderCache() if hasattr(side.model, "encode_images") else None
         self.dtype, self.model, self.hf_config = side.dtype, side.model, side.hf_config
         self.tokenizer, self.kv_cache, self.runner = side.tokenizer, side.kv_cache, side.runner
         self.loras = side.loras
@@ -198,7 +200,7 @@ class Engine:
         prompt, images = multimodal.split(prompt)
         ids = self.intake.prompt_ids(prompt, params)
         if images is not None:
-            ids, images = multimodal.prepare(self.model, ids, images)
+            ids, images = multimodal.prepare(self.model, ids, images, self.encoder_cache)
         if params.n == 1:
             seq = self.intake.sequence(request_id, 0, ids, params, emitted_ids, emitted_text, lora)
             self._queue(self._with_images([seq], images))

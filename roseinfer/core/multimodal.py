@@ -107,9 +107,10 @@ def preprocess(model, images: list, fields: list[str] | None = None) -> Pixels:
     return Pixels(torch.cat(values), torch.cat(grids))
 
 
-def prepare(model, ids: list[int], images) -> tuple[list[int], Images]:
+def prepare(model, ids: list[int], images, cache=None) -> tuple[list[int], Images]:
     """The prompt's ids with each image token widened to its image's features, and the
-    images (a list, or ``Pixels``) as the sequence carries them."""
+    images (a list, or ``Pixels``) as the sequence carries them; ``cache``: an
+    EncoderCache (core/encoder_cache.py) the features of images seen before come from."""
     pixels = images if isinstance(images, Pixels) else preprocess(model, images)
     slots = [i for i, t in enumerate(ids) if t == model.image_token_id]
     if len(slots) != len(pixels.grids):
@@ -125,11 +126,31 @@ def prepare(model, ids: list[int], images) -> tuple[list[int], Images]:
     widened += ids[last:]
     positions3, delta = model.image_positions(widened, grids)
     at = torch.tensor([i for i, t in enumerate(widened) if t == model.image_token_id])
-    digest = int.from_bytes(hashlib.blake2b(pixels.values.float().numpy().tobytes(),
-                                            digest_size=8, person=b"images").digest(),
-                            "little", signed=True)
-    return widened, Images(model.encode_images(pixels.values, grids), at, positions3, delta,
-                           digest)
+    features, digest = _features(model, pixels, counts, cache)
+    return widened, Images(features, at, positions3, delta, digest)
+
+
+def _features(model, pixels: Pixels, counts: list[int], cache) -> tuple[torch.Tensor, int]:
+    """(the tower's features of every image, in order, from ``cache`` where it holds them
+    and encoded together where not; a digest of all the images' pixels)."""
+    patches = pixels.values.split(pixels.grids.prod(-1).tolist())
+    keys = [_digest(p) for p in patches]
+    found = [cache.get(k) if cache is not None else None for k in keys]
+    missing = [i for i, f in enumerate(found) if f is None]
+    if missing:
+        new = model.encode_images(torch.cat([patches[i] for i in missing]),
+                                  pixels.grids[missing])
+        for i, features in zip(missing, new.split([counts[i] for i in missing])):
+            found[i] = features
+            if cache is not None:
+                cache.put(keys[i], features)
+    device = model.embed_tokens.weight.device
+    return torch.cat([f.to(device) for f in found]), hash(tuple(keys))
+
+
+def _digest(values: torch.Tensor) -> int:
+    return int.from_bytes(hashlib.blake2b(values.float().numpy().tobytes(), digest_size=8,
+                                          person=b"images").digest(), "little", signed=True)
 
 
 def _picture(image, field: str):
