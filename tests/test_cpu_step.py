@@ -89,9 +89,24 @@ def test_a_step_slower_than_eager_is_not_used(cache_dir):
     assert LLM(hf, **CONFIG).engine.runner.compiled is None
 
 
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_rounded_weights_decode_compiled_as_eager(weights, cache_dir, loaded_pays):
+    """bfloat16 and int8 linear weights (layers/cpu_weights.py) compiled: the eager
+    step's ids with the same weights."""
+    hf = tiny_llama()
+    llm = LLM(hf, cpu_compiled_step="build", cpu_weight_dtype=weights, **CONFIG)
+    compiled = llm.engine.runner.compiled
+    if compiled is None:
+        skip_if_torch_crashed(cache_dir)
+    eager = LLM(hf, cpu_compiled_step="off", cpu_weight_dtype=weights, **CONFIG)
+    for prompt in PROMPTS:
+        assert greedy(llm, [prompt]) == greedy(eager, [prompt])
+    assert compiled.steps == 2 * 13
+
+
 def test_build_is_refused_where_it_does_not_apply(cache_dir):
     with pytest.raises(ConfigError, match="cpu_compiled_step build applies to"):
-        LLM(tiny_gpt2(), cpu_compiled_step="build", cpu_weight_dtype="int8", **CONFIG)
+        LLM(tiny_gpt2(), cpu_compiled_step="build", kv_cache_dtype="fp8", **CONFIG)
     with pytest.raises(ConfigError, match="cpu_compiled_step must be"):
         LLM(tiny_gpt2(), cpu_compiled_step="always", **CONFIG)
     assert not (cache_dir / "cpu_steps").exists()

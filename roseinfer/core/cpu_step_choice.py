@@ -62,7 +62,7 @@ def compiled_step(engine) -> Optional[cpu_step.CompiledStep]:
         if cfg.cpu_compiled_step == "build":
             raise ConfigError("cpu_compiled_step build applies to a float32 model on the CPU "
                               "with the default KV-append and attention plugins, "
-                              "cpu_weight_dtype float32, no quantization, the model's KV "
+                              "no quantization method, the model's KV "
                               "cache dtype, no tensor parallelism, no window layers "
                               "beside full ones, no latent attention, and no LoRA "
                               "adapters")
@@ -75,7 +75,8 @@ def compiled_step(engine) -> Optional[cpu_step.CompiledStep]:
 def _applies(engine) -> bool:
     cfg = engine.config
     return (engine.device.type == "cpu" and engine.dtype == torch.float32
-            and cfg.cpu_weight_dtype in ("float32", "gguf") and cfg.tensor_parallel_size == 1
+            and cfg.cpu_weight_dtype in ("float32", "gguf", "bfloat16", "int8")
+            and cfg.tensor_parallel_size == 1
             and engine.model.quantization is None and cfg.kv_cache_dtype == "auto"
             and not cfg.enable_lora
             and cfg.kv_append_backend in ("auto", "torch_index")

@@ -47,9 +47,9 @@ class CpuLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Parameters, as nn.Linear's weight is: a compiled step (core/cpu_step.py) finds
         # them by name, and takes them as they are (buffers it would copy).
-        self.plain = _frozen(weight if "plain" in kernels else None)
-        self.packed = _frozen(_pack(weight) if "packed" in kernels else None)
-        self.bias = _frozen(None if linear.bias is None else linear.bias.detach())
+        self.plain = frozen(weight if "plain" in kernels else None)
+        self.packed = frozen(_pack(weight) if "packed" in kernels else None)
+        self.bias = frozen(None if linear.bias is None else linear.bias.detach())
 
     def step_weights(self) -> list[torch.Tensor]:
         """What a step reads: one of the two layouts (the larger, where both are held;
@@ -68,7 +68,9 @@ class CpuLinear(nn.Module):
         return out if gelu is None else F.gelu(out, approximate=gelu)
 
 
-def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+def frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+    """``t`` as a parameter that needs no grad: what a compiled step (core/cpu_step.py)
+    takes as it is (a buffer it would clone, which an opaque oneDNN layout cannot be)."""
     return None if t is None else nn.Parameter(t, requires_grad=False)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.errors import ConfigError
+from roseinfer.layers.cpu_linear import frozen
 from roseinfer.layers.embedding import LogitsHead
 
 
@@ -26,19 +27,21 @@ class RoundedLinear(nn.Module):
         super().__init__()
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        # Parameters, as CpuLinear's: a compiled step (core/cpu_step.py) finds them by name
+        self.bias = frozen(None if linear.bias is None else linear.bias.detach())
         # The int8 kernel reads inputs 16 at a time and returns garbage, or crashes, on a
         # width that is not a multiple of 16: such weights and inputs get zero columns.
         self.pad = (-self.in_features) % 16 if weight_dtype == "int8" else 0
         if weight_dtype == "int8":
             scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(weight.dtype).tiny) / 127
             weight = F.pad(weight / scale[:, None], (0, self.pad))
-            self.weight = weight.round_().to(torch.int8)
+            self.weight = frozen(weight.round_().to(torch.int8))
             # The kernel's scales are bfloat16, which would round each row's by up to
             # 0.4%: it runs with ones, and the float32 scales multiply its output.
-            self.scale, self.ones = scale, torch.ones(self.out_features, dtype=torch.bfloat16)
+            self.scale = frozen(scale)
+            self.ones = frozen(torch.ones(self.out_features, dtype=torch.bfloat16))
         else:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), 16)
+            self.weight = frozen(torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), 16))
             self.scale = None
 
     def forward(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
