@@ -251,3 +251,31 @@ def test_the_chunked_forms_equal_their_recurrences():
             dt[:, t][..., None, None] * x[:, t][..., None] * b[:, t][:, :, None, :])
         ref[:, t] = torch.einsum("bhpn,bhn->bhp", ref_state, c[:, t])
     assert torch.allclose(out, ref, atol=1e-4) and torch.allclose(state, ref_state, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-linear-attention's kernels "
+                    "run on a GPU (their chunked kernel asks the driver for its properties)")
+@pytest.mark.parametrize("batch, tokens", [(1, 1), (7, 1), (1, 64), (1, 300)])
+def test_the_delta_rule_on_fla_kernels_equals_the_torch_reference(batch, tokens):
+    """Qwen3-Next's head shapes (16 key heads, 32 value heads of 128), bfloat16 inputs as
+    the GPU model gives them, against the float32 closed form (layers/gated_deltanet.py)."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    from roseinfer.layers import gated_deltanet
+
+    gen = torch.Generator(device="cuda").manual_seed(batch * 1000 + tokens)
+    shape = batch, tokens
+
+    def randn(*dims):
+        return torch.randn(*dims, generator=gen, device="cuda")
+    q, k = randn(*shape, 16, 128).bfloat16(), randn(*shape, 16, 128).bfloat16()
+    v = randn(*shape, 32, 128).bfloat16()
+    g = -torch.rand(*shape, 32, generator=gen, device="cuda")
+    beta = torch.rand(*shape, 32, generator=gen, device="cuda")
+    state = randn(batch, 32, 128, 128) * 0.1
+    assert gated_deltanet.kernels(q.device) == "fla"
+    out, final = gated_deltanet.delta_rule(q, k, v, g, beta, state.clone())
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(gated_deltanet, "kernels", lambda device: "torch")
+        want, want_final = gated_deltanet.delta_rule(q, k, v, g, beta, state.clone())
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(final, want_final, atol=2e-2, rtol=2e-2)

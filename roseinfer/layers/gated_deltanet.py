@@ -8,10 +8,11 @@ Per token, after the convolution and SiLU, with q and k L2-normalised (q also sc
     S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
 
 with ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; then an RMSNorm of
-each head's output gated by SiLU(z), and out_proj. Plain torch, in chunks of 64 tokens
-(the recurrence in closed form: one triangular solve a chunk), every decoding sequence of
-a step in one batch: the reference the GPU kernels (flash-linear-attention's) will be
-checked against.
+each head's output gated by SiLU(z), and out_proj. Every decoding sequence of a step runs
+in one batch. The recurrence runs as flash-linear-attention's Triton kernels on a GPU
+where fla-core is installed (its fused recurrent kernel for decode, its chunked one for
+prompts: ``delta_rule``), else in plain torch, in chunks of 64 tokens (the recurrence in
+closed form: one triangular solve a chunk): the reference the kernels are checked against.
 """
 from __future__ import annotations
 
@@ -87,20 +88,47 @@ class GatedDeltaNet(RecurrentLayer):
         conv, state = self.states(rows, fresh)
         mixed = F.silu(causal_conv(conv, mixed, self.conv1d))
         n, tokens = mixed.shape[:2]
-        q, k, v = mixed.float().split([self.nk * self.dk, self.nk * self.dk,
-                                       self.nv * self.dv], -1)
-        q, k = (_l2norm(t.view(n, tokens, self.nk, self.dk)).repeat_interleave(self.per_key, 2)
-                for t in (q, k))
-        q = q / self.dk ** 0.5
-        v = v.view(n, tokens, self.nv, self.dv)
-        out = torch.empty_like(v)
-        for start in range(0, tokens, CHUNK):
-            end = min(start + CHUNK, tokens)
-            out[:, start:end] = _delta_chunk(q[:, start:end], k[:, start:end],
-                                             v[:, start:end], g[:, start:end],
-                                             beta[:, start:end], state)
+        q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], -1)
+        out, state = delta_rule(q.view(n, tokens, self.nk, self.dk),
+                                k.view(n, tokens, self.nk, self.dk),
+                                v.view(n, tokens, self.nv, self.dv), g, beta, state)
         self.keep(rows, conv, state)
         return out.to(mixed.dtype)
+
+
+def kernels(device: torch.device) -> str:
+    """Which runs the recurrence: "fla" (flash-linear-attention's Triton kernels) on a GPU
+    where fla-core imports, else "torch"."""
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "fla"
+
+
+def delta_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over B sequences' T tokens: q, k [B, T, key heads, K] (not yet
+    L2-normalised), v [B, T, value heads, V], g and beta [B, T, value heads] (float32),
+    the states S [B, value heads, K, V] at their start. Returns (outputs [B, T, value
+    heads, V], the states at their end)."""
+    if kernels(q.device) == "fla":
+        from fla.ops.gated_delta_rule import (chunk_gated_delta_rule,
+                                              fused_recurrent_gated_delta_rule)
+        run = fused_recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule
+        return run(q, k, v.to(q.dtype), g=g, beta=beta, scale=q.shape[-1] ** -0.5,
+                   initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    per_key = v.shape[2] // q.shape[2]
+    q, k = (_l2norm(t.float()).repeat_interleave(per_key, 2) for t in (q, k))
+    q = q / q.shape[-1] ** 0.5
+    v = v.float()
+    out = torch.empty_like(v)
+    for start in range(0, q.shape[1], CHUNK):
+        end = min(start + CHUNK, q.shape[1])
+        out[:, start:end] = _delta_chunk(q[:, start:end], k[:, start:end], v[:, start:end],
+                                         g[:, start:end], beta[:, start:end], state)
+    return out, state
 
 
 def _delta_chunk(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
