@@ -19,6 +19,7 @@ import re
 
 from roseinfer.core.errors import InvalidRequestError, short
 
+MAX_IMAGES = 16  # a prompt's images, at most
 MAX_IMAGE_BYTES = 32 << 20  # an encoded image's bytes, at most
 DATA_URL = re.compile(r"data:(image/[\w.+-]+)?(;[\w=.+-]+)*;base64,", re.ASCII)
 

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from roseinfer.core.config import turned_off
-from roseinfer.core.content_parts import MAX_IMAGE_BYTES
+from roseinfer.core.content_parts import MAX_IMAGE_BYTES, MAX_IMAGES
 from roseinfer.core.errors import InvalidRequestError
 
-MAX_IMAGES = 16  # a prompt's images, at most
 MAX_PIXELS = 64 << 20  # an image's pixels, at most, read from its header before decoding
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
 

@@ -52,10 +52,12 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(png(image)).decode()
 
 
-def expected(served, messages_text: str, images) -> list[int]:
-    """transformers' greedy ids for one user turn: the images, then the text."""
+def expected(served, text: str, images, text_first: bool = False) -> list[int]:
+    """transformers' greedy ids for one user turn: the images, then the text (or the text
+    first)."""
     hf, llm = served
-    parts = [{"type": "image"}] * len(images) + [{"type": "text", "text": messages_text}]
+    pictures, words = [{"type": "image"}] * len(images), [{"type": "text", "text": text}]
+    parts = words + pictures if text_first else pictures + words
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": parts}],
                                              tokenize=False, add_generation_prompt=True)
     prompt = {"prompt": text, "multi_modal_data": {"image": images}}
@@ -107,12 +109,13 @@ def test_the_openai_client_sends_an_image_to_the_gateway(served, start_worker, g
                                             {"type": "input_image", "image_url": data_url(image)},
                                             {"type": "input_text", "text": "Describe it."}]}])
     assert response.output_text == want
-    for url, match in (("https://example.com/cat.png", "an http"),
-                       ("data:image/png;base64,@@@", "not valid base64")):
+    for url, match, param in (
+            ("https://example.com/cat.png", "allowed-media-domains \\(none\\)", ""),
+            ("data:image/png;base64,@@@", "not valid base64", ".url")):
         bad = user({"type": "image_url", "image_url": {"url": url}})
         with pytest.raises(openai.BadRequestError, match=match) as refused:
             api.chat.completions.create(model="tiny", messages=bad)
-        assert refused.value.body["param"] == "messages[0].content[0].url"
+        assert refused.value.body["param"] == "messages[0].content[0]" + param
 
 
 HOSTILE = [
@@ -157,3 +160,77 @@ def test_a_thousand_images_and_an_image_to_a_text_model_are_refused(
         client.generate(Chat(user({"type": "image", "data": tiny})), timeout=30)
     assert "messages[0].content[0]" in refused.value.message
     assert client.generate([5, 6], max_tokens=2, timeout=30).token_ids  # still serving
+
+
+@pytest.fixture
+def image_server():
+    """A local HTTP server: /cat.png an image, /big 33 MiB, /gone 404, /moved a redirect
+    to /cat.png, /slow an image after 3 s. Yields (base URL, the image)."""
+    import http.server
+    import threading
+
+    image = picture(56, 84, 5)
+    body = png(image)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.end_headers()
+                return
+            if self.path == "/gone":
+                self.send_error(404)
+                return
+            if self.path == "/slow":
+                time.sleep(3)
+            data = b"\0" * (33 << 20) if self.path == "/big" else body
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            try:
+                self.wfile.write(data)
+            except OSError:  # the gateway hung up: it read enough
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", image
+    server.shutdown()
+
+
+def test_the_gateway_fetches_images_only_from_allowed_domains(served, start_worker, gateway,
+                                                              image_server):
+    _, llm = served
+    base, image = image_server
+    start_worker(llm.engine)
+    url = gateway(allowed_media_domains=["127.0.0.1"], media_timeout=1.0).url
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    def ask(image_url):
+        return api.chat.completions.create(
+            model="tiny", max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+            messages=user({"type": "text", "text": "Describe it."},
+                          {"type": "image_url", "image_url": {"url": image_url}}))
+
+    want = llm.tokenizer.decode(expected(served, "Describe it.", [image], text_first=True),
+                                skip_special_tokens=True)
+    assert ask(f"{base}/cat.png").choices[0].message.content == want
+    response = api.responses.create(model="tiny", max_output_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True}, input=[{
+                                        "role": "user", "content": [
+                                            {"type": "input_text", "text": "Describe it."},
+                                            {"type": "input_image",
+                                             "image_url": f"{base}/cat.png"}]}])
+    assert response.output_text == want
+    port = base.rsplit(":", 1)[1]
+    for path, match in ((f"http://localhost:{port}/cat.png", "allowed-media-domains"),
+                        (f"{base}/gone", "HTTP 404"), (f"{base}/moved", "redirects"),
+                        (f"{base}/big", "over 33,554,432 bytes"), (f"{base}/slow", "over 1 s")):
+        with pytest.raises(openai.BadRequestError, match=match) as refused:
+            ask(path)
+        assert refused.value.body["param"] == "messages[0].content[1]"

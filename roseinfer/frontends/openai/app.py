@@ -24,6 +24,8 @@ from starlette.routing import Route
 
 from roseinfer.frontends.openai import mapping
 from roseinfer.frontends.openai.mapping import APIError, Call
+from roseinfer.frontends.openai.media import DEFAULT_TIMEOUT_S as DEFAULT_MEDIA_TIMEOUT_S, \
+    MediaFetcher
 from roseinfer.frontends.openai.metrics import GatewayMetrics
 from roseinfer.frontends.openai.pooling import Pooling
 from roseinfer.frontends.openai.responses import DEFAULT_TTL_S, Responses
@@ -45,6 +47,9 @@ class GatewayConfig:
     queue_timeout: float = 60.0    # no first reply by then: 503 (no worker took it)
     request_timeout: float = 600.0  # the whole request
     responses_ttl: int = DEFAULT_TTL_S  # how long a stored response is kept (seconds)
+    # hosts images may be fetched from by http(s) URL (media.py); none: data URLs only
+    allowed_media_domains: list[str] = field(default_factory=list)
+    media_timeout: float = DEFAULT_MEDIA_TIMEOUT_S  # seconds one image's fetch may take
 
 
 class Gateway:
@@ -58,6 +63,7 @@ class Gateway:
         self.responses = Responses(self, config.responses_ttl)
         self.pooling = Pooling(self)  # embeddings, rerank, score, classify
         self.tasks: set[asyncio.Task] = set()  # background responses being read
+        self.media = MediaFetcher(config.allowed_media_domains, config.media_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -189,7 +195,7 @@ class Gateway:
             raise APIError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        return body
+        return await self.media.fetched(body)
 
     async def route_adapter(self, body: dict, call: Call) -> str:
         """The model name replies carry: a LoRA adapter a live worker serves, named as the

@@ -27,6 +27,11 @@ def add_commands(subparsers, engine_parent) -> None:
     g.add_argument("--responses-ttl", type=int, default=30 * 24 * 3600,
                    help="seconds a stored /v1/responses response is kept in Redis, for "
                         "GET and previous_response_id (default: %(default)s, 30 days)")
+    g.add_argument("--allowed-media-domains", default="", metavar="HOSTS",
+                   help="hosts (comma-separated, matched exactly) whose http(s) image URLs "
+                        "the gateway fetches; without, images come as data URLs only")
+    g.add_argument("--media-timeout", type=float, default=10.0,
+                   help="seconds one image's fetch may take (default: %(default)s)")
     g.set_defaults(func=gateway_command)
 
 
@@ -40,7 +45,8 @@ def gateway_command(args) -> int:
         log.warning("no --api-key: anyone who can reach %s:%d may call the gateway%s", host,
                     args.port, "" if args.host else " (so it binds to 127.0.0.1 only)")
     config = GatewayConfig(args.redis_url, args.prefix, args.model_name, args.api_keys,
-                           args.queue_timeout, args.request_timeout, args.responses_ttl)
+                           args.queue_timeout, args.request_timeout, args.responses_ttl,
+                           args.allowed_media_domains.split(","), args.media_timeout)
     print(f"OpenAI API on http://{host}:{args.port}/v1, queue {args.redis_url} "
           f"(prefix {args.prefix!r}). Try:\n"
           f"  curl http://{'127.0.0.1' if host == '0.0.0.0' else host}:{args.port}"
