@@ -147,7 +147,7 @@ def test_an_image_seen_before_is_not_encoded_again(hf, llm, monkeypatch):
     assert turn.token_ids == reference(hf, model, turn.prompt_token_ids, [a])
     assert both.token_ids == reference(hf, model, both.prompt_token_ids, [a, b])
     assert first.token_ids == reference(hf, model, first.prompt_token_ids, [a])
-    assert llm.engine.encoder_cache.hits >= 2
+    assert llm.engine.encoder.cache.hits >= 2
 
 
 def test_the_encoder_cache_keeps_the_recent_images_within_its_bytes():
@@ -162,3 +162,57 @@ def test_the_encoder_cache_keeps_the_recent_images_within_its_bytes():
     assert cache.get(2) is None and cache.get(1) is not None
     cache.put(5, torch.zeros(20, 20))  # larger than the budget: not kept
     assert cache.get(5) is None and len(cache) == 3
+
+
+def test_queued_images_go_through_the_tower_a_budget_a_step_batched(hf, monkeypatch):
+    """A budget of 16 image tokens a step: two requests' images (6 tokens each) in one
+    call of the tower, the third's (12) in the next step's; a text request decodes a
+    token in every step meanwhile; every output exact."""
+    a, b, c = picture(56, 84, 13), picture(84, 56, 14), picture(84, 112, 15)
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256,
+             max_num_batched_tokens=16) as llm:
+        eng, calls = llm.engine, []
+        encode = eng.model.encode_images
+        monkeypatch.setattr(eng.model, "encode_images", lambda pixels, grids: calls.append(
+            grids[:, 1:].tolist()) or encode(pixels, grids))
+        eng.add_request("text", [5, 6, 7], GREEDY)
+        while not eng.seqs["text"].token_ids[3:]:
+            eng.step()
+        for rid, image in (("a", a), ("b", b), ("c", c)):
+            eng.add_request(rid, with_images(ONE, image), GREEDY)
+        outs, text_tokens = {}, []
+        while eng.has_unfinished():
+            for out in eng.step():
+                outs[out.request_id] = out
+                if out.request_id == "text":
+                    text_tokens.append(len(out.new_token_ids))
+        assert calls == [[[4, 6], [6, 4]], [[6, 8]]]
+        assert all(text_tokens[:4])  # decoding went on while the images were encoded
+        model = eng.model
+        for rid, image in (("a", a), ("b", b), ("c", c)):
+            seq = outs[rid].seq
+            assert seq.token_ids[seq.num_prompt_tokens:] == reference(
+                hf, model, seq.token_ids[:seq.num_prompt_tokens], [image])
+
+
+def test_a_request_whose_image_the_tower_cannot_encode_fails_alone(hf, monkeypatch):
+    a, bad = picture(56, 84, 16), picture(84, 112, 17)
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256) as llm:
+        encode = llm.engine.model.encode_images
+
+        def failing(pixels, grids):
+            if [6, 8] in grids[:, 1:].tolist():
+                raise RuntimeError("out of memory in the tower")
+            return encode(pixels, grids)
+        monkeypatch.setattr(llm.engine.model, "encode_images", failing)
+        eng = llm.engine
+        eng.add_request("ok", with_images(ONE, a), GREEDY)
+        eng.add_request("bad", with_images(ONE, bad), GREEDY)
+        outs = {}
+        while eng.has_unfinished():
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+        assert outs["bad"].finish_reason == "error" and "out of memory" in outs["bad"].seq.error
+        seq = outs["ok"].seq
+        assert seq.token_ids[seq.num_prompt_tokens:] == reference(
+            hf, llm.engine.model, seq.token_ids[:seq.num_prompt_tokens], [a])
+        assert not eng.encoder.pending

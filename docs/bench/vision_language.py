@@ -80,8 +80,8 @@ def main():
         if r == 0:
             n = len(results["image"][2].prompt_token_ids)
             print(f"the image prompt: {n} tokens ({n - args.text} of the image)", flush=True)
-    print(f"encoder cache: {llm.engine.encoder_cache.hits} hits, "
-          f"{llm.engine.encoder_cache.misses} misses")
+    print(f"encoder cache: {llm.engine.encoder.cache.hits} hits, "
+          f"{llm.engine.encoder.cache.misses} misses")
     med = {k: (statistics.median(a), statistics.median(b)) for k, (a, b) in rows.items()}
     for kind, (ttft, tpot) in med.items():
         print(f"{kind}: TTFT {ttft * 1e3:.1f} ms, TPOT {tpot * 1e3:.2f} ms "

@@ -14,8 +14,8 @@ from roseinfer.core.cpu_step_choice import StepChoice
 from roseinfer.core.device_side import resolve_device, settle_heap
 from roseinfer.core.blocks import BlockManager
 from roseinfer.core.config import EngineConfig
-from roseinfer.core.encoder_cache import EncoderCache
 from roseinfer.core.errors import ConfigError, InvalidRequestError
+from roseinfer.core.image_encoder import ImageEncoder
 from roseinfer.core.intake import Intake, Prompt
 from roseinfer.core.outputs import RequestOutput
 from roseinfer.core.plugins import PluginRegistry, default_registry
@@ -78,7 +78,8 @@ class Engine:
         side = device_side.build(model, tokenizer, config, plugins, self.device, self.peers)
         self.config = config = side.config
         self.shares_prompts = not recurrent.layers(side.model)  # _queue
-        self.encoder_cache = EncoderCache() if hasattr(side.model, "encode_images") else None
+        self.encoder = ImageEncoder(side.model, config.max_num_batched_tokens) \
+            if hasattr(side.model, "encode_images") else None
         self.dtype, self.model, self.hf_config = side.dtype, side.model, side.hf_config
         self.tokenizer, self.kv_cache, self.runner = side.tokenizer, side.kv_cache, side.runner
         self.loras = side.loras
@@ -99,6 +100,7 @@ class Engine:
                                    config.priority_aging_s)
         self.blocks.on_free_seq = self.runner.rows.release
         self.blocks.states = self.runner.snapshots
+        self.scheduler.admits = _encoded
         if self.loras is not None:
             self._serve_loras()
         plugins.get("logits_processor", config.structured_output)  # fail early, listing names
@@ -126,7 +128,8 @@ class Engine:
         """A request's adapter takes a slot when it is admitted and gives it back with its
         blocks; the other ranks fill the slots rank 0 fills."""
         loras, free_rows = self.loras, self.runner.rows.release
-        self.scheduler.admits = lambda seq: seq.lora is None or loras.acquire(seq)
+        self.scheduler.admits = lambda seq: _encoded(seq) and (seq.lora is None or
+                                                               loras.acquire(seq))
         self.blocks.on_free_seq = lambda seq: (free_rows(seq), loras.release(seq))
         if self.peers is not None:
             loras.announce = self.peers.send_lora
@@ -200,7 +203,8 @@ class Engine:
         prompt, images = multimodal.split(prompt)
         ids = self.intake.prompt_ids(prompt, params)
         if images is not None:
-            ids, images = multimodal.prepare(self.model, ids, images, self.encoder_cache)
+            ids, images = multimodal.prepare(self.model, ids, images, self.encoder and
+                                             self.encoder.cache)
         if params.n == 1:
             seq = self.intake.sequence(request_id, 0, ids, params, emitted_ids, emitted_text, lora)
             self._queue(self._with_images([seq], images))
@@ -215,13 +219,15 @@ class Engine:
             images))
         self.groups[request_id] = params.n
 
-    @staticmethod
-    def _with_images(seqs: list[Sequence], images) -> list[Sequence]:
-        """The samples carrying their prompt's images; their blocks' hashes chain from the
-        images' too, so no prompt with other images takes them."""
+    def _with_images(self, seqs: list[Sequence], images) -> list[Sequence]:
+        """The samples carrying their prompt's images, queued for the tower where their
+        features are not cached; their blocks' hashes chain from the images' too, so no
+        prompt with other images takes them."""
         for seq in seqs if images is not None else ():
             seq.images = images
             seq.hash_root = hash((seq.hash_root, images.digest))
+        if images is not None:
+            self.encoder.add(images)
         return seqs
 
     def _check_lora(self, lora: Optional[str]) -> None:
@@ -343,6 +349,20 @@ class Engine:
         return outputs
 
     def _advance(self) -> list[RequestOutput]:
+        failed = self._encode_images() if self.encoder is not None else []
+        return failed + self._steps()
+
+    def _encode_images(self) -> list[RequestOutput]:
+        """The queued requests' next images through the tower (core/image_encoder.py); a
+        request whose images raise there fails."""
+        outputs = []
+        for images, error in self.encoder.step():
+            for seq in [s for s in self.scheduler.waiting if s.images is images]:
+                if not seq.finished:
+                    outputs += self.fail(seq, error)
+        return outputs
+
+    def _steps(self) -> list[RequestOutput]:
         self.step_choice.swap_in(self, self._in_flight is None and not self.scheduler.running)
         if self.speculator is not None and self.speculator.wanted(self.scheduler.running):
             return self._speculate()
@@ -441,6 +461,8 @@ class Engine:
         if self.seqs.get(seq.key) is not seq:
             return  # forgotten already, or never added (faults.works's probe)
         del self.seqs[seq.key]
+        if seq.images is not None and seq.images.features is None:
+            self.encoder.drop(seq.images)  # its samples leave together
         n = self.groups.get(seq.request_id)
         if n is not None and not any(f"{seq.request_id}#{i}" in self.seqs for i in range(n)):
             del self.groups[seq.request_id]
@@ -460,3 +482,8 @@ def _eos_ids(hf, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def _encoded(seq: Sequence) -> bool:
+    """Whether a queued sequence may be admitted: its images' features are in."""
+    return seq.images is None or seq.images.features is not None

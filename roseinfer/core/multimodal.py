@@ -6,8 +6,9 @@ A prompt with images is a dict, as vLLM names it: ``{"prompt": text}`` or
 image token a picture (the chat template's ``<|vision_start|><|image_pad|><|vision_end|>``).
 The model's image processor prepares the images (``preprocess``: a worker does it in its
 reader thread, off the step loop); when the request comes in (``prepare``) each image token
-is widened to as many as the image has features, and the vision tower runs on them all; the features
-stay with the sequence (``Images``), with every prompt token's three-part position. A step
+is widened to as many as the image has features; the features, from the encoder cache or
+from the vision tower a step later (core/image_encoder.py), stay with the sequence
+(``Images``), with every prompt token's three-part position. A step
 then puts each image token's feature in place of its embedding and gives every token its
 position (``step_inputs``). The images' pixels are hashed into the sequence's block-hash
 root (core/blocks.py), so cached blocks are shared only by prompts with the same images.
@@ -34,14 +35,32 @@ MAX_PIXELS = 64 << 20  # an image's pixels, at most, read from its header before
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
 
 
-@dataclass
+@dataclass(eq=False)  # one request's: found and dropped by identity
 class Images:
-    """A prompt's images as its sequence carries them."""
-    features: torch.Tensor  # [image tokens, hidden]: the tower's, in prompt order
+    """A prompt's images as its sequence carries them. Their features come from the
+    encoder cache or, a step at a time, from the vision tower (core/image_encoder.py):
+    the sequence is admitted once ``features`` is set."""
     at: torch.Tensor  # [image tokens]: each one's index in the prompt
     positions3: torch.Tensor  # [3, prompt tokens]: M-RoPE positions (time, height, width)
     delta: int  # a token past the prompt at index i has position i + delta (all three)
-    digest: int  # of the prepared pixels
+    keys: list[int]  # each image's digest of its prepared pixels
+    counts: list[int]  # each image's features (image tokens)
+    grids: torch.Tensor  # [images, 3]: each one's (time, height, width) in patches
+    patches: list  # each image's pixel patches; None once its features are found
+    found: list  # each image's features, None until found
+    features: torch.Tensor | None = None  # [image tokens, hidden]: all, in prompt order
+
+    @property
+    def digest(self) -> int:
+        return hash(tuple(self.keys))
+
+    def missing(self) -> list[int]:
+        return [i for i, f in enumerate(self.found) if f is None]
+
+    def complete(self, device: torch.device) -> None:
+        """Every image found: their features, in order, on ``device``."""
+        self.features = torch.cat([f.to(device) for f in self.found])
+        self.found = self.patches = None
 
 
 @dataclass
@@ -108,8 +127,9 @@ def preprocess(model, images: list, fields: list[str] | None = None) -> Pixels:
 
 def prepare(model, ids: list[int], images, cache=None) -> tuple[list[int], Images]:
     """The prompt's ids with each image token widened to its image's features, and the
-    images (a list, or ``Pixels``) as the sequence carries them; ``cache``: an
-    EncoderCache (core/encoder_cache.py) the features of images seen before come from."""
+    images (a list, or ``Pixels``) as the sequence carries them, with the features of
+    those ``cache`` (an EncoderCache, core/encoder_cache.py) holds; the others are the
+    ImageEncoder's to find."""
     pixels = images if isinstance(images, Pixels) else preprocess(model, images)
     slots = [i for i, t in enumerate(ids) if t == model.image_token_id]
     if len(slots) != len(pixels.grids):
@@ -125,26 +145,13 @@ def prepare(model, ids: list[int], images, cache=None) -> tuple[list[int], Image
     widened += ids[last:]
     positions3, delta = model.image_positions(widened, grids)
     at = torch.tensor([i for i, t in enumerate(widened) if t == model.image_token_id])
-    features, digest = _features(model, pixels, counts, cache)
-    return widened, Images(features, at, positions3, delta, digest)
-
-
-def _features(model, pixels: Pixels, counts: list[int], cache) -> tuple[torch.Tensor, int]:
-    """(the tower's features of every image, in order, from ``cache`` where it holds them
-    and encoded together where not; a digest of all the images' pixels)."""
-    patches = pixels.values.split(pixels.grids.prod(-1).tolist())
+    patches = list(pixels.values.split(grids.prod(-1).tolist()))
     keys = [_digest(p) for p in patches]
-    found = [cache.get(k) if cache is not None else None for k in keys]
-    missing = [i for i, f in enumerate(found) if f is None]
-    if missing:
-        new = model.encode_images(torch.cat([patches[i] for i in missing]),
-                                  pixels.grids[missing])
-        for i, features in zip(missing, new.split([counts[i] for i in missing])):
-            found[i] = features
-            if cache is not None:
-                cache.put(keys[i], features)
-    device = model.embed_tokens.weight.device
-    return torch.cat([f.to(device) for f in found]), hash(tuple(keys))
+    images = Images(at, positions3, delta, keys, counts, grids, patches,
+                    [cache.get(k) if cache is not None else None for k in keys])
+    if not images.missing():
+        images.complete(model.embed_tokens.weight.device)
+    return widened, images
 
 
 def _digest(values: torch.Tensor) -> int:
