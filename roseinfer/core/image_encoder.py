@@ -1,9 +1,10 @@
 """The vision tower as a phase of the engine's step: queued requests' images are encoded
 a budget of image tokens at a time, images of several requests in one call of the tower,
-before the step is scheduled; a request waits in the queue (``Engine._admits``) until
-all its images have their features. So a burst of image requests adds at most one
-budget's encoding to each step of the sequences decoding meanwhile, instead of every
-image's encoding to the step that admits it, and the tower runs batched.
+before the step is scheduled; a request waits in the queue (the scheduler's ``admits``,
+``_encoded`` in core/engine.py) until all its images have their features. So a burst of
+image requests adds at most one budget's encoding to each step of the sequences decoding
+meanwhile, instead of every image's encoding to the step that admits it, and the tower
+runs batched.
 
 An image already in the encoder cache (core/encoder_cache.py) is never queued; one that
 two queued requests share is encoded once. Where the tower raises on a batch, each
