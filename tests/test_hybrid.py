@@ -254,28 +254,39 @@ def test_the_chunked_forms_equal_their_recurrences():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-linear-attention's kernels "
-                    "run on a GPU (their chunked kernel asks the driver for its properties)")
+                    "run on a GPU (they ask the driver for its properties)")
+@pytest.mark.parametrize("layer", ["gated_deltanet", "mamba2"])
 @pytest.mark.parametrize("batch, tokens", [(1, 1), (7, 1), (1, 64), (1, 300)])
-def test_the_delta_rule_on_fla_kernels_equals_the_torch_reference(batch, tokens):
-    """Qwen3-Next's head shapes (16 key heads, 32 value heads of 128), bfloat16 inputs as
-    the GPU model gives them, against the float32 closed form (layers/gated_deltanet.py)."""
-    pytest.importorskip("fla.ops.gated_delta_rule")
-    from roseinfer.layers import gated_deltanet
+def test_recurrences_on_fla_kernels_equal_the_torch_reference(layer, batch, tokens):
+    """Gated DeltaNet at Qwen3-Next's head shapes (16 key heads, 32 value heads of 128,
+    bfloat16 inputs as the GPU model gives them) and Mamba2's SSM at Granite 4.0-H's (128
+    heads of 64, state 128), against each layer's float32 closed form."""
+    pytest.importorskip("fla.ops")
+    from roseinfer.layers import gated_deltanet, mamba2, state_conv
 
     gen = torch.Generator(device="cuda").manual_seed(batch * 1000 + tokens)
-    shape = batch, tokens
 
-    def randn(*dims):
-        return torch.randn(*dims, generator=gen, device="cuda")
-    q, k = randn(*shape, 16, 128).bfloat16(), randn(*shape, 16, 128).bfloat16()
-    v = randn(*shape, 32, 128).bfloat16()
-    g = -torch.rand(*shape, 32, generator=gen, device="cuda")
-    beta = torch.rand(*shape, 32, generator=gen, device="cuda")
-    state = randn(batch, 32, 128, 128) * 0.1
-    assert gated_deltanet.kernels(q.device) == "fla"
-    out, final = gated_deltanet.delta_rule(q, k, v, g, beta, state.clone())
+    def randn(*dims, scale=1.0):
+        return torch.randn(*dims, generator=gen, device="cuda") * scale
+
+    def rand(*dims):
+        return torch.rand(*dims, generator=gen, device="cuda")
+    shape = batch, tokens
+    if layer == "gated_deltanet":
+        run = gated_deltanet.delta_rule
+        args = (randn(*shape, 16, 128).bfloat16(), randn(*shape, 16, 128).bfloat16(),
+                randn(*shape, 32, 128).bfloat16(), -rand(*shape, 32), rand(*shape, 32))
+        state = randn(batch, 32, 128, 128, scale=0.1)
+    else:
+        run = mamba2.ssm_scan
+        dt = rand(*shape, 128) * 0.1
+        args = (randn(*shape, 128, 64), dt, -dt * rand(128), randn(*shape, 128, 128, scale=0.1),
+                randn(*shape, 128, 128, scale=0.1))
+        state = randn(batch, 128, 64, 128, scale=0.1)
+    assert state_conv.kernels(state.device) == "fla"
+    out, final = run(*args, state.clone())
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(gated_deltanet, "kernels", lambda device: "torch")
-        want, want_final = gated_deltanet.delta_rule(q, k, v, g, beta, state.clone())
+        m.setattr(state_conv, "kernels", lambda device: "torch")
+        want, want_final = run(*args, state.clone())
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(final, want_final, atol=2e-2, rtol=2e-2)

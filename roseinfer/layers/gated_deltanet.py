@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.recurrent import batches
+from roseinfer.layers import state_conv
 from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens the delta rule takes at once in a prompt
@@ -96,24 +97,12 @@ class GatedDeltaNet(RecurrentLayer):
         return out.to(mixed.dtype)
 
 
-def kernels(device: torch.device) -> str:
-    """Which runs the recurrence: "fla" (flash-linear-attention's Triton kernels) on a GPU
-    where fla-core imports, else "torch"."""
-    if device.type != "cuda":
-        return "torch"
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except ImportError:
-        return "torch"
-    return "fla"
-
-
 def delta_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over B sequences' T tokens: q, k [B, T, key heads, K] (not yet
     L2-normalised), v [B, T, value heads, V], g and beta [B, T, value heads] (float32),
     the states S [B, value heads, K, V] at their start. Returns (outputs [B, T, value
     heads, V], the states at their end)."""
-    if kernels(q.device) == "fla":
+    if state_conv.kernels(q.device) == "fla":
         from fla.ops.gated_delta_rule import (chunk_gated_delta_rule,
                                               fused_recurrent_gated_delta_rule)
         run = fused_recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule

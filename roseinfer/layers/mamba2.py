@@ -6,12 +6,15 @@ cache (core/recurrent.py) that its block-table row names. A sequence whose step 
 position 0 starts from zeros, so a preempted and recomputed one, or a new one on a freed
 row, never reads another's state.
 
-Plain torch: a prompt's chunk at a time, and every decoding sequence of a step in one
-batch (core/recurrent.py, ``batches``): the convolution over the stored inputs and the
-step's, then the SSM over the step's tokens in chunks (the SSD form: within a chunk a
-masked product, across chunks the state carried). It is the
-reference the GPU kernels will be checked against (issue 71); it runs eagerly, outside
-CUDA graphs and the compiled CPU step.
+A prompt's chunk at a time, and every decoding sequence of a step in one batch
+(core/recurrent.py, ``batches``): the convolution over the stored inputs and the step's,
+then the SSM over the step's tokens (``ssm``). The SSM is simple gated linear attention
+(C the queries, B the keys, dt x the values, dt A each token's log decay per head), so on
+a GPU where fla-core imports it runs as flash-linear-attention's simple-GLA kernels (fused
+recurrent for decode, chunked for prompts); elsewhere in plain torch in chunks (the SSD
+form: within a chunk a masked product, across chunks the state carried), the reference
+the kernels are checked against. It runs eagerly, outside CUDA graphs and the compiled
+CPU step.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.recurrent import batches
+from roseinfer.layers import state_conv
 from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens the SSM takes at once in a prompt
@@ -86,16 +90,28 @@ class Mamba2Mixer(RecurrentLayer):
                 .repeat_interleave(per_group, 2) for t in (b, c))
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [B, T, H]
         x = x.float().view(n, tokens, self.heads, self.head_dim)
-        out = torch.empty_like(x)
         a = -torch.exp(self.A_log.float()) * dt  # log of each token's decay, [B, T, H]
-        for start in range(0, tokens, CHUNK):
-            end = min(start + CHUNK, tokens)
-            out[:, start:end] = _ssd_chunk(x[:, start:end], dt[:, start:end],
-                                           a[:, start:end], b[:, start:end],
-                                           c[:, start:end], ssm)
+        out, ssm = ssm_scan(x, dt, a, b, c, ssm)
         self.keep(rows, conv, ssm)
         out = out + self.D.float()[:, None] * x
         return out.view(n, tokens, self.inner).to(xbc.dtype)
+
+
+def ssm_scan(x, dt, a, b, c, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSM over B sequences' T tokens: x [B, T, H, P], dt and a [B, T, H], b and c
+    [B, T, H, N] (float32), the states S [B, H, P, N] at their start. Returns (y [B, T, H,
+    P], without D's skip; the states at their end)."""
+    if state_conv.kernels(x.device) == "fla":
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+        run = fused_recurrent_simple_gla if x.shape[1] == 1 else chunk_simple_gla
+        return run(c, b, x * dt[..., None], g=a, scale=1.0, initial_state=state,
+                   output_final_state=True, state_v_first=True)
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[1], CHUNK):
+        end = min(start + CHUNK, x.shape[1])
+        out[:, start:end] = _ssd_chunk(x[:, start:end], dt[:, start:end], a[:, start:end],
+                                       b[:, start:end], c[:, start:end], state)
+    return out, state
 
 
 def _ssd_chunk(x, dt, a, b, c, state: torch.Tensor) -> torch.Tensor:

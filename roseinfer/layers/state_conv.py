@@ -1,12 +1,25 @@
 """What recurrent layers (Mamba2, gated DeltaNet) share: the short causal convolution
 (Mamba2's over x, B and C; gated DeltaNet's over q, k and v), each sequence's last
-``kernel - 1`` inputs kept in its state row, and the rows themselves (core/recurrent.py
-binds them)."""
+``kernel - 1`` inputs kept in its state row, the rows themselves (core/recurrent.py
+binds them), and the choice of what runs their recurrences (``kernels``)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def kernels(device: torch.device) -> str:
+    """What runs the recurrences: "fla" (flash-linear-attention's Triton kernels: gated
+    DeltaNet's delta rule, Mamba2's SSM as simple gated linear attention) on a GPU where
+    fla-core imports, else "torch" (each layer's closed form, the reference)."""
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import fla.ops  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "fla"
 
 
 def causal_conv(state: torch.Tensor, x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:

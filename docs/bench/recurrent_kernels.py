@@ -1,0 +1,104 @@
+"""The recurrent layers' scans on the GPU: flash-linear-attention's kernels against the
+torch closed forms. Gated DeltaNet (layers/gated_deltanet.py ``delta_rule``) on
+Qwen3-Next's head shapes (16 key heads, 32 value heads of 128, bfloat16 inputs); Mamba2's
+SSM (layers/mamba2.py ``ssm_scan``) on Granite 4.0-H's (128 heads of 64, state 128,
+float32 inputs); float32 states.
+
+Decode (one token a sequence, B sequences): the call's time against the bytes it must
+move, the states read and written (2 MiB a sequence each way for DeltaNet, 4 MiB for
+Mamba2) at the copy rate measured first. Prompts (one sequence of T tokens): time and
+tokens a second. Median of 20 calls after 3, each timed with events. One JSON line per
+row to OUT/recurrent_kernels.jsonl.
+
+    python3 docs/bench/recurrent_kernels.py [--decode 1,8,64,256] [--prompt 512,4096,32768]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from long_context_attention import copy_rate  # noqa: E402
+
+from roseinfer.layers import gated_deltanet, mamba2, state_conv  # noqa: E402
+
+
+def inputs(layer: str, batch: int, tokens: int):
+    """The scan's arguments, the states last."""
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + tokens)
+    shape = batch, tokens
+
+    def randn(*dims, scale=1.0):
+        return torch.randn(*dims, generator=gen, device="cuda") * scale
+
+    def rand(*dims):
+        return torch.rand(*dims, generator=gen, device="cuda")
+    if layer == "gated_deltanet":
+        return (randn(*shape, 16, 128).bfloat16(), randn(*shape, 16, 128).bfloat16(),
+                randn(*shape, 32, 128).bfloat16(), -rand(*shape, 32), rand(*shape, 32),
+                randn(batch, 32, 128, 128, scale=0.1))
+    dt = rand(*shape, 128) * 0.1
+    return (randn(*shape, 128, 64), dt, -dt * rand(128), randn(*shape, 128, 128, scale=0.1),
+            randn(*shape, 128, 128, scale=0.1), randn(batch, 128, 64, 128, scale=0.1))
+
+
+SCANS = {"gated_deltanet": gated_deltanet.delta_rule, "mamba2": mamba2.ssm_scan}
+
+
+def timed(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def run(layer: str, kind: str, args) -> float:
+    saved = state_conv.kernels
+    state_conv.kernels = lambda device: kind
+    try:
+        return timed(lambda: SCANS[layer](*args[:5], args[5].clone()))
+    finally:
+        state_conv.kernels = saved
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decode", default="1,8,64,256")
+    ap.add_argument("--prompt", default="512,4096,32768")
+    args = ap.parse_args()
+    rate = copy_rate()
+    print(f"{torch.cuda.get_device_name()}: copy {rate / 1e12:.2f} TB/s", flush=True)
+    out = open(os.path.join(os.environ.get("OUT", "."), "recurrent_kernels.jsonl"), "a")
+    for layer in SCANS:
+        for batch in map(int, args.decode.split(",")):
+            x = inputs(layer, batch, 1)
+            floor = 2 * x[5].numel() * 4 / rate  # states read and written
+            for kind in ("fla", "torch"):
+                s = run(layer, kind, x)
+                row = {"layer": layer, "phase": "decode", "batch": batch, "kernels": kind,
+                       "us": s * 1e6, "floor_us": floor * 1e6, "fraction": floor / s}
+                out.write(json.dumps(row) + "\n")
+                print(f"{layer} decode {batch:4d} seqs {kind:>5}: {s * 1e6:9.1f} us (floor "
+                      f"{floor * 1e6:.1f} us: {floor / s:.0%})", flush=True)
+        for tokens in map(int, args.prompt.split(",")):
+            x = inputs(layer, 1, tokens)
+            for kind in ("fla", "torch"):
+                s = run(layer, kind, x)
+                row = {"layer": layer, "phase": "prompt", "tokens": tokens, "kernels": kind,
+                       "ms": s * 1e3, "tokens_per_s": tokens / s}
+                out.write(json.dumps(row) + "\n")
+                print(f"{layer} prompt {tokens:6d} tokens {kind:>5}: {s * 1e3:9.2f} ms "
+                      f"({tokens / s:,.0f} tokens/s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
