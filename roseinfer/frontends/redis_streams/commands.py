@@ -71,6 +71,9 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
                        help="port of the OpenAI API gateway, on 127.0.0.1 (default: %(default)s)")
     serve.add_argument("--no-gateway", dest="gateway", action="store_false",
                        help="serve no OpenAI API: the Redis queue only")
+    serve.add_argument("--allowed-media-domains", default="", metavar="HOSTS",
+                       help="hosts (comma-separated, matched exactly) whose http(s) image "
+                            "URLs the gateway fetches; without, images come as data URLs only")
     _add_worker_flags(serve)
     serve.set_defaults(func=serve_command)
 
@@ -211,7 +214,8 @@ def _start_gateway(args, settings: dict, redis_url: str):
         return None
     from roseinfer.frontends.openai.app import BackgroundGateway, GatewayConfig
 
-    config = GatewayConfig(redis_url, settings["prefix"], model_name="roseinfer")
+    config = GatewayConfig(redis_url, settings["prefix"], model_name="roseinfer",
+                           allowed_media_domains=args.allowed_media_domains.split(","))
     return BackgroundGateway(config, port=args.gateway_port).start()
 
 
