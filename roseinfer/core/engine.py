@@ -477,7 +477,7 @@ class Engine:
 
 
 def _eos_ids(hf, tokenizer) -> set[int]:
-    ids = hf.eos_token_id
+    ids = getattr(hf, "eos_token_id", None)  # a text config of transformers 5 may lack it
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

@@ -60,20 +60,33 @@ class RotaryEmbedding(nn.Module):
         return rotate_qk_(q, k, *memo[self], num_heads, num_kv_heads)
 
 
+def sectioned(sections: list[int]) -> list[int]:
+    """Qwen2-VL's M-RoPE components: the frequencies in three runs (``sections``: their
+    sizes), time, height, width."""
+    return [c for c, size in enumerate(sections) for _ in range(size)]
+
+
+def interleaved(sections: list[int]) -> list[int]:
+    """Qwen3-VL's: frequency f turns by height where f % 3 == 1 and f < 3 x sections[1], by
+    width where f % 3 == 2 and f < 3 x sections[2], else by time."""
+    return [1 if f % 3 == 1 and f < 3 * sections[1] else
+            2 if f % 3 == 2 and f < 3 * sections[2] else 0 for f in range(sum(sections))]
+
+
 class MultimodalRotaryEmbedding(RotaryEmbedding):
-    """Qwen2-VL's M-RoPE: the rotated dims' frequencies in three sections (``sections``:
-    their sizes, in frequencies), each turned by its own component of a token's position
-    (time, height, width). A step whose model inputs carry them (``positions3``, [3, N];
-    core/multimodal.py) rotates by those; any other step's tokens have three equal
+    """M-RoPE: each rotated frequency turned by one component of a token's position (time,
+    height, width): ``components``, per frequency (``sectioned``, Qwen2-VL's;
+    ``interleaved``, Qwen3-VL's). A step whose model inputs carry them (``positions3``,
+    [3, N]; core/multimodal.py) rotates by those; any other step's tokens have three equal
     components: plain RoPE, at each token's position plus its sequence's offset (``shift``,
     by sequence row: an image prompt's offset past it, else 0) where the step computes a
     token a sequence (decode, which CUDA graphs capture)."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int, sections: list[int],
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, components: list[int],
                  scaling: float = 1.0):
         super().__init__(inv_freq, max_positions, scaling)
-        assert sum(sections) == inv_freq.numel(), "M-RoPE sections must cover the frequencies"
-        self.sections = list(sections)
+        assert len(components) == inv_freq.numel(), "M-RoPE components: one a frequency"
+        self.components = list(components)  # a list: the module may be built on meta
         self.shift: torch.Tensor | None = None  # [sequence rows], core/multimodal.py binds it
 
     def forward(self, positions, q, k, num_heads, num_kv_heads, norms: HeadNorms | None = None):
@@ -83,13 +96,13 @@ class MultimodalRotaryEmbedding(RotaryEmbedding):
             if self.shift is not None and positions.shape[0] == ctx.seq_rows.shape[0]:
                 positions = positions + self.shift[ctx.seq_rows]
             return super().forward(positions, q, k, num_heads, num_kv_heads, norms)
-        assert norms is None, "M-RoPE takes no q/k norms"
+        if norms is not None:  # Qwen3-VL's q/k norms, unfused on this path
+            q, k = norms.apply(q, k, q.shape[1] // num_heads)
         memo = ctx.attn.memo
         if self not in memo:
-            ends = torch.tensor(self.sections).cumsum(0).tolist()
-            cos = torch.cat([self.cos[positions3[i], lo:hi] for i, (lo, hi)
-                             in enumerate(zip([0] + ends[:-1], ends))], dim=-1)
-            sin = torch.cat([self.sin[positions3[i], lo:hi] for i, (lo, hi)
-                             in enumerate(zip([0] + ends[:-1], ends))], dim=-1)
+            pick = torch.tensor(self.components, device=positions3.device)[None, None].expand(
+                1, positions3.shape[1], -1)
+            cos, sin = (torch.stack([table[positions3[c]] for c in range(3)]).gather(0, pick)[0]
+                        for table in (self.cos, self.sin))
             memo[self] = rope_rows(torch.arange(cos.shape[0], device=cos.device), cos, sin)
         return rotate_qk_(q, k, *memo[self], num_heads, num_kv_heads)

@@ -53,7 +53,7 @@ class LlamaLayer(nn.Module):
         qkv_bias = bias or getattr(cfg, "qkv_bias", cfg.model_type == "qwen2")
         self.qkv_proj = nn.Linear(e, (h + 2 * hkv) * d, bias=qkv_bias)
         self.o_proj = nn.Linear(h * d, e, bias=bias)
-        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe", "olmoe")
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe", "olmoe", "qwen3_vl_text")
         if cfg.model_type == "olmoe":  # over all of q's heads and all of k's, not per head
             self.q_norm = ShardedRMSNorm(h * d, cfg.rms_norm_eps)
             self.k_norm = ShardedRMSNorm(hkv * d, cfg.rms_norm_eps)

@@ -185,7 +185,25 @@ def _random_qwen2_5_vl_7b():
         tie_word_embeddings=False)), None
 
 
+def _random_qwen3_vl_8b():
+    """Qwen3-VL-8B-Instruct's shape: Qwen3-8B's decoder with interleaved M-RoPE, a 27-block
+    tower of 1,152 over 16-pixel patches, DeepStack from blocks 8, 16 and 24."""
+    from transformers import Qwen3VLConfig
+    return text_part(Qwen3VLConfig(
+        text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                         num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, max_position_embeddings=262144, rope_parameters={
+                             "rope_type": "default", "mrope_section": [24, 20, 20],
+                             "mrope_interleaved": True, "rope_theta": 5e6}),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                           out_hidden_size=4096, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, num_position_embeddings=2304,
+                           deepstack_visual_indexes=[8, 16, 24]),
+        tie_word_embeddings=False)), None
+
+
 RANDOM["qwen2.5-vl-7b-random"] = _random_qwen2_5_vl_7b
+RANDOM["qwen3-vl-8b-random"] = _random_qwen3_vl_8b
 
 
 def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0, plugins=None,
@@ -503,7 +521,7 @@ def _config(path: str):
 # convert_hf_state_dict and shard_rule leave the rest out), and those whose images it
 # takes too: their text config carries the vision config and the image token's id.
 TEXT_PARTS = ("gemma3",)
-VISION_LANGUAGE = ("qwen2_5_vl",)
+VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl")
 
 
 def text_part(config):
@@ -517,4 +535,7 @@ def text_part(config):
         else tied
     if config.model_type in VISION_LANGUAGE:
         text.vision_config, text.image_token_id = config.vision_config, config.image_token_id
+        for key in ("bos_token_id", "eos_token_id"):  # Qwen3-VL's text config has none
+            if getattr(text, key, None) is None:
+                setattr(text, key, getattr(config, key, None))
     return text

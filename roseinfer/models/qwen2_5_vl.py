@@ -12,19 +12,22 @@ from __future__ import annotations
 import torch
 
 from roseinfer.core.attention import get_context
-from roseinfer.layers.rotary import MultimodalRotaryEmbedding, RotaryEmbedding, rope_params
+from roseinfer.layers.rotary import MultimodalRotaryEmbedding, RotaryEmbedding, interleaved, \
+    rope_params, sectioned
 from roseinfer.models.llama import LlamaForCausalLM
 
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
-    def __init__(self, cfg):
-        cfg.qkv_bias = True
-        super().__init__(cfg)
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel)
+    """A family built as this one with another tower or rotary sets them here (Qwen3-VL,
+    models/qwen3_vl.py): ``qkv_bias``, ``tower``, ``interleaved`` (M-RoPE's components)."""
+    qkv_bias = True
+    interleaved = False
 
+    def __init__(self, cfg):
+        cfg.qkv_bias = self.qkv_bias
+        super().__init__(cfg)
         vision = cfg.vision_config
-        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision)
+        self.visual = self.tower()._from_config(vision)
         self.image_token_id, self.merge = cfg.image_token_id, vision.spatial_merge_size
         # Qwen2-VL's processor as the checkpoint's preprocessor_config.json sets it (the
         # pixels an image is resized within: Qwen2.5-VL's allow 12.8 M, the processor's
@@ -37,10 +40,17 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             **getattr(cfg, "preprocessor_config", {})})
 
     @staticmethod
-    def rotaries(cfg) -> list[RotaryEmbedding]:
+    def tower():
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel)
+        return Qwen2_5_VisionTransformerPretrainedModel
+
+    @classmethod
+    def rotaries(cls, cfg) -> list[RotaryEmbedding]:
         inv_freq, scaling = rope_params(cfg)
         sections = cfg.rope_parameters["mrope_section"]
-        return [MultimodalRotaryEmbedding(inv_freq, cfg.max_position_embeddings, sections,
+        components = (interleaved if cls.interleaved else sectioned)(sections)
+        return [MultimodalRotaryEmbedding(inv_freq, cfg.max_position_embeddings, components,
                                           scaling)] * cfg.num_hidden_layers
 
     def bind_head(self) -> None:

@@ -8,7 +8,8 @@ DeepSeekMoE, GLM-4.5 DeepSeekMoE beside Llama's attention (roseinfer/models/deep
 Granite 4.0-H has Mamba2 layers beside attention ones (roseinfer/models/granite_hybrid.py),
 Qwen3-Next gated DeltaNet ones (roseinfer/models/qwen3_next.py), Nemotron-H Mamba2 blocks
 beside attention and MLP blocks (roseinfer/models/nemotron_h.py). Qwen2.5-VL takes images
-beside Qwen2's decoder (roseinfer/models/qwen2_5_vl.py, core/multimodal.py)."""
+beside Qwen2's decoder (roseinfer/models/qwen2_5_vl.py, core/multimodal.py), Qwen3-VL
+beside Qwen3's (roseinfer/models/qwen3_vl.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
 
@@ -22,6 +23,7 @@ def roseinfer_register_model_architectures(register):
     from roseinfer.models.nemotron_h import NemotronHForCausalLM
     from roseinfer.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
     from roseinfer.models.qwen3_next import Qwen3NextForCausalLM
+    from roseinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration
     from roseinfer.models.modernbert import ModernBertModel
     from roseinfer.models.llama import LlamaForCausalLM
     from roseinfer.models.moe import MoeForCausalLM
@@ -44,3 +46,5 @@ def roseinfer_register_model_architectures(register):
     register("nemotron_h", NemotronHForCausalLM)
     for model_type in ("qwen2_5_vl", "qwen2_5_vl_text"):
         register(model_type, Qwen2_5_VLForConditionalGeneration)
+    for model_type in ("qwen3_vl", "qwen3_vl_text"):
+        register(model_type, Qwen3VLForConditionalGeneration)

@@ -71,36 +71,39 @@ def user(*parts) -> list[dict]:
 
 def test_content_parts_through_the_python_client_and_llm_chat(served, start_worker,
                                                               redis_server, prefix):
-    """An image as bytes, one as a data URL, two in one turn: each equals transformers."""
+    """An image as bytes, one as a data URL, two in one turn: each equals transformers.
+    (The engine has one caller at a time: what runs it in this thread, the references and
+    LLM.chat, runs before its worker starts.)"""
     _, llm = served
     a, b = picture(56, 84, 0), picture(84, 56, 1)
-    start_worker(llm.engine)
-    client = Client(redis_server.url, prefix=prefix)
+    want = [expected(served, "What is this?", images) for images in ([a], [a, b], [b])]
     greedy = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     text = {"type": "text", "text": "What is this?"}
-    one = client.generate(Chat(user({"type": "image", "data": png(a)}, text)), timeout=60,
-                          **greedy)
-    assert one.token_ids == expected(served, "What is this?", [a])
-    two = client.generate(Chat(user({"type": "image_url", "url": data_url(a)},
-                                    {"type": "image", "data": png(b)}, text)), timeout=60, **greedy)
-    assert two.token_ids == expected(served, "What is this?", [a, b])
-    assert two.usage["prompt_tokens"] > one.usage["prompt_tokens"]  # b's features counted
     chat = llm.chat(user({"type": "image_url", "image_url": {"url": data_url(b)}}, text),
                     SamplingParams(**greedy))
-    assert chat.output.token_ids == expected(served, "What is this?", [b])
+    assert chat.output.token_ids == want[2]
+    start_worker(llm.engine)
+    client = Client(redis_server.url, prefix=prefix)
+    one = client.generate(Chat(user({"type": "image", "data": png(a)}, text)), timeout=60,
+                          **greedy)
+    assert one.token_ids == want[0]
+    two = client.generate(Chat(user({"type": "image_url", "url": data_url(a)},
+                                    {"type": "image", "data": png(b)}, text)), timeout=60, **greedy)
+    assert two.token_ids == want[1]
+    assert two.usage["prompt_tokens"] > one.usage["prompt_tokens"]  # b's features counted
 
 
 def test_the_openai_client_sends_an_image_to_the_gateway(served, start_worker, gateway):
     _, llm = served
     image = picture(56, 56, 2)
+    want = llm.tokenizer.decode(expected(served, "Describe it.", [image]),
+                                skip_special_tokens=True)
     start_worker(llm.engine)
     api = openai.OpenAI(base_url=f"{gateway().url}/v1", api_key="none", max_retries=0)
     messages = user({"type": "image_url", "image_url": {"url": data_url(image), "detail": "low"}},
                     {"type": "text", "text": "Describe it."})
     reply = api.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
                                         temperature=0, extra_body={"ignore_eos": True})
-    want = llm.tokenizer.decode(expected(served, "Describe it.", [image]),
-                                skip_special_tokens=True)
     assert reply.choices[0].message.content == want
     assert reply.usage.prompt_tokens > 16  # the image's 4 features and the template's text
     response = api.responses.create(model="tiny", max_output_tokens=MAX_TOKENS, temperature=0,
@@ -132,6 +135,8 @@ HOSTILE = [
 def test_hostile_images_are_refused_by_name_and_the_worker_goes_on(
         served, start_worker, redis_server, prefix, part, match):
     _, llm = served
+    image = picture(56, 56, 3)
+    want = expected(served, "ok?", [image])
     worker = start_worker(llm.engine)
     client = Client(redis_server.url, prefix=prefix)
     start = time.monotonic()
@@ -139,11 +144,10 @@ def test_hostile_images_are_refused_by_name_and_the_worker_goes_on(
         client.generate(Chat(user({"type": "text", "text": "hi"}, part)), timeout=30)
     assert time.monotonic() - start < 2.0
     assert "messages[0].content[1]" in refused.value.message
-    image = picture(56, 56, 3)
     ok = client.generate(Chat(user({"type": "image", "data": png(image)},
                                    {"type": "text", "text": "ok?"})),
                          timeout=60, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    assert ok.token_ids == expected(served, "ok?", [image]) and worker.alive()
+    assert ok.token_ids == want and worker.alive()
 
 
 def test_a_thousand_images_and_an_image_to_a_text_model_are_refused(
@@ -207,6 +211,8 @@ def test_the_gateway_fetches_images_only_from_allowed_domains(served, start_work
                                                               image_server):
     _, llm = served
     base, image = image_server
+    want = llm.tokenizer.decode(expected(served, "Describe it.", [image], text_first=True),
+                                skip_special_tokens=True)
     start_worker(llm.engine)
     url = gateway(allowed_media_domains=["127.0.0.1"], media_timeout=1.0).url
     api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
@@ -217,8 +223,6 @@ def test_the_gateway_fetches_images_only_from_allowed_domains(served, start_work
             messages=user({"type": "text", "text": "Describe it."},
                           {"type": "image_url", "image_url": {"url": image_url}}))
 
-    want = llm.tokenizer.decode(expected(served, "Describe it.", [image], text_first=True),
-                                skip_special_tokens=True)
     assert ask(f"{base}/cat.png").choices[0].message.content == want
     response = api.responses.create(model="tiny", max_output_tokens=MAX_TOKENS, temperature=0,
                                     extra_body={"ignore_eos": True}, input=[{
