@@ -7,7 +7,7 @@ float32 inputs); float32 states.
 Decode (one token a sequence, B sequences): the call's time against the bytes it must
 move, the states read and written (2 MiB a sequence each way for DeltaNet, 4 MiB for
 Mamba2) at the copy rate measured first. Prompts (one sequence of T tokens): time and
-tokens a second. Median of 20 calls after 3, each timed with events. One JSON line per
+tokens a second. Median of 20 calls after one, each timed with events. One JSON line per
 row to OUT/recurrent_kernels.jsonl.
 
     python3 docs/bench/recurrent_kernels.py [--decode 1,8,64,256] [--prompt 512,4096,32768]
@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from long_context_attention import copy_rate  # noqa: E402
+from long_context_attention import copy_rate, seconds  # noqa: E402
 
 from roseinfer.layers import gated_deltanet, mamba2, state_conv  # noqa: E402
 
@@ -47,25 +47,11 @@ def inputs(layer: str, batch: int, tokens: int):
 SCANS = {"gated_deltanet": gated_deltanet.delta_rule, "mamba2": mamba2.ssm_scan}
 
 
-def timed(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def run(layer: str, kind: str, args) -> float:
     saved = state_conv.kernels
     state_conv.kernels = lambda device: kind
     try:
-        return timed(lambda: SCANS[layer](*args[:5], args[5].clone()))
+        return seconds(lambda: SCANS[layer](*args[:5], args[5].clone()), reps=20)
     finally:
         state_conv.kernels = saved
 
