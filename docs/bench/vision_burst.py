@@ -18,19 +18,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
-import numpy as np
 import torch
 
-from roseinfer import LLM, SamplingParams
-from roseinfer.core import multimodal
+sys.path.insert(0, os.path.dirname(__file__))
+from vision_language import picture  # noqa: E402
 
-
-def picture(size: int, seed: int):
-    from PIL import Image
-    return Image.fromarray((np.random.RandomState(seed).rand(size, size, 3) * 255)
-                           .astype("uint8"))
+from roseinfer import LLM, SamplingParams  # noqa: E402
+from roseinfer.core import multimodal  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
