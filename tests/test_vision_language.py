@@ -216,3 +216,29 @@ def test_a_request_whose_image_the_tower_cannot_encode_fails_alone(hf, monkeypat
         assert seq.token_ids[seq.num_prompt_tokens:] == reference(
             hf, llm.engine.model, seq.token_ids[:seq.num_prompt_tokens], [a])
         assert not eng.encoder.pending
+
+
+def test_a_request_whose_features_cannot_be_gathered_fails_alone(hf, monkeypatch):
+    """Past the tower, putting a request's features together on the device may fail (its
+    memory): that request fails, the one beside it is exact, the engine goes on."""
+    from roseinfer.core import multimodal
+
+    a, big = picture(56, 84, 18), picture(84, 112, 19)
+    complete = multimodal.Images.complete
+
+    def failing(self, device):
+        if 12 in self.counts:
+            raise torch.cuda.OutOfMemoryError("no memory for 12 features")
+        complete(self, device)
+    monkeypatch.setattr(multimodal.Images, "complete", failing)
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256) as llm:
+        eng, outs = llm.engine, {}
+        eng.add_request("ok", with_images(ONE, a), GREEDY)
+        eng.add_request("big", with_images(ONE, big), GREEDY)
+        while eng.has_unfinished():
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+        assert outs["big"].finish_reason == "error" and "no memory" in outs["big"].seq.error
+        seq = outs["ok"].seq
+        assert seq.token_ids[seq.num_prompt_tokens:] == reference(
+            hf, eng.model, seq.token_ids[:seq.num_prompt_tokens], [a])
+        assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids

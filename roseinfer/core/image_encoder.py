@@ -8,7 +8,8 @@ runs batched.
 
 An image already in the encoder cache (core/encoder_cache.py) is never queued; one that
 two queued requests share is encoded once. Where the tower raises on a batch, each
-request's images are encoded alone, so that only the request whose images raise fails.
+request's images are encoded alone, so that only the request whose images raise fails; a
+request whose features cannot be put together (no device memory for them) fails too.
 """
 from __future__ import annotations
 
@@ -53,8 +54,11 @@ class ImageEncoder:
                     self.drop(images)
         device = self.model.embed_tokens.weight.device
         for images in [imgs for imgs in self.pending if not imgs.missing()]:
-            images.complete(device)
             self.pending.remove(images)
+            try:
+                images.complete(device)
+            except Exception as error:  # noqa: BLE001 - e.g. no device memory for them
+                failed.append((images, error))
         return failed
 
     def _take(self) -> list[tuple[Images, int]]:
