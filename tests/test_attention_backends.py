@@ -266,6 +266,16 @@ def test_one_long_sequence_split_many_ways_or_none(request, monkeypatch, most, d
     check(request, "triton_paged", seqs, 6, 2, 64, 16, dtype)
 
 
+@pytest.mark.skipif(not CUDA, reason="compiled kernels: the larger prefill tiles are for GPUs")
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_long_prefill_steps(request, head_dim):
+    """Steps of at least LONG_PREFILL tokens, which take the larger tiles where the GPU's
+    shared memory holds them (triton_paged.prefill_tuning): a chunk after a cached prefix
+    and a whole prompt."""
+    check(request, "triton_paged", [(5000, 2100), (300, 300)], 8, 2, head_dim, 16,
+          torch.bfloat16)
+
+
 def test_decode_reads_every_fp8_value_exactly(monkeypatch):
     """Each sequence has one key, so its output is that key's V row: every finite e4m3
     value (subnormals, both signs, 448) comes out of the tensor-core decode over an FP8

@@ -11,6 +11,7 @@ from roseinfer import LLM, SamplingParams
 from roseinfer.core.errors import ConfigError
 from tests.conftest import DEVICE
 from tests.models import hf_greedy
+from tests.test_mixed_graphs import llm_with_graphs
 from tests.test_greedy_equality import check, mixed_prompts
 
 
@@ -85,6 +86,28 @@ def test_samples_of_one_request_each_compute_their_prompt():
     assert [s.token_ids for s in samples] == [hf_greedy(hf, prompt, 8)] * 3
 
 
+@pytest.mark.parametrize("family", ["granite", "qwen3_next"])
+def test_a_one_token_prompt_joining_decode_steps_starts_from_zeros(family):
+    """One-token prompts admitted while another sequence decodes: their first step is a
+    decode step (all rows one token), where they start from zeros by a mask on the device,
+    on a state row that a finished sequence left behind."""
+    hf = tiny_granite_hybrid() if family == "granite" else tiny_qwen3_next()
+    long_prompt, params = list(range(3, 30)), SamplingParams(max_tokens=10, temperature=0,
+                                                             ignore_eos=True)
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=128,
+             max_num_seqs=2, enable_prefix_cache=False) as llm:
+        engine, ids = llm.engine, {}
+        engine.add_request("dirty", [9], params)  # leaves its state in a row
+        engine.add_request("long", long_prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                ids.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.request_id == "dirty" and out.finished:
+                    engine.add_request("one", [9], params)
+    assert ids["one"] == ids["dirty"] == hf_greedy(hf, [9], 10)
+    assert ids["long"] == hf_greedy(hf, long_prompt, 10)
+
+
 def greedy_run(llm, hf, prompt, max_tokens=12):
     """One request through ``llm``: its output, checked against transformers'."""
     out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
@@ -116,6 +139,25 @@ def test_a_second_turn_hits_the_reply_up_to_its_last_block():
         reply = greedy_run(llm, hf, first, max_tokens=22).token_ids
         out = greedy_run(llm, hf, first + reply + [60, 61, 62])
         assert out.num_cached_tokens == 28
+
+
+@pytest.mark.parametrize("family", ["granite", "qwen3_next"])
+def test_decode_steps_run_as_graphs_and_keep_their_snapshots(family, monkeypatch):
+    """Decode steps in captured layouts (on the CPU the steps stand in for the graphs,
+    tests/test_mixed_graphs.py): a batch padded to its bucket (padding rows on the padding
+    row, starting from zeros), token-exact; prompt steps eager. A second turn then hits the
+    snapshot a replayed decode step kept at the reply's last block."""
+    hf = tiny_granite_hybrid() if family == "granite" else tiny_qwen3_next()
+    prompts = mixed_prompts(3, seed=13)
+    llm = llm_with_graphs(hf, monkeypatch)
+    assert llm.engine.runner.mixed_graph_tokens == 0
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+    first = list(range(7, 17))
+    reply = greedy_run(llm, hf, first, max_tokens=22).token_ids
+    assert greedy_run(llm, hf, first + reply + [60, 61, 62]).num_cached_tokens == 28
+    if DEVICE == "cpu":
+        assert llm.engine.runner.graphs.replays["capture_step"] >= 20
 
 
 def test_a_prefix_without_its_snapshot_is_computed_again():

@@ -39,6 +39,9 @@ class EagerStepGraphs(StepGraphs):
         self.replays = {"capture_step": 0, "capture_mixed": 0, "capture_verify": 0}
 
     def _graph(self, step, ctx, inp, steps):
+        # Run as a replay runs: from window step 0, as the step's inputs load it (the
+        # warm-up left it at 1, past a one-step window's last row).
+        inp.window_step.zero_()
         out = step(ctx, inp)
         out = out.clone() if isinstance(out, torch.Tensor) else None
         return StepsRunEagerly(step, ctx, inp, steps, self.replays, out), out

@@ -1,7 +1,7 @@
 """Decode attention at long contexts: triton_paged's split rule against torch's SDPA.
 
 For each attention shape (Llama-3-8B: 32 heads over 8 KV heads of 128; Gemma-3-12B's
-global layers: 16 over 8 of 256), cache dtype and (batch, context): the time of one
+global layers: 16 over 8 of 256; Qwen3-Next's: 16 over 2 of 256), cache dtype and (batch, context): the time of one
 decode attention call inside a CUDA graph (10 calls a replay, each over its own random
 blocks of a cache larger than the L2), its K/V bytes over the copy rate measured first
 (the floor), and the fraction of it, for each split rule (most splits, programs per SM)
@@ -34,7 +34,8 @@ from roseinfer.plugins.attention import triton_paged  # noqa: E402
 BLOCK = 16
 CALLS = 10
 # (name, query heads, KV heads, head dim)
-CLASSES = [("llama3-8b", 32, 8, 128), ("gemma3-12b-global", 16, 8, 256)]
+CLASSES = [("llama3-8b", 32, 8, 128), ("gemma3-12b-global", 16, 8, 256),
+           ("qwen3-next", 16, 2, 256)]
 SHAPES = [(1, 512), (1, 2048), (1, 8192), (1, 32768), (1, 131072), (4, 32768), (16, 8192),
           (64, 2048), (256, 1024)]
 
@@ -86,6 +87,7 @@ def settings(mode: str, head_dim: int, group: int, fp8: bool):
             yield "grid", {"block_n": block_n, "num_stages": stages, "max_splits": most,
                            "programs_per_sm": 4, "num_warps": warps}
         return
+    yield "shipped", shipped
     splits = [16, 32, 64, 128]
     ppsm = [2, 4, 8]
     tiles = [(64, 3)] if mode == "quick" else [(32, 3), (64, 2), (64, 3), (64, 4), (128, 2),

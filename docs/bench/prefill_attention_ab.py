@@ -7,7 +7,8 @@ kernel swapped in, alternated.
 
 One JSON line per row to OUT/prefill_attention_ab.jsonl.
 
-    python3 docs/bench/prefill_attention_ab.py [--ttft llama3-8b-random:32768] [--tiles ...]
+    python3 docs/bench/prefill_attention_ab.py [--ttft llama3-8b-random:32768,...] [--tiles ...]
+        [--classes llama3-8b,gemma3-12b-global] (--classes "": the TTFT rows alone)
 """
 import argparse
 import importlib.util
@@ -44,6 +45,7 @@ def tile(text: str) -> dict:
 def kernels(cls, tiles: list[dict], base, out) -> None:
     name, heads, kv_heads, head_dim = cls
     shipped = dict(triton_paged.TUNING["prefill"])
+    triton_paged.PREFILL_LONG_TUNING = {}  # every step on the tile each variant names
     variants = [("before", base, shipped), ("after", triton_paged, shipped)] + [
         ("after", triton_paged, t) for t in tiles if t != shipped]
     for length, seqs in SHAPES:
@@ -76,27 +78,32 @@ def kernels(cls, tiles: list[dict], base, out) -> None:
 
 def ttft(spec: str, base, out, rounds: int = 2) -> None:
     """A whole prompt's prefill through the engine, this tree's kernel and .base's swapped
-    in turn into the plugin module (its forward looks the kernel up when it launches)."""
+    in turn into the plugin module (its forward looks the kernel up when it launches), this
+    tree's with its long-step tiles and with the short ones alone. Prompt steps run
+    eagerly (no mixed graphs: a graph would hold the kernel it captured)."""
     from roseinfer import LLM, SamplingParams
     model, length = spec.split(":")
-    llm = LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=1,
+    llm = LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=1, mixed_graph_max_tokens=0,
               enable_prefix_cache=False, max_model_len=int(length) + 512)
-    kernel = {"after": triton_paged._paged_attention_kernel,
-              "before": base._paged_attention_kernel}
-    for i in range(2 * rounds + 1):  # a first, untimed pass compiles both trees' kernels
-        label = ("after", "before")[i % 2]
-        triton_paged._paged_attention_kernel = kernel[label]
+    long_tiles = triton_paged.PREFILL_LONG_TUNING
+    variants = {"after": (triton_paged._paged_attention_kernel, long_tiles),
+                "after-short-tiles": (triton_paged._paged_attention_kernel, {}),
+                "before": (base._paged_attention_kernel, {})}
+    labels = list(variants)
+    for i in range(len(labels) * (rounds + 1)):  # a first, untimed pass compiles each
+        label = labels[i % len(labels)]
+        triton_paged._paged_attention_kernel, triton_paged.PREFILL_LONG_TUNING = variants[label]
         prompt = [(7 * j + i) % 1000 + 1 for j in range(int(length))]
         torch.cuda.synchronize()
         t = time.perf_counter()
         llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
         torch.cuda.synchronize()
         s = time.perf_counter() - t
-        if i > 1:
+        if i >= len(labels):
             row = {"model": model, "prompt": int(length), "label": label, "ttft_s": s}
             out.write(json.dumps(row) + "\n")
             print(f"  TTFT {model} {length} {label}: {s:.3f} s", flush=True)
-    triton_paged._paged_attention_kernel = kernel["after"]
+    triton_paged._paged_attention_kernel, triton_paged.PREFILL_LONG_TUNING = variants["after"]
     llm.engine.close()
 
 
@@ -104,7 +111,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--classes", default=",".join(c[0] for c in CLASSES))
     ap.add_argument("--tiles", default=";".join(TILES), help="block_m,block_n,warps,stages;...")
-    ap.add_argument("--ttft", default="", help="MODEL:PROMPT, e.g. llama3-8b-random:32768")
+    ap.add_argument("--ttft", default="", help="MODEL:PROMPT,..., e.g. llama3-8b-random:32768")
     args = ap.parse_args()
     base = base_module()
     tiles = [tile(t) for t in args.tiles.split(";") if t]
@@ -113,8 +120,8 @@ def main():
         for cls in CLASSES:
             if cls[0] in args.classes.split(","):
                 kernels(cls, tiles, base, out)
-        if args.ttft:
-            ttft(args.ttft, base, out)
+        for spec in filter(None, args.ttft.split(",")):
+            ttft(spec, base, out)
 
 
 if __name__ == "__main__":

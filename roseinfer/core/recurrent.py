@@ -13,9 +13,11 @@ A prefix-cache hit restores the state a snapshot kept at the hit's last block
 sequences' rows). What a state cannot do yet, the engine turns off for such a model
 (``decided``): drafts that are rejected would leave their tokens in the state, so
 speculative decoding is refused; samples of one prompt each compute it (or hit its
-snapshot), not share its first sample's blocks; the layers run in plain torch, a prompt's
-chunk at a time and a step's decoding sequences in one batch (``batches``), with host
-reads of the step's shape, so CUDA graphs and the compiled CPU step are off.
+snapshot), not share its first sample's blocks. A prompt's chunk runs a batch of its own
+and a step's decoding sequences one batch together (``batches``). Decode steps read nothing
+of their shape on the host, so they run as CUDA graphs; steps with prompt chunks read it,
+so they run eagerly (no mixed graphs), and so does the CPU (no compiled step). A decode
+graph runs one step (no windows): a snapshot is copied after the step that ends a block.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def decided(cfg, model: torch.nn.Module):
         raise ConfigError(f"{type(model).__name__} keeps a recurrent state that rejected "
                           "draft tokens would leave behind: run it without speculative")
     return turned_off(cfg, f"{type(model).__name__} keeps recurrent state",
-                      {"cuda_graphs": False, "cpu_compiled_step": "off"})
+                      {"mixed_graph_max_tokens": 0, "decode_steps": 1,
+                       "cpu_compiled_step": "off"})
 
 
 SNAPSHOTS_PER_SEQ = 1  # snapshot rows a sequence seat (max_num_seqs), with the prefix cache on
@@ -74,13 +77,15 @@ def bind(model: torch.nn.Module, rows: int, device: torch.device, dtype: torch.d
     return total
 
 
-def batches() -> list[tuple[torch.Tensor, bool, torch.Tensor]]:
+def batches() -> list[tuple[torch.Tensor, bool | torch.Tensor, torch.Tensor]]:
     """The step's sequences as a recurrent layer takes them: (token indices [B, T], whether
     they start at position 0, their state rows [B]). Every one-token sequence that goes on
     from its state (decode) is in one batch; the others are a batch each. Read once a
     forward: every recurrent layer of it shares them."""
     ctx = get_context()
     memo = ctx.attn.memo
+    if "recurrent" not in memo and ctx.attn.is_decode:
+        memo["recurrent"] = [_decode_batch(ctx)]
     if "recurrent" not in memo:
         starts = ctx.attn.query_start.tolist()
         lens = ctx.attn.context_lens.tolist()
@@ -100,3 +105,11 @@ def batches() -> list[tuple[torch.Tensor, bool, torch.Tensor]]:
                         torch.tensor(state_rows, device=device)))
         memo["recurrent"] = out
     return memo["recurrent"]
+
+
+def _decode_batch(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step of one token a sequence as one batch, on the device alone (a decode graph
+    captures it): where a sequence's token is its first (a one-token prompt), a mask."""
+    n = ctx.attn.num_seqs
+    tokens = torch.arange(n, device=ctx.attn.context_lens.device)[:, None]
+    return tokens, ctx.attn.context_lens == 1, ctx.seq_rows[:n]

@@ -222,6 +222,8 @@ class ModelRunner:
         inp, run = self._inputs(order, host, self._rows(extra))
         if replay:
             self.graphs.run_window(batch.steps)
+            if self.snapshots is not None:  # a recurrent model's graphs run one step
+                self.snapshots.save(seqs, num_tokens, 0)
             return self._land(batch, rows)
         found, prompt, checked = [], None, None
         work = None
@@ -253,7 +255,7 @@ class ModelRunner:
     def _state_rows(self, seqs) -> None:
         """What the step's sequences carry on the device beside their tables, queued before
         its forward: recurrent states restored from snapshots, images' position offsets."""
-        if self.snapshots is not None:  # eager steps only: no graphs with recurrent state
+        if self.snapshots is not None:
             self.snapshots.restore_rows(seqs)
         if self.rope_shift is not None:
             multimodal.shift_rows(self.rope_shift, seqs)

@@ -84,7 +84,7 @@ class GatedDeltaNet(RecurrentLayer):
         out = self.norm(out, z.reshape(tokens, self.nv, dv))
         return self.out_proj(out.reshape(tokens, -1))
 
-    def _batch(self, mixed, beta, g, fresh: bool, rows: torch.Tensor) -> torch.Tensor:
+    def _batch(self, mixed, beta, g, fresh, rows: torch.Tensor) -> torch.Tensor:
         """B sequences' step tokens, T each: their outputs [B, T, value heads, value dim]."""
         conv, state = self.states(rows, fresh)
         mixed = F.silu(causal_conv(conv, mixed, self.conv1d))

@@ -76,7 +76,7 @@ class Mamba2Mixer(RecurrentLayer):
             y[tokens] = self._batch(xbc[tokens], dt[tokens], fresh, rows)
         return self.out_proj(self.norm(y, gate))
 
-    def _batch(self, xbc: torch.Tensor, dt: torch.Tensor, fresh: bool,
+    def _batch(self, xbc: torch.Tensor, dt: torch.Tensor, fresh: bool | torch.Tensor,
                rows: torch.Tensor) -> torch.Tensor:
         """B sequences' step tokens, T each (their states in ``rows``): the SSM's output
         [B, T, inner]."""

@@ -46,15 +46,19 @@ class RecurrentLayer(nn.Module):
         return {"conv_state": ((self.conv_dim, self.kernel - 1), False),
                 self.STATE: (self.state_shape(), True)}
 
-    def states(self, rows: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the rows' convolution inputs and state (zeros where ``fresh``), for
-        ``keep`` to write back."""
+    def states(self, rows: torch.Tensor, fresh: bool | torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the rows' convolution inputs and state (zeros where ``fresh``: all of
+        them, or a mask [B] of a decode batch's rows), for ``keep`` to write back."""
         conv, state = getattr(self, "conv_state", None), getattr(self, self.STATE, None)
         if conv is None:
             raise RuntimeError(f"{type(self).__name__} runs inside an engine step, after "
                                "core/recurrent.py has bound its state rows")
         conv, state = conv[rows], state[rows]
-        if fresh:
+        if isinstance(fresh, torch.Tensor):
+            conv.masked_fill_(fresh.view(-1, 1, 1), 0)
+            state.masked_fill_(fresh.view(-1, *[1] * (state.dim() - 1)), 0)
+        elif fresh:
             conv.zero_()
             state.zero_()
         return conv, state

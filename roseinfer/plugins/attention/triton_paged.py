@@ -63,6 +63,15 @@ DECODE_TUNING: dict[tuple[int, int], dict] = {
 # tile at batch 64-256 (docs/kernels.md); two stages and four programs an SM, at head
 # dims 128 and 256 alike, the best of the H200's sweep (docs/kernels.md "Long contexts").
 FP8_TILE = {"block_n": 128, "num_stages": 2, "programs_per_sm": 4}
+# Steps of at least LONG_PREFILL tokens (a long prompt's chunks) take larger prefill tiles by
+# head dim, where an SM's shared memory holds them (LONG_PREFILL_SMEM bytes; H100, H200): on
+# an H200, 8k-32k-token prompts' attention ran 1.10-1.15x the 64 x 32 tile's speed at head
+# dim 128 and 1.27-1.31x at 256, and short prompts' steps lose to 1.3x of a far smaller time
+# (docs/kernels.md "Prefill tiles").
+LONG_PREFILL = 2048
+LONG_PREFILL_SMEM = 192 << 10
+PREFILL_LONG_TUNING = {128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
+                       256: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}}
 MIN_SPLIT_LEN = 64     # context bound per split below which splitting only adds merging
 NO_WINDOW = 2 ** 30    # the decode kernel's window where a layer has none: past any context
 # One long sequence has only H_kv programs of its own: 64 splits of a Llama-3-8B 32k
@@ -352,6 +361,22 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: any count is correct, a small one keeps test grids small
 
 
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0)
+
+
+def prefill_tuning(q: torch.Tensor) -> dict:
+    """A prefill step's tile, by its tokens and head dim (``PREFILL_LONG_TUNING``; 16-bit
+    queries: float32 tiles take twice the shared memory)."""
+    tokens, _, head_dim = q.shape
+    if tokens >= LONG_PREFILL and head_dim in PREFILL_LONG_TUNING and q.element_size() == 2 \
+            and q.device.type == "cuda" and _shared_memory(q.device) >= LONG_PREFILL_SMEM:
+        return PREFILL_LONG_TUNING[head_dim]
+    return TUNING["prefill"]
+
+
 def decode_tuning(head_dim: int, group: int, fp8_cache: bool = False) -> dict:
     tune = DECODE_TUNING.get((head_dim, group), TUNING["decode"])
     return dict(tune, **FP8_TILE) if fp8_cache and tune["dot"] else tune
@@ -388,7 +413,8 @@ class TritonPagedAttention:
         assert k_cache.stride() == v_cache.stride()
         group = num_heads // num_kv_heads
         fp8_cache = k_cache.dtype == torch.float8_e4m3fn
-        tune = decode_tuning(head_dim, group, fp8_cache) if attn.is_decode else TUNING["prefill"]
+        tune = decode_tuning(head_dim, group, fp8_cache) if attn.is_decode else \
+            prefill_tuning(q)
         const = {"G": group, "BLOCK_SIZE": k_cache.shape[2],
                  "BLOCK_N": tune["block_n"], "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
                  "num_warps": tune["num_warps"], "num_stages": tune["num_stages"],
