@@ -323,8 +323,9 @@ def report_compare(rows):
 def report(rows, shipped_class):
     """The best setting per shape and overall; ``shipped_class``: (head dim, group, fp8)."""
     tri = [r for r in rows if r["kernel"] == "triton_paged"]
-    key = lambda r: (r["block_n"], r["num_stages"], r["max_splits"], r["programs_per_sm"],  # noqa: E731
-                     r.get("num_warps", 4))
+    key = lambda r: (r["block_n"], r["num_stages"],  # noqa: E731
+                     r.get("max_splits", triton_paged.MAX_SPLITS), r["programs_per_sm"],
+                     r.get("num_warps", 4), r.get("dot", True))
     by_setting = {}
     for r in tri:
         by_setting.setdefault(key(r), []).append(r)
