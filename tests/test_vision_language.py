@@ -52,6 +52,23 @@ def test_greedy_equals_transformers_with_one_and_two_images_and_text(hf, llm):
     assert outs[2].token_ids == reference(hf, llm.engine.model, [5, 6, 7, 8, 9], None)
 
 
+def test_the_towers_windows_attend_in_one_call_a_block(hf, llm, monkeypatch):
+    """transformers' tower over torch's SDPA attends one window a call; built here, each
+    block's windows go through one packed call (layers/encoder_attention.py), and the
+    reference model's own config is left as it was."""
+    from roseinfer.layers import encoder_attention
+    calls = []
+    attend = encoder_attention.packed_attention
+    monkeypatch.setattr(encoder_attention, "packed_attention",
+                        lambda q, *a, **k: calls.append(q.shape[0]) or attend(q, *a, **k))
+    model = llm.engine.model
+    pixels = model.image_processor(images=[picture(112, 168, 9)], return_tensors="pt")
+    model.encode_images(pixels["pixel_values"], pixels["image_grid_thw"])
+    blocks = hf.config.vision_config.depth
+    assert len(calls) == blocks and set(calls) == {8 * 12}
+    assert hf.config.vision_config._attn_implementation != encoder_attention.TOWER_ATTENTION
+
+
 def test_image_tokens_split_over_prompt_chunks(hf):
     """5-token chunks cut an image's 12 features apart; a text request decodes beside."""
     image = picture(84, 112, 3)

@@ -1,6 +1,12 @@
 """Bidirectional attention over packed sequences: an encoder's tokens run one row a token,
 without padding, through every linear; only attention pads, per batch, to its longest
-sequence, each query seeing its own sequence's keys."""
+sequence, each query seeing its own sequence's keys.
+
+Vision towers taken from transformers (Qwen2.5-VL's, Qwen3-VL's) attend within windows of
+an image's patches, given as ``cu_seqlens``. With torch's SDPA transformers runs them one
+window a call, about 80 windows a block of a 1,024 x 1,024 image; a tower built with
+``TOWER_ATTENTION`` (``tower_attention``) runs each block's windows as one call here.
+"""
 from __future__ import annotations
 
 import functools
@@ -85,6 +91,27 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).reshape(batch * longest, *q.shape[1:])[packed.slots]
+
+
+TOWER_ATTENTION = "roseinfer_flash_packed"  # "flash": transformers then passes cu_seqlens
+
+
+def tower_attention() -> str:
+    """The attention implementation to build a transformers vision tower with, registered
+    with transformers once."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(TOWER_ATTENTION, _tower_attention)
+    return TOWER_ATTENTION
+
+
+def _tower_attention(module, query, key, value, attention_mask=None, scaling=None,
+                     cu_seq_lens_q=None, **kwargs):
+    """transformers' attention call: q, k, v [1, H, N, D] of one packed batch of windows
+    (``cu_seq_lens_q``); returns ([1, N, H, D], None), as its flash kernels do."""
+    lens = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    packed = Packed.of(lens, None, query.device)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    return packed_attention(q, k, v, packed, scale=scaling)[None], None
 
 
 @functools.cache

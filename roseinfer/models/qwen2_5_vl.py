@@ -9,9 +9,12 @@ that holds image tokens takes their features and three-part positions from the s
 model inputs; text-only requests run as Qwen2 does."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from roseinfer.core.attention import get_context
+from roseinfer.layers.encoder_attention import tower_attention
 from roseinfer.layers.rotary import MultimodalRotaryEmbedding, RotaryEmbedding, interleaved, \
     rope_params, sectioned
 from roseinfer.models.llama import LlamaForCausalLM
@@ -27,7 +30,10 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         cfg.qkv_bias = self.qkv_bias
         super().__init__(cfg)
         vision = cfg.vision_config
-        self.visual = self.tower()._from_config(vision)
+        # A copy of the config, held by every module of the tower, names its attention
+        # after the build (transformers looks for a flash package at a "flash" name then)
+        self.visual = self.tower()._from_config(copy.deepcopy(vision))
+        self.visual.config._attn_implementation = tower_attention()
         self.image_token_id, self.merge = cfg.image_token_id, vision.spatial_merge_size
         # Qwen2-VL's processor as the checkpoint's preprocessor_config.json sets it (the
         # pixels an image is resized within: Qwen2.5-VL's allow 12.8 M, the processor's
