@@ -167,6 +167,34 @@ def test_an_image_seen_before_is_not_encoded_again(hf, llm, monkeypatch):
     assert llm.engine.encoder.cache.hits >= 2
 
 
+def test_an_image_sent_again_is_not_prepared_again(hf, monkeypatch):
+    """The same image bytes in a conversation's next turn skip the image processor (their
+    features are in the encoder cache); the same pixels as a new PIL image, or bytes whose
+    features were dropped meanwhile, are prepared again; outputs stay exact."""
+    a = picture(56, 84, 21)
+    png = io.BytesIO()
+    a.save(png, format="PNG")
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256) as llm:
+        model, cache = llm.engine.model, llm.engine.encoder.cache
+        process = model.image_processor
+
+        def run(ids, image):
+            """The output, and the image processor's calls it made."""
+            calls = []
+            monkeypatch.setattr(model, "image_processor",
+                                lambda **k: calls.append(1) or process(**k))
+            out = llm.generate([with_images(ids, image)], GREEDY)[0]
+            monkeypatch.setattr(model, "image_processor", process)
+            assert out.token_ids == reference(hf, model, out.prompt_token_ids, [a])
+            return len(calls)
+        assert run(ONE, png.getvalue()) == 1
+        assert run(ONE + [14, 15], png.getvalue()) == 0
+        assert run(ONE, picture(56, 84, 21)) == 1  # a new PIL image of the same pixels
+        cache._features.clear()  # dropped under the byte budget meanwhile
+        cache.bytes = 0
+        assert run(ONE + [16], png.getvalue()) == 1
+
+
 def test_the_encoder_cache_keeps_the_recent_images_within_its_bytes():
     from roseinfer.core.encoder_cache import EncoderCache
 

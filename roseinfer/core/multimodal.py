@@ -97,15 +97,21 @@ def split(prompt):
 
 @dataclass
 class Pixels:
-    """A prompt's images as the model's image processor prepared them."""
-    values: torch.Tensor  # [patches, channels x patch volume]
+    """A prompt's images as the model's image processor prepared them: per image its
+    patches [patches, channels x patch volume] and their digest, or, for an image whose
+    features the encoder cache held when it came in (known by its bytes: ``known``), None
+    and the image as sent, prepared again only if they are gone by the time it is admitted."""
+    patches: list  # each image's patches, or None
     grids: torch.Tensor  # [images, 3]: each one's (time, height, width) in patches
+    keys: list[int]  # each image's digest of its prepared pixels
+    sent: list  # each image as sent where its patches are None
 
 
-def preprocess(model, images: list, fields: list[str] | None = None) -> Pixels:
+def preprocess(model, images: list, fields: list[str] | None = None, known=None) -> Pixels:
     """The images decoded, checked and prepared by ``model``'s image processor (CPU work
     that grows with the pixels: a worker's reader thread runs it). ``fields``: what each
-    image is called in an error (default multi_modal_data)."""
+    image is called in an error (default multi_modal_data). ``known``: an EncoderCache,
+    whose images (by their bytes) are not prepared again: a conversation's next turn."""
     fields = fields or ["multi_modal_data"] * len(images)
     if not hasattr(model, "encode_images"):
         raise InvalidRequestError(fields[0], f"{type(model).__name__} takes no images; send "
@@ -113,16 +119,49 @@ def preprocess(model, images: list, fields: list[str] | None = None) -> Pixels:
     if len(images) > MAX_IMAGES:
         raise InvalidRequestError(fields[MAX_IMAGES], f"{len(images)} images; at most "
                                   f"{MAX_IMAGES} a prompt")
-    values, grids = [], []
+    patches, grids, keys, sent = [], [], [], []
     for image, field in zip(images, fields):  # one at a time: a refusal names its image
-        picture = _picture(image, field)
-        try:
-            prepared = model.image_processor(images=[picture], return_tensors="pt")
-        except ValueError as e:  # e.g. an aspect ratio past the processor's bound
-            raise InvalidRequestError(field, f"cannot be prepared ({e})") from None
-        values.append(prepared["pixel_values"])
-        grids.append(prepared["image_grid_thw"])
-    return Pixels(torch.cat(values), torch.cat(grids))
+        source = _source(image)
+        seen = known.seen(source) if known is not None and source is not None else None
+        if seen is not None:
+            patches.append(None)
+            grids.append(seen[0])
+            keys.append(seen[1])
+            sent.append(image)
+            continue
+        values, grid = _prepared(model, image, field)
+        patches.append(values)
+        grids.append(grid)
+        keys.append(_digest(values))
+        sent.append(None)
+        if known is not None and source is not None:
+            known.name(source, grid, keys[-1])
+    return Pixels(patches, torch.cat(grids), keys, sent)
+
+
+def _prepared(model, image, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(patches, grid [1, 3]) of one image by the model's image processor."""
+    picture = _picture(image, field)
+    try:
+        prepared = model.image_processor(images=[picture], return_tensors="pt")
+    except ValueError as e:  # e.g. an aspect ratio past the processor's bound
+        raise InvalidRequestError(field, f"cannot be prepared ({e})") from None
+    return prepared["pixel_values"], prepared["image_grid_thw"]
+
+
+def _source(image) -> int | None:
+    """An image's digest as sent (encoded bytes, or a PIL image's mode, size and pixels),
+    or None for anything else (refused by name when it is prepared)."""
+    from PIL import Image
+
+    if isinstance(image, (bytes, bytearray)):
+        data = bytes(image)
+    elif isinstance(image, Image.Image):
+        data = f"{image.mode} {image.size}".encode() + image.tobytes()
+    else:
+        return None
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"sent").digest(),
+                          "little", signed=True)
 
 
 def prepare(model, ids: list[int], images, cache=None) -> tuple[list[int], Images]:
@@ -130,7 +169,7 @@ def prepare(model, ids: list[int], images, cache=None) -> tuple[list[int], Image
     images (a list, or ``Pixels``) as the sequence carries them, with the features of
     those ``cache`` (an EncoderCache, core/encoder_cache.py) holds; the others are the
     ImageEncoder's to find."""
-    pixels = images if isinstance(images, Pixels) else preprocess(model, images)
+    pixels = images if isinstance(images, Pixels) else preprocess(model, images, known=cache)
     slots = [i for i, t in enumerate(ids) if t == model.image_token_id]
     if len(slots) != len(pixels.grids):
         raise InvalidRequestError("multi_modal_data", f"the prompt has {len(slots)} image "
@@ -145,10 +184,10 @@ def prepare(model, ids: list[int], images, cache=None) -> tuple[list[int], Image
     widened += ids[last:]
     positions3, delta = model.image_positions(widened, grids)
     at = torch.tensor([i for i, t in enumerate(widened) if t == model.image_token_id])
-    patches = list(pixels.values.split(grids.prod(-1).tolist()))
-    keys = [_digest(p) for p in patches]
-    images = Images(at, positions3, delta, keys, counts, grids, patches,
-                    [cache.get(k) if cache is not None else None for k in keys])
+    found = [cache.get(k) if cache is not None else None for k in pixels.keys]
+    patches = [p if p is not None or f is not None else _prepared(model, image, "image")[0]
+               for p, f, image in zip(pixels.patches, found, pixels.sent)]
+    images = Images(at, positions3, delta, pixels.keys, counts, grids, patches, found)
     if not images.missing():
         images.complete(model.embed_tokens.weight.device)
     return widened, images

@@ -41,6 +41,8 @@ class Admission:
         self.reasoning = plugins.create("reasoning_parser", name) if name else None
         self.prepare = getattr(engine, "prepare", None)  # a pooling engine's (core/pooling_engine.py)
         self.model = getattr(engine, "model", None)  # a vision-language model prepares images
+        encoder = getattr(engine, "encoder", None)
+        self.images_seen = encoder.cache if encoder is not None else None  # not prepared again
 
     def __call__(self, entry_id: str, fields: dict) -> Request:
         """The entry as a request whose text prompt is already token ids; raises
@@ -85,7 +87,7 @@ class Admission:
         if not chat.images:
             return None
         images, fields = zip(*chat.images)
-        return multimodal.preprocess(self.model, list(images), list(fields))
+        return multimodal.preprocess(self.model, list(images), list(fields), self.images_seen)
 
     def tool_streams(self, req: Request):
         """A maker of each sample's ToolStream, for a request with tools; else None."""
