@@ -9,6 +9,7 @@ import torch
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.core.errors import ConfigError
+from roseinfer.core.triton_support import triton_usable
 from tests.conftest import DEVICE
 from tests.models import hf_greedy
 from tests.test_mixed_graphs import llm_with_graphs
@@ -225,6 +226,17 @@ def test_qwen3_next_prompts_in_chunks_and_preemption():
                 max_tokens=20, max_num_batched_tokens=7, max_mixed_prefill_tokens=7,
                 num_kv_blocks=24, max_num_seqs=4)
     assert llm.engine.stats().num_preemptions > 0
+
+
+@pytest.mark.skipif(not triton_usable(DEVICE), reason="Triton runs on CUDA or interpreted")
+def test_qwen3_next_decode_steps_its_states_in_their_rows(monkeypatch):
+    """The in-place decode kernel (layers/delta_decode.py; interpreted on the CPU) in the
+    model: a batch of mixed lengths, and one-token prompts joining decode steps on rows
+    that finished sequences left (they start from zeros)."""
+    from roseinfer.layers import gated_deltanet
+    monkeypatch.setattr(gated_deltanet, "steps_in_place", lambda x: True)
+    check(tiny_qwen3_next(), mixed_prompts(3, seed=14), max_tokens=8)
+    test_a_one_token_prompt_joining_decode_steps_starts_from_zeros("qwen3_next")
 
 
 def tiny_nemotron_h(**overrides):

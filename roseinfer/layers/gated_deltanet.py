@@ -22,6 +22,7 @@ from torch import nn
 
 from roseinfer.core.recurrent import batches
 from roseinfer.layers import state_conv
+from roseinfer.layers.delta_decode import decode_in_place
 from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens the delta rule takes at once in a prompt
@@ -85,16 +86,27 @@ class GatedDeltaNet(RecurrentLayer):
         return self.out_proj(out.reshape(tokens, -1))
 
     def _batch(self, mixed, beta, g, fresh, rows: torch.Tensor) -> torch.Tensor:
-        """B sequences' step tokens, T each: their outputs [B, T, value heads, value dim]."""
-        conv, state = self.states(rows, fresh)
+        """B sequences' step tokens, T each: their outputs [B, T, value heads, value dim].
+        A decode batch on a GPU steps its states in their rows (layers/delta_decode.py)."""
+        in_place = isinstance(fresh, torch.Tensor) and steps_in_place(mixed)
+        conv, state = self.states(rows, fresh, recurrent=not in_place)
         mixed = F.silu(causal_conv(conv, mixed, self.conv1d))
         n, tokens = mixed.shape[:2]
         q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], -1)
-        out, state = delta_rule(q.view(n, tokens, self.nk, self.dk),
-                                k.view(n, tokens, self.nk, self.dk),
-                                v.view(n, tokens, self.nv, self.dv), g, beta, state)
+        q, k = q.view(n, tokens, self.nk, self.dk), k.view(n, tokens, self.nk, self.dk)
+        v = v.view(n, tokens, self.nv, self.dv)
+        if in_place:
+            out = decode_in_place(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                  self.recurrent_state, rows, fresh)[:, None]
+        else:
+            out, state = delta_rule(q, k, v, g, beta, state)
         self.keep(rows, conv, state)
         return out.to(mixed.dtype)
+
+
+def steps_in_place(x: torch.Tensor) -> bool:
+    """Whether a decode batch's states step in their rows (Triton: on a GPU)."""
+    return x.is_cuda
 
 
 def delta_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
