@@ -229,14 +229,16 @@ def test_qwen3_next_prompts_in_chunks_and_preemption():
 
 
 @pytest.mark.skipif(not triton_usable(DEVICE), reason="Triton runs on CUDA or interpreted")
-def test_qwen3_next_decode_steps_its_states_in_their_rows(monkeypatch):
-    """The in-place decode kernel (layers/delta_decode.py; interpreted on the CPU) in the
-    model: a batch of mixed lengths, and one-token prompts joining decode steps on rows
+@pytest.mark.parametrize("family", ["granite", "qwen3_next"])
+def test_decode_steps_each_state_in_its_row(family, monkeypatch):
+    """The in-place decode kernels (layers/recurrent_decode.py; interpreted on the CPU) in
+    the model: a batch of mixed lengths, and one-token prompts joining decode steps on rows
     that finished sequences left (they start from zeros)."""
-    from roseinfer.layers import gated_deltanet
-    monkeypatch.setattr(gated_deltanet, "steps_in_place", lambda x: True)
-    check(tiny_qwen3_next(), mixed_prompts(3, seed=14), max_tokens=8)
-    test_a_one_token_prompt_joining_decode_steps_starts_from_zeros("qwen3_next")
+    from roseinfer.layers import recurrent_decode
+    monkeypatch.setattr(recurrent_decode, "steps_in_place", lambda x: True)
+    check(tiny_granite_hybrid() if family == "granite" else tiny_qwen3_next(),
+          mixed_prompts(3, seed=14), max_tokens=8)
+    test_a_one_token_prompt_joining_decode_steps_starts_from_zeros(family)
 
 
 def tiny_nemotron_h(**overrides):

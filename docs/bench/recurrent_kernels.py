@@ -6,7 +6,9 @@ float32 inputs); float32 states.
 
 Decode (one token a sequence, B sequences): the call's time against the bytes it must
 move, the states read and written (2 MiB a sequence each way for DeltaNet, 4 MiB for
-Mamba2) at the copy rate measured first. Prompts (one sequence of T tokens): time and
+Mamba2) at the copy rate measured first; fla's and torch's kernels on states already
+gathered, then over a table of state rows: "fla+rows" gathers the rows, runs fla's kernel
+and scatters them back (the engine before), "in_place" is layers/recurrent_decode.py. Prompts (one sequence of T tokens): time and
 tokens a second. Median of 20 calls after one, each timed with events. One JSON line per
 row to OUT/recurrent_kernels.jsonl.
 
@@ -22,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from long_context_attention import copy_rate, seconds  # noqa: E402
 
-from roseinfer.layers import gated_deltanet, mamba2, state_conv  # noqa: E402
+from roseinfer.layers import gated_deltanet, mamba2, recurrent_decode, state_conv  # noqa: E402
 
 
 def inputs(layer: str, batch: int, tokens: int):
@@ -45,6 +47,31 @@ def inputs(layer: str, batch: int, tokens: int):
 
 
 SCANS = {"gated_deltanet": gated_deltanet.delta_rule, "mamba2": mamba2.ssm_scan}
+IN_PLACE = {"gated_deltanet": recurrent_decode.delta_decode_in_place,
+            "mamba2": recurrent_decode.ssm_decode_in_place}
+
+
+def decode_rows(layer: str, kind: str, args) -> float:
+    """A decode batch over a state table of its rows, in shuffled order: "fla+rows" as the
+    engine ran it before (the rows gathered, fla's kernel on the copy, scattered back),
+    "in_place" as it runs now (layers/recurrent_decode.py)."""
+    table = args[5].clone()
+    batch = table.shape[0]
+    rows = torch.randperm(batch, device="cuda")
+    fresh = torch.zeros(batch, dtype=torch.bool, device="cuda")
+    one = [a[:, 0] for a in args[:5]]
+    if kind == "in_place":
+        return seconds(lambda: IN_PLACE[layer](*one, table, rows, fresh), reps=20)
+
+    def gathered():
+        _, end = SCANS[layer](*args[:5], table[rows])
+        table[rows] = end
+    saved = state_conv.kernels
+    state_conv.kernels = lambda device: "fla"
+    try:
+        return seconds(gathered, reps=20)
+    finally:
+        state_conv.kernels = saved
 
 
 def run(layer: str, kind: str, args) -> float:
@@ -68,12 +95,13 @@ def main():
         for batch in map(int, args.decode.split(",")):
             x = inputs(layer, batch, 1)
             floor = 2 * x[5].numel() * 4 / rate  # states read and written
-            for kind in ("fla", "torch"):
-                s = run(layer, kind, x)
+            for kind in ("fla", "torch", "fla+rows", "in_place"):
+                s = run(layer, kind, x) if kind in ("fla", "torch") else \
+                    decode_rows(layer, kind, x)
                 row = {"layer": layer, "phase": "decode", "batch": batch, "kernels": kind,
                        "us": s * 1e6, "floor_us": floor * 1e6, "fraction": floor / s}
                 out.write(json.dumps(row) + "\n")
-                print(f"{layer} decode {batch:4d} seqs {kind:>5}: {s * 1e6:9.1f} us (floor "
+                print(f"{layer} decode {batch:4d} seqs {kind:>8}: {s * 1e6:9.1f} us (floor "
                       f"{floor * 1e6:.1f} us: {floor / s:.0%})", flush=True)
         for tokens in map(int, args.prompt.split(",")):
             x = inputs(layer, 1, tokens)

@@ -9,9 +9,9 @@ Per token, after the convolution and SiLU, with q and k L2-normalised (q also sc
 
 with ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; then an RMSNorm of
 each head's output gated by SiLU(z), and out_proj. Every decoding sequence of a step runs
-in one batch. The recurrence runs as flash-linear-attention's Triton kernels on a GPU
-where fla-core is installed (its fused recurrent kernel for decode, its chunked one for
-prompts: ``delta_rule``), else in plain torch, in chunks of 64 tokens (the recurrence in
+in one batch, which on a GPU steps each state in its row (layers/recurrent_decode.py). A
+prompt's chunk runs as flash-linear-attention's chunked kernel on a GPU where fla-core is
+installed (``delta_rule``), else in plain torch, in chunks of 64 tokens (the recurrence in
 closed form: one triangular solve a chunk): the reference the kernels are checked against.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 
 from roseinfer.core.recurrent import batches
 from roseinfer.layers import state_conv
-from roseinfer.layers.delta_decode import decode_in_place
+from roseinfer.layers import recurrent_decode
 from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens the delta rule takes at once in a prompt
@@ -87,8 +87,8 @@ class GatedDeltaNet(RecurrentLayer):
 
     def _batch(self, mixed, beta, g, fresh, rows: torch.Tensor) -> torch.Tensor:
         """B sequences' step tokens, T each: their outputs [B, T, value heads, value dim].
-        A decode batch on a GPU steps its states in their rows (layers/delta_decode.py)."""
-        in_place = isinstance(fresh, torch.Tensor) and steps_in_place(mixed)
+        A decode batch on a GPU steps its states in their rows (layers/recurrent_decode.py)."""
+        in_place = isinstance(fresh, torch.Tensor) and recurrent_decode.steps_in_place(mixed)
         conv, state = self.states(rows, fresh, recurrent=not in_place)
         mixed = F.silu(causal_conv(conv, mixed, self.conv1d))
         n, tokens = mixed.shape[:2]
@@ -96,17 +96,13 @@ class GatedDeltaNet(RecurrentLayer):
         q, k = q.view(n, tokens, self.nk, self.dk), k.view(n, tokens, self.nk, self.dk)
         v = v.view(n, tokens, self.nv, self.dv)
         if in_place:
-            out = decode_in_place(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                  self.recurrent_state, rows, fresh)[:, None]
+            out = recurrent_decode.delta_decode_in_place(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], self.recurrent_state, rows,
+                fresh)[:, None]
         else:
             out, state = delta_rule(q, k, v, g, beta, state)
         self.keep(rows, conv, state)
         return out.to(mixed.dtype)
-
-
-def steps_in_place(x: torch.Tensor) -> bool:
-    """Whether a decode batch's states step in their rows (Triton: on a GPU)."""
-    return x.is_cuda
 
 
 def delta_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,11 +10,10 @@ A prompt's chunk at a time, and every decoding sequence of a step in one batch
 (core/recurrent.py, ``batches``): the convolution over the stored inputs and the step's,
 then the SSM over the step's tokens (``ssm``). The SSM is simple gated linear attention
 (C the queries, B the keys, dt x the values, dt A each token's log decay per head), so on
-a GPU where fla-core imports it runs as flash-linear-attention's simple-GLA kernels (fused
-recurrent for decode, chunked for prompts); elsewhere in plain torch in chunks (the SSD
-form: within a chunk a masked product, across chunks the state carried), the reference
-the kernels are checked against. It runs eagerly, outside CUDA graphs and the compiled
-CPU step.
+a GPU where fla-core imports a prompt's chunk runs as flash-linear-attention's simple-GLA
+kernels; elsewhere in plain torch in chunks (the SSD form: within a chunk a masked
+product, across chunks the state carried), the reference the kernels are checked against.
+A decode batch on a GPU steps each state in its row (layers/recurrent_decode.py).
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.recurrent import batches
-from roseinfer.layers import state_conv
+from roseinfer.layers import recurrent_decode, state_conv
 from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens the SSM takes at once in a prompt
@@ -80,7 +79,8 @@ class Mamba2Mixer(RecurrentLayer):
                rows: torch.Tensor) -> torch.Tensor:
         """B sequences' step tokens, T each (their states in ``rows``): the SSM's output
         [B, T, inner]."""
-        conv, ssm = self.states(rows, fresh)
+        in_place = isinstance(fresh, torch.Tensor) and recurrent_decode.steps_in_place(xbc)
+        conv, ssm = self.states(rows, fresh, recurrent=not in_place)
         xbc = F.silu(causal_conv(conv, xbc, self.conv1d))
         x, b, c = xbc.split([self.inner, self.groups * self.state,
                              self.groups * self.state], -1)
@@ -91,7 +91,12 @@ class Mamba2Mixer(RecurrentLayer):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [B, T, H]
         x = x.float().view(n, tokens, self.heads, self.head_dim)
         a = -torch.exp(self.A_log.float()) * dt  # log of each token's decay, [B, T, H]
-        out, ssm = ssm_scan(x, dt, a, b, c, ssm)
+        if in_place:  # a decode batch on a GPU: the states step in their rows
+            out = recurrent_decode.ssm_decode_in_place(
+                x[:, 0], dt[:, 0], a[:, 0], b[:, 0], c[:, 0], self.ssm_state, rows,
+                fresh)[:, None]
+        else:
+            out, ssm = ssm_scan(x, dt, a, b, c, ssm)
         self.keep(rows, conv, ssm)
         out = out + self.D.float()[:, None] * x
         return out.view(n, tokens, self.inner).to(xbc.dtype)

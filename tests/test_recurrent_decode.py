@@ -1,0 +1,90 @@
+"""One decode step of the gated delta rule in place in the state rows
+(layers/recurrent_decode.py): the Triton kernel (interpreted on the CPU) against its torch
+form, and that against the layer's closed form (layers/gated_deltanet.py ``delta_rule``),
+with fresh rows starting from zeros and rows the batch does not name left as they were."""
+import pytest
+import torch
+
+from roseinfer.core.triton_support import triton_usable
+from roseinfer.layers.gated_deltanet import delta_rule
+from roseinfer.layers.mamba2 import ssm_scan
+from roseinfer.layers.recurrent_decode import delta_decode_in_place, delta_decode_torch, \
+    ssm_decode_in_place, ssm_decode_torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def batch(seed: int, key_heads=2, value_heads=4, dk=16, dv=48, rows=7, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    b = 3
+    randn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    args = (randn(b, key_heads, dk).to(dtype), randn(b, key_heads, dk).to(dtype),
+            randn(b, value_heads, dv).to(dtype), -torch.rand(b, value_heads, generator=gen),
+            torch.rand(b, value_heads, generator=gen))
+    state = randn(rows, value_heads, dk, dv)
+    return [a.to(DEVICE) for a in args], state.to(DEVICE), torch.tensor([5, 0, 2], device=DEVICE), \
+        torch.tensor([False, True, False], device=DEVICE)
+
+
+@pytest.mark.skipif(not triton_usable(DEVICE), reason="Triton runs on CUDA or interpreted")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_delta_rule_kernel_equals_its_torch_form(dtype):
+    args, state, rows, fresh = batch(0, dtype=dtype)
+    want_state = state.clone()
+    want = delta_decode_torch(*args, want_state, rows, fresh)
+    got = delta_decode_in_place(*args, state, rows, fresh)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_the_delta_rule_torch_form_equals_the_closed_form():
+    args, state, rows, fresh = batch(1)
+    before = state.clone()
+    out = delta_decode_torch(*args, state, rows, fresh)
+    q, k, v, g, beta = args
+    start = before[rows].masked_fill(fresh.view(-1, 1, 1, 1), 0)
+    want, end = delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                           start.clone())
+    torch.testing.assert_close(out, want[:, 0].to(out.dtype), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[rows], end, rtol=1e-5, atol=1e-5)
+    untouched = [r for r in range(state.shape[0]) if r not in rows.tolist()]
+    assert torch.equal(state[untouched], before[untouched])
+
+
+def ssm_batch(seed: int, heads=4, p=40, n=16, rows=6):
+    """Mamba2's decode inputs: x [B, H, P], dt, a [B, H], b, c [B, H, N]; states [rows, H,
+    P, N]; rows; fresh."""
+    gen = torch.Generator().manual_seed(seed)
+    b = 3
+    dt = torch.rand(b, heads, generator=gen)
+    args = (torch.randn(b, heads, p, generator=gen), dt, -dt * torch.rand(heads, generator=gen),
+            torch.randn(b, heads, n, generator=gen), torch.randn(b, heads, n, generator=gen))
+    state = torch.randn(rows, heads, p, n, generator=gen)
+    return [t.to(DEVICE) for t in args], state.to(DEVICE), \
+        torch.tensor([4, 1, 0], device=DEVICE), torch.tensor([True, False, False], device=DEVICE)
+
+
+@pytest.mark.skipif(not triton_usable(DEVICE), reason="Triton runs on CUDA or interpreted")
+def test_the_ssm_kernel_equals_its_torch_form():
+    args, state, rows, fresh = ssm_batch(2)
+    want_state = state.clone()
+    want = ssm_decode_torch(*args, want_state, rows, fresh)
+    got = ssm_decode_in_place(*args, state, rows, fresh)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_the_ssm_torch_form_equals_the_closed_form():
+    args, state, rows, fresh = ssm_batch(3)
+    before = state.clone()
+    out = ssm_decode_torch(*args, state, rows, fresh)
+    x, dt, a, b, c = args
+    start = before[rows].masked_fill(fresh.view(-1, 1, 1, 1), 0)
+    want, end = ssm_scan(x[:, None], dt[:, None], a[:, None], b[:, None], c[:, None],
+                         start.clone())
+    torch.testing.assert_close(out, want[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[rows], end, rtol=1e-5, atol=1e-5)
+    untouched = [r for r in range(state.shape[0]) if r not in rows.tolist()]
+    assert torch.equal(state[untouched], before[untouched])
