@@ -107,6 +107,24 @@ def batches() -> list[tuple[torch.Tensor, bool | torch.Tensor, torch.Tensor]]:
     return memo["recurrent"]
 
 
+def over_batches(run, *inputs: torch.Tensor) -> torch.Tensor:
+    """``run(*inputs [B, T, ...], fresh, rows)`` over the step's batches (``batches``), each
+    input [tokens, ...] taken at the batch's token indices, the outputs [B, T, ...] put back
+    in token order. A decode step is one batch of every token in order: its inputs go as
+    views and its output is the result (no gathers, no scatter: launches a layer saved)."""
+    parts = batches()
+    if get_context().attn.is_decode:
+        (_, fresh, rows), = parts
+        return run(*(x[:, None] for x in inputs), fresh, rows)[:, 0]
+    out = None
+    for idx, fresh, rows in parts:
+        y = run(*(x[idx] for x in inputs), fresh, rows)
+        if out is None:
+            out = y.new_zeros(inputs[0].shape[0], *y.shape[2:])
+        out[idx] = y
+    return out
+
+
 def _decode_batch(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step of one token a sequence as one batch, on the device alone (a decode graph
     captures it): where a sequence's token is its first (a one-token prompt), a mask."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.core.recurrent import batches
+from roseinfer.core.recurrent import over_batches
 from roseinfer.layers import state_conv
 from roseinfer.layers import recurrent_decode
 from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
@@ -79,9 +79,7 @@ class GatedDeltaNet(RecurrentLayer):
         beta = b.reshape(tokens, self.nv).float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(tokens, self.nv).float() +
                                                    self.dt_bias.float())
-        out = torch.zeros(tokens, self.nv, dv, dtype=h.dtype, device=h.device)
-        for idx, fresh, rows in batches():
-            out[idx] = self._batch(mixed[idx], beta[idx], g[idx], fresh, rows)
+        out = over_batches(self._batch, mixed, beta, g)
         out = self.norm(out, z.reshape(tokens, self.nv, dv))
         return self.out_proj(out.reshape(tokens, -1))
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.core.recurrent import batches
+from roseinfer.core.recurrent import over_batches
 from roseinfer.layers import recurrent_decode, state_conv
 from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
 
@@ -70,9 +70,7 @@ class Mamba2Mixer(RecurrentLayer):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], -1)
-        y = torch.zeros_like(gate)
-        for tokens, fresh, rows in batches():
-            y[tokens] = self._batch(xbc[tokens], dt[tokens], fresh, rows)
+        y = over_batches(self._batch, xbc, dt)
         return self.out_proj(self.norm(y, gate))
 
     def _batch(self, xbc: torch.Tensor, dt: torch.Tensor, fresh: bool | torch.Tensor,
