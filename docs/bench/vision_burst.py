@@ -8,7 +8,9 @@ tokens around it, 16 new tokens; prepared beforehand, as a worker's reader threa
 them off the step loop) are added, RATE a second (0: all at once). Each chat's
 gaps between its tokens are recorded from then until it ends; p50 and p99 over all chats,
 with the images and, in the same process, without them. One JSON line to
-OUT/vision_burst.jsonl.
+OUT/vision_burst.jsonl, with the steps over 50 ms while the chats decode and how much of
+them the vision tower took (its phase of the step, timed around it), to tell the tower's
+part of a stall from the prompts' prefill.
 
 Usage: python3 docs/bench/vision_burst.py [--model qwen2.5-vl-7b-random] [--chats 16]
   [--images 32] [--rate 0] [--size 1024] [--text 64] [--new 256] [--device cuda]
@@ -51,7 +53,16 @@ def run(llm, args, with_images: bool, round_: int) -> dict:
     # prepared before, as a worker's reader threads prepare them off the step loop
     pixels = [multimodal.preprocess(eng.model, [picture(args.size, 1000 * round_ + i)])
               for i in to_add]
-    begun = None
+    begun, steps = None, []  # per step during the burst: (wall, of it the tower's) seconds
+    encode, tower = eng._encode_images, [0.0]
+
+    def timed_encode():
+        start = time.perf_counter()
+        try:
+            return encode()
+        finally:
+            tower[0] += time.perf_counter() - start
+    eng._encode_images = timed_encode
     while eng.has_unfinished():
         now = time.perf_counter()
         if begun is not None and to_add and (args.rate <= 0 or
@@ -65,7 +76,11 @@ def run(llm, args, with_images: bool, round_: int) -> dict:
                     "multi_modal_data": {"image": pixels[i]}},
                     SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
             to_add = to_add[len(batch):]
-        for out in eng.step():
+        tower[0], stepped = 0.0, time.perf_counter()
+        outs = eng.step()
+        if begun is not None:
+            steps.append((time.perf_counter() - stepped, tower[0]))
+        for out in outs:
             t = time.perf_counter()
             if out.request_id in chats and out.new_token_ids:
                 if begun is not None and out.request_id in last:
@@ -74,9 +89,13 @@ def run(llm, args, with_images: bool, round_: int) -> dict:
                 started[out.request_id] = True
         if begun is None and len(started) == len(chats):
             begun = time.perf_counter()
+    eng._encode_images = encode
+    slow = [(w, t) for w, t in steps if w > 0.05]
     return {"images": with_images, "p50_ms": percentile(gaps, 0.5) * 1e3,
             "p99_ms": percentile(gaps, 0.99) * 1e3, "mean_ms": statistics.mean(gaps) * 1e3,
-            "gaps": len(gaps)}
+            "gaps": len(gaps), "steps": len(steps), "steps_over_50ms": len(slow),
+            "slow_steps_s": sum(w for w, _ in slow), "slow_steps_tower_s": sum(t for _, t in slow),
+            "tower_s": sum(t for _, t in steps), "longest_step_ms": max(w for w, _ in steps) * 1e3}
 
 
 def main():
@@ -101,7 +120,10 @@ def main():
         out.write(json.dumps({**vars(args), **row}) + "\n")
         print(f"{'with' if row['images'] else 'without'} images: TPOT p50 {row['p50_ms']:.2f} "
               f"ms, p99 {row['p99_ms']:.2f} ms, mean {row['mean_ms']:.2f} ms ({row['gaps']} "
-              "gaps)", flush=True)
+              f"gaps); {row['steps_over_50ms']} of {row['steps']} steps over 50 ms, "
+              f"{row['slow_steps_s']:.2f} s, of it the tower {row['slow_steps_tower_s']:.2f} s "
+              f"(the tower in all: {row['tower_s']:.2f} s; the longest step "
+              f"{row['longest_step_ms']:.0f} ms)", flush=True)
     base = [r for r in rows if not r["images"]]
     burst = [r for r in rows if r["images"]]
     print(f"p99 with / without: {statistics.median(r['p99_ms'] for r in burst) / statistics.median(r['p99_ms'] for r in base):.3f}; "
