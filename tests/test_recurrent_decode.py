@@ -39,18 +39,21 @@ def test_the_delta_rule_kernel_equals_its_torch_form(dtype):
     torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
 
 
-def test_the_delta_rule_torch_form_equals_the_closed_form():
-    args, state, rows, fresh = batch(1)
+def equals_the_closed_form(step, closed, args, state, rows, fresh):
+    """``step`` (a decode in plain torch) against ``closed`` (the layer's form over [B, T]
+    inputs) at one token: outputs, the rows' states, and the other rows untouched."""
     before = state.clone()
-    out = delta_decode_torch(*args, state, rows, fresh)
-    q, k, v, g, beta = args
+    out = step(*args, state, rows, fresh)
     start = before[rows].masked_fill(fresh.view(-1, 1, 1, 1), 0)
-    want, end = delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
-                           start.clone())
+    want, end = closed(*(t[:, None] for t in args), start.clone())
     torch.testing.assert_close(out, want[:, 0].to(out.dtype), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[rows], end, rtol=1e-5, atol=1e-5)
     untouched = [r for r in range(state.shape[0]) if r not in rows.tolist()]
     assert torch.equal(state[untouched], before[untouched])
+
+
+def test_the_delta_rule_torch_form_equals_the_closed_form():
+    equals_the_closed_form(delta_decode_torch, delta_rule, *batch(1))
 
 
 def ssm_batch(seed: int, heads=4, p=40, n=16, rows=6):
@@ -77,14 +80,4 @@ def test_the_ssm_kernel_equals_its_torch_form():
 
 
 def test_the_ssm_torch_form_equals_the_closed_form():
-    args, state, rows, fresh = ssm_batch(3)
-    before = state.clone()
-    out = ssm_decode_torch(*args, state, rows, fresh)
-    x, dt, a, b, c = args
-    start = before[rows].masked_fill(fresh.view(-1, 1, 1, 1), 0)
-    want, end = ssm_scan(x[:, None], dt[:, None], a[:, None], b[:, None], c[:, None],
-                         start.clone())
-    torch.testing.assert_close(out, want[:, 0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state[rows], end, rtol=1e-5, atol=1e-5)
-    untouched = [r for r in range(state.shape[0]) if r not in rows.tolist()]
-    assert torch.equal(state[untouched], before[untouched])
+    equals_the_closed_form(ssm_decode_torch, ssm_scan, *ssm_batch(3))
