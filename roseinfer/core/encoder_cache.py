@@ -1,10 +1,11 @@
 """The vision tower's features of recent images, by the image's content (its prepared
 pixels' digest): the same image in the next turn of a conversation, or in another
 request, is not encoded again (core/multimodal.py); sent again as the same bytes, it is
-not even prepared again (decoded, resized), which on a GPU was most of such a turn's TTFT. Held in host memory, least recently
-used first out past a byte budget: a 1,024 x 1,024 image's features on the Qwen2.5-VL-7B
-shape are 1,369 x 3,584 bfloat16 values, 9.8 MB, so the default holds about 50 of them,
-and the GPU memory the KV cache was sized for is never taken."""
+not even prepared again (decoded, resized), which on a GPU was most of such a turn's TTFT.
+Held in host memory, least recently used first out past a byte budget: a 1,024 x 1,024
+image's features on the Qwen2.5-VL-7B shape are 1,369 x 3,584 bfloat16 values, 9.8 MB, so
+the default holds about 50 of them, and the GPU memory the KV cache was sized for is never
+taken."""
 from __future__ import annotations
 
 import threading
