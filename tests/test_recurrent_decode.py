@@ -9,18 +9,23 @@ from roseinfer.core.triton_support import triton_usable
 from roseinfer.layers.gated_deltanet import delta_rule
 from roseinfer.layers.mamba2 import ssm_scan
 from roseinfer.layers.recurrent_decode import delta_decode_in_place, delta_decode_torch, \
-    ssm_decode_in_place, ssm_decode_torch
+    delta_gates, ssm_decode_in_place, ssm_decode_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def batch(seed: int, key_heads=2, value_heads=4, dk=16, dv=48, rows=7, dtype=torch.float32):
+    """Gated DeltaNet's decode inputs: q, k [B, key heads, K], v [B, value heads, V], the
+    gates' inputs [B, key heads, 2 x value heads a key head], A_log and dt_bias; states
+    [rows, value heads, K, V]; rows; fresh."""
     gen = torch.Generator().manual_seed(seed)
     b = 3
     randn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    ba = randn(b, key_heads, 2 * value_heads // key_heads) * 3  # some a + dt_bias past 20
+    ba[0, 0, -1] = 30.0
     args = (randn(b, key_heads, dk).to(dtype), randn(b, key_heads, dk).to(dtype),
-            randn(b, value_heads, dv).to(dtype), -torch.rand(b, value_heads, generator=gen),
-            torch.rand(b, value_heads, generator=gen))
+            randn(b, value_heads, dv).to(dtype), ba.to(dtype), randn(value_heads),
+            randn(value_heads))
     state = randn(rows, value_heads, dk, dv)
     return [a.to(DEVICE) for a in args], state.to(DEVICE), torch.tensor([5, 0, 2], device=DEVICE), \
         torch.tensor([False, True, False], device=DEVICE)
@@ -53,7 +58,14 @@ def equals_the_closed_form(step, closed, args, state, rows, fresh):
 
 
 def test_the_delta_rule_torch_form_equals_the_closed_form():
-    equals_the_closed_form(delta_decode_torch, delta_rule, *batch(1))
+    args, state, rows, fresh = batch(1)
+    q, k, v, ba, a_log, dt_bias = args
+
+    def closed(q, k, v, ba, start):
+        g, beta = delta_gates(ba, a_log, dt_bias)
+        return delta_rule(q, k, v, g, beta, start)
+    equals_the_closed_form(lambda q, k, v, ba, *rest: delta_decode_torch(
+        q, k, v, ba, a_log, dt_bias, *rest), closed, [q, k, v, ba], state, rows, fresh)
 
 
 def ssm_batch(seed: int, heads=4, p=40, n=16, rows=6):

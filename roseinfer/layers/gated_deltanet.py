@@ -74,18 +74,16 @@ class GatedDeltaNet(RecurrentLayer):
         r, dk, dv = self.per_key, self.dk, self.dv
         q, k, v, z = self.in_proj_qkvz(h).view(tokens, self.nk, -1).split(
             [dk, dk, r * dv, r * dv], -1)
-        b, a = self.in_proj_ba(h).view(tokens, self.nk, 2 * r).split([r, r], -1)
+        ba = self.in_proj_ba(h).view(tokens, self.nk, 2 * r)
         mixed = torch.cat([t.reshape(tokens, -1) for t in (q, k, v)], -1)
-        beta = b.reshape(tokens, self.nv).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(tokens, self.nv).float() +
-                                                   self.dt_bias.float())
-        out = over_batches(self._batch, mixed, beta, g)
+        out = over_batches(self._batch, mixed, ba)
         out = self.norm(out, z.reshape(tokens, self.nv, dv))
         return self.out_proj(out.reshape(tokens, -1))
 
-    def _batch(self, mixed, beta, g, fresh, rows: torch.Tensor) -> torch.Tensor:
-        """B sequences' step tokens, T each: their outputs [B, T, value heads, value dim].
-        A decode batch on a GPU steps its states in their rows (layers/recurrent_decode.py)."""
+    def _batch(self, mixed, ba, fresh, rows: torch.Tensor) -> torch.Tensor:
+        """B sequences' step tokens, T each (``ba``: the gates' inputs, ``delta_gates``):
+        their outputs [B, T, value heads, value dim]. A decode batch on a GPU steps its
+        states in their rows, its gates in the same kernel (layers/recurrent_decode.py)."""
         in_place = isinstance(fresh, torch.Tensor) and recurrent_decode.steps_in_place(mixed)
         conv, state = self.states(rows, fresh, recurrent=not in_place)
         mixed = F.silu(causal_conv(conv, mixed, self.conv1d))
@@ -95,9 +93,10 @@ class GatedDeltaNet(RecurrentLayer):
         v = v.view(n, tokens, self.nv, self.dv)
         if in_place:
             out = recurrent_decode.delta_decode_in_place(
-                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], self.recurrent_state, rows,
-                fresh)[:, None]
+                q[:, 0], k[:, 0], v[:, 0], ba[:, 0], self.A_log, self.dt_bias,
+                self.recurrent_state, rows, fresh)[:, None]
         else:
+            g, beta = recurrent_decode.delta_gates(ba, self.A_log, self.dt_bias)
             out, state = delta_rule(q, k, v, g, beta, state)
         self.keep(rows, conv, state)
         return out.to(mixed.dtype)

@@ -13,6 +13,7 @@ it, writes it back and stores its outputs. A sequence whose token is its first
 from __future__ import annotations  # kernel annotations stay strings without triton
 
 import torch
+import torch.nn.functional as F
 
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton
 
@@ -26,10 +27,20 @@ def steps_in_place(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def delta_gates(ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's (g, beta), float32 [..., value heads], from ``in_proj_ba``'s output
+    [..., key heads, 2 x value heads a key head] (per key head: its value heads' b, then
+    their a): g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+    b, a = ba.float().split(ba.shape[-1] // 2, -1)
+    g = -a_log.float().exp() * F.softplus(a.flatten(-2) + dt_bias.float())
+    return g, b.flatten(-2).sigmoid()
+
+
 @_kernel
-def _delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, fresh_ptr,
-                         out_ptr, scale, per_key, s_qb, s_qh, s_vb, s_vh, s_gb,
-                         s_row, s_head, s_ob, s_oh,
+def _delta_decode_kernel(q_ptr, k_ptr, v_ptr, ba_ptr, a_log_ptr, dt_bias_ptr, state_ptr,
+                         rows_ptr, fresh_ptr, out_ptr, scale, per_key, s_qb, s_qh, s_vb, s_vh,
+                         s_bab, s_bah, s_row, s_head, s_ob, s_oh,
                          K: tl.constexpr, V: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_V: tl.constexpr):
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -41,49 +52,59 @@ def _delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_p
     k = tl.load(k_ptr + b * s_qb + key_head * s_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
     q = q * tl.rsqrt(tl.sum(q * q) + EPS) * scale
     k = k * tl.rsqrt(tl.sum(k * k) + EPS)
+    # the gates (delta_gates): this head's b and a in its key head's row of in_proj_ba
+    gates = ba_ptr + b * s_bab + key_head * s_bah + h % per_key
+    beta = tl.sigmoid(tl.load(gates).to(tl.float32))
+    a = tl.load(gates + per_key).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's threshold
+    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
     row = tl.load(rows_ptr + b).to(tl.int64)
     tile = state_ptr + row * s_row + h * s_head + kk[:, None] * V + vv[None, :]
     ok = k_ok[:, None] & v_ok[None, :]
     s = tl.load(tile, mask=ok, other=0.0)
     s = tl.where(tl.load(fresh_ptr + b) != 0, 0.0, s)
-    s = s * tl.exp(tl.load(g_ptr + b * s_gb + h))
+    s = s * tl.exp(g)
     v = tl.load(v_ptr + b * s_vb + h * s_vh + vv, mask=v_ok, other=0.0).to(tl.float32)
-    u = tl.load(beta_ptr + b * s_gb + h) * (v - tl.sum(s * k[:, None], axis=0))
+    u = beta * (v - tl.sum(s * k[:, None], axis=0))
     s = s + k[:, None] * u[None, :]
     tl.store(tile, s, mask=ok)
     o = tl.sum(s * q[:, None], axis=0)
     tl.store(out_ptr + b * s_ob + h * s_oh + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
 
 
-def delta_decode_in_place(q, k, v, g, beta, state: torch.Tensor, rows: torch.Tensor,
-                    fresh: torch.Tensor) -> torch.Tensor:
-    """q, k [B, key heads, K] (not yet L2-normalised), v [B, value heads, V], g and beta
-    [B, value heads] float32; ``state`` [rows, value heads, K, V] float32, the batch's in
-    ``rows`` [B], those where ``fresh`` [B] from zeros. Returns the outputs [B, value
-    heads, V] in v's dtype; the rows hold the states after the step."""
+def delta_decode_in_place(q, k, v, ba, a_log, dt_bias, state: torch.Tensor,
+                          rows: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """q, k [B, key heads, K] (not yet L2-normalised, the same strides), v [B, value heads,
+    V], ``ba`` [B, key heads, 2 x value heads a key head] (the gates' inputs, with
+    ``a_log`` and ``dt_bias`` [value heads]: ``delta_gates``); ``state`` [rows, value
+    heads, K, V] float32, the batch's in ``rows`` [B], those where ``fresh`` [B] from zeros.
+    Returns the outputs [B, value heads, V] in v's dtype; the rows hold the states after
+    the step."""
     batch, heads, dv = v.shape
     dk = q.shape[-1]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g, beta = g.float().contiguous(), beta.float().contiguous()
+    if q.stride() != k.stride() or q.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    v, ba = (t if t.stride(-1) == 1 else t.contiguous() for t in (v, ba))
     assert state.is_contiguous() and state.shape[1:] == (heads, dk, dv)
-    out = torch.empty_like(v)
+    out = torch.empty(batch, heads, dv, dtype=v.dtype, device=v.device)
     _delta_decode_kernel[(batch, heads, triton.cdiv(dv, BLOCK_V))](
-        q, k, v, g, beta, state, rows, fresh, out, dk ** -0.5, heads // q.shape[1],
-        q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        q, k, v, ba, a_log, dt_bias, state, rows, fresh, out, dk ** -0.5, heads // q.shape[1],
+        q.stride(0), q.stride(1), v.stride(0), v.stride(1), ba.stride(0), ba.stride(1),
         state.stride(0), state.stride(1), out.stride(0), out.stride(1),
         K=dk, V=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V)
     return out
 
 
-def delta_decode_torch(q, k, v, g, beta, state: torch.Tensor, rows: torch.Tensor,
-                 fresh: torch.Tensor) -> torch.Tensor:
+def delta_decode_torch(q, k, v, ba, a_log, dt_bias, state: torch.Tensor, rows: torch.Tensor,
+                       fresh: torch.Tensor) -> torch.Tensor:
     """``delta_decode_in_place`` in plain torch: the reference its tests hold it to."""
+    g, beta = delta_gates(ba, a_log, dt_bias)
     per_key = v.shape[1] // q.shape[1]
     q, k = (t.float().repeat_interleave(per_key, 1) for t in (q, k))
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + EPS) * q.shape[-1] ** -0.5
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + EPS)
-    s = state[rows].masked_fill(fresh.view(-1, 1, 1, 1), 0) * g.float().exp()[..., None, None]
-    u = beta.float()[..., None] * (v.float() - torch.einsum("bhkv,bhk->bhv", s, k))
+    s = state[rows].masked_fill(fresh.view(-1, 1, 1, 1), 0) * g.exp()[..., None, None]
+    u = beta[..., None] * (v.float() - torch.einsum("bhkv,bhk->bhv", s, k))
     s = s + k[..., None] * u[..., None, :]
     state[rows] = s
     return torch.einsum("bhkv,bhk->bhv", s, q).to(v.dtype)
