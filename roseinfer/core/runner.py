@@ -221,10 +221,7 @@ class ModelRunner:
             self.peers.send(order)
         inp, run = self._inputs(order, host, self._rows(extra))
         if replay:
-            self.graphs.run_window(batch.steps)
-            if self.snapshots is not None:  # a recurrent model's graphs run one step
-                self.snapshots.save(seqs, num_tokens, 0)
-            return self._land(batch, rows)
+            return self._replayed(batch, rows)
         found, prompt, checked = [], None, None
         work = None
         if processed and rows:
@@ -251,6 +248,14 @@ class ModelRunner:
             self._record(step, tokens)
         return self._land(batch, rows, [f for f in found if f is not None] or None, prompt,
                           checked)
+
+    def _replayed(self, batch: ScheduledBatch, rows) -> LaunchedStep:
+        """The batch's graph run: it samples and advances by itself. A recurrent model's
+        graphs run one step, after which a block boundary's state snapshot is copied."""
+        self.graphs.run_window(batch.steps)
+        if self.snapshots is not None:
+            self.snapshots.save(batch.seqs, batch.num_tokens, 0)
+        return self._land(batch, rows)
 
     def _state_rows(self, seqs) -> None:
         """What the step's sequences carry on the device beside their tables, queued before
