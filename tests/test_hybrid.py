@@ -4,6 +4,8 @@ against transformers' own model on tiny random configs: greedy ids equal for a b
 mixed lengths, with prompts in chunks, with samples of one request, under preemption,
 through prefix-cache hits that restore a state kept at a block boundary (and without one,
 recomputed); and what a recurrent state cannot serve yet, turned off or refused."""
+import inspect
+
 import pytest
 import torch
 
@@ -202,6 +204,7 @@ def tiny_qwen3_next(**overrides):
                             "partial_rotary_factor": 0.5},
         "max_position_embeddings": 256, "initializer_range": 0.2, "tie_word_embeddings": False,
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, **overrides})
+    torch_reference_kernels()
     model = Qwen3NextForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -212,6 +215,15 @@ def tiny_qwen3_next(**overrides):
             elif "norm" in name:  # offsets from one, as Gemma's
                 p.uniform_(-0.5, 0.5)
     return model
+
+
+def torch_reference_kernels():
+    """transformers' Qwen3-Next calls flash-linear-attention's kernels wherever fla imports
+    (a GPU machine), also for a model on the CPU, as the reference is: its torch forms."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as modeling
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                 "causal_conv1d_fn", "causal_conv1d_update"):
+        setattr(modeling, name, inspect.unwrap(getattr(modeling, name)))
 
 
 @pytest.mark.parametrize("overrides", [{}, {"num_experts": 0}],
@@ -339,10 +351,9 @@ def test_recurrences_on_fla_kernels_equal_the_torch_reference(layer, batch, toke
         args = (randn(*shape, 128, 64), dt, -dt * rand(128), randn(*shape, 128, 128, scale=0.1),
                 randn(*shape, 128, 128, scale=0.1))
         state = randn(batch, 128, 64, 128, scale=0.1)
-    assert state_conv.kernels(state.device) == "fla"
-    out, final = run(*args, state.clone())
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(state_conv, "kernels", lambda device: "torch")
-        want, want_final = run(*args, state.clone())
+    assert state_conv.kernels(state.device, torch.bfloat16) == "fla"
+    assert state_conv.kernels(state.device, torch.float32) == "torch"
+    out, final = run(*args, state.clone(), "fla")
+    want, want_final = run(*args, state.clone(), "torch")
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(final, want_final, atol=2e-2, rtol=2e-2)

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from long_context_attention import copy_rate, seconds  # noqa: E402
 
-from roseinfer.layers import gated_deltanet, mamba2, recurrent_decode, state_conv  # noqa: E402
+from roseinfer.layers import gated_deltanet, mamba2, recurrent_decode  # noqa: E402
 
 
 def inputs(layer: str, batch: int, tokens: int):
@@ -54,33 +54,33 @@ IN_PLACE = {"gated_deltanet": recurrent_decode.delta_decode_in_place,
 def decode_rows(layer: str, kind: str, args) -> float:
     """A decode batch over a state table of its rows, in shuffled order: "fla+rows" as the
     engine ran it before (the rows gathered, fla's kernel on the copy, scattered back),
-    "in_place" as it runs now (layers/recurrent_decode.py)."""
+    "in_place" as it runs now (layers/recurrent_decode.py). Gated DeltaNet's gates come
+    from in_proj_ba's output in both: in torch before fla's kernel, in the kernel itself."""
     table = args[5].clone()
     batch = table.shape[0]
     rows = torch.randperm(batch, device="cuda")
     fresh = torch.zeros(batch, dtype=torch.bool, device="cuda")
     one = [a[:, 0] for a in args[:5]]
+    if layer == "gated_deltanet":
+        heads = args[2].shape[2]
+        ba = torch.randn(batch, 1, args[0].shape[2], 2 * heads // args[0].shape[2],
+                         device="cuda", dtype=torch.bfloat16)
+        a_log, dt_bias = torch.rand(heads, device="cuda"), torch.randn(heads, device="cuda")
+        one[3:] = ba[:, 0], a_log, dt_bias
     if kind == "in_place":
         return seconds(lambda: IN_PLACE[layer](*one, table, rows, fresh), reps=20)
 
     def gathered():
-        _, end = SCANS[layer](*args[:5], table[rows])
+        scan = list(args[:5])
+        if layer == "gated_deltanet":
+            scan[3:] = recurrent_decode.delta_gates(ba, a_log, dt_bias)
+        _, end = SCANS[layer](*scan, table[rows], "fla")
         table[rows] = end
-    saved = state_conv.kernels
-    state_conv.kernels = lambda device: "fla"
-    try:
-        return seconds(gathered, reps=20)
-    finally:
-        state_conv.kernels = saved
+    return seconds(gathered, reps=20)
 
 
 def run(layer: str, kind: str, args) -> float:
-    saved = state_conv.kernels
-    state_conv.kernels = lambda device: kind
-    try:
-        return seconds(lambda: SCANS[layer](*args[:5], args[5].clone()), reps=20)
-    finally:
-        state_conv.kernels = saved
+    return seconds(lambda: SCANS[layer](*args[:5], args[5].clone(), kind), reps=20)
 
 
 def main():

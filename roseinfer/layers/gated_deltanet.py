@@ -97,17 +97,20 @@ class GatedDeltaNet(RecurrentLayer):
                 self.recurrent_state, rows, fresh)[:, None]
         else:
             g, beta = recurrent_decode.delta_gates(ba, self.A_log, self.dt_bias)
-            out, state = delta_rule(q, k, v, g, beta, state)
+            out, state = delta_rule(q, k, v, g, beta, state,
+                                    state_conv.kernels(mixed.device, mixed.dtype))
         self.keep(rows, conv, state)
         return out.to(mixed.dtype)
 
 
-def delta_rule(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def delta_rule(q, k, v, g, beta, state: torch.Tensor, kernels: str = "torch"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over B sequences' T tokens: q, k [B, T, key heads, K] (not yet
     L2-normalised), v [B, T, value heads, V], g and beta [B, T, value heads] (float32),
-    the states S [B, value heads, K, V] at their start. Returns (outputs [B, T, value
-    heads, V], the states at their end)."""
-    if state_conv.kernels(q.device) == "fla":
+    the states S [B, value heads, K, V] at their start; ``kernels`` as
+    ``state_conv.kernels`` names them. Returns (outputs [B, T, value heads, V], the states
+    at their end)."""
+    if kernels == "fla":
         from fla.ops.gated_delta_rule import (chunk_gated_delta_rule,
                                               fused_recurrent_gated_delta_rule)
         run = fused_recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule

@@ -94,17 +94,19 @@ class Mamba2Mixer(RecurrentLayer):
                 x[:, 0], dt[:, 0], a[:, 0], b[:, 0], c[:, 0], self.ssm_state, rows,
                 fresh)[:, None]
         else:
-            out, ssm = ssm_scan(x, dt, a, b, c, ssm)
+            out, ssm = ssm_scan(x, dt, a, b, c, ssm, state_conv.kernels(xbc.device, xbc.dtype))
         self.keep(rows, conv, ssm)
         out = out + self.D.float()[:, None] * x
         return out.view(n, tokens, self.inner).to(xbc.dtype)
 
 
-def ssm_scan(x, dt, a, b, c, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ssm_scan(x, dt, a, b, c, state: torch.Tensor, kernels: str = "torch"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSM over B sequences' T tokens: x [B, T, H, P], dt and a [B, T, H], b and c
-    [B, T, H, N] (float32), the states S [B, H, P, N] at their start. Returns (y [B, T, H,
-    P], without D's skip; the states at their end)."""
-    if state_conv.kernels(x.device) == "fla":
+    [B, T, H, N] (float32), the states S [B, H, P, N] at their start; ``kernels`` as
+    ``state_conv.kernels`` names them. Returns (y [B, T, H, P], without D's skip; the states
+    at their end)."""
+    if kernels == "fla":
         from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
         run = fused_recurrent_simple_gla if x.shape[1] == 1 else chunk_simple_gla
         return run(c, b, x * dt[..., None], g=a, scale=1.0, initial_state=state,

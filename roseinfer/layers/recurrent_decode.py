@@ -42,7 +42,7 @@ def _delta_decode_kernel(q_ptr, k_ptr, v_ptr, ba_ptr, a_log_ptr, dt_bias_ptr, st
                          rows_ptr, fresh_ptr, out_ptr, scale, per_key, s_qb, s_qh, s_vb, s_vh,
                          s_bab, s_bah, s_row, s_head, s_ob, s_oh,
                          K: tl.constexpr, V: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_V: tl.constexpr):
+                         BLOCK_V: tl.constexpr, EPS: tl.constexpr):
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kk = tl.arange(0, BLOCK_K)
     vv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -91,7 +91,7 @@ def delta_decode_in_place(q, k, v, ba, a_log, dt_bias, state: torch.Tensor,
         q, k, v, ba, a_log, dt_bias, state, rows, fresh, out, dk ** -0.5, heads // q.shape[1],
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), ba.stride(0), ba.stride(1),
         state.stride(0), state.stride(1), out.stride(0), out.stride(1),
-        K=dk, V=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V)
+        K=dk, V=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V, EPS=EPS)
     return out
 
 

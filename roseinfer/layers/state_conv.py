@@ -9,11 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def kernels(device: torch.device) -> str:
-    """What runs the recurrences: "fla" (flash-linear-attention's Triton kernels: gated
-    DeltaNet's delta rule, Mamba2's SSM as simple gated linear attention) on a GPU where
-    fla-core imports, else "torch" (each layer's closed form, the reference)."""
-    if device.type != "cuda":
+def kernels(device: torch.device, dtype: torch.dtype) -> str:
+    """What runs the recurrences of a model computing in ``dtype``: "fla" (flash-linear-
+    attention's Triton kernels: gated DeltaNet's delta rule, Mamba2's SSM as simple gated
+    linear attention) on a GPU where fla-core imports, for 16-bit models; else "torch"
+    (each layer's closed form, the reference). fla's prompt kernels multiply float32 in
+    TF32 (states 1e-3 off the closed form on an H200), so a float32 model keeps float32."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "torch"
     try:
         import fla.ops  # noqa: F401
