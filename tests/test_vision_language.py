@@ -5,6 +5,7 @@ chunks, beside text-only requests; the M-RoPE positions equal transformers'; pre
 blocks shared only by prompts with the same images; bad image inputs refused by name,
 a decompression bomb before its pixels are decoded (core/multimodal.py)."""
 import io
+import threading
 
 import pytest
 import torch
@@ -209,13 +210,14 @@ def test_the_encoder_cache_keeps_the_recent_images_within_its_bytes():
     assert cache.get(5) is None and len(cache) == 3
 
 
-def test_queued_images_go_through_the_tower_a_budget_a_step_batched(hf, monkeypatch):
+@pytest.mark.parametrize("beside", [False, True], ids=["in-step", "beside"])
+def test_queued_images_go_through_the_tower_a_budget_a_step_batched(hf, monkeypatch, beside):
     """A budget of 16 image tokens a step: two requests' images (6 tokens each) in one
-    call of the tower, the third's (12) in the next step's; a text request decodes a
-    token in every step meanwhile; every output exact."""
+    call of the tower, the third's (12) in the next call; a text request decodes a token
+    in every step meanwhile; every output exact. Beside: the calls on the side thread."""
     a, b, c = picture(56, 84, 13), picture(84, 56, 14), picture(84, 112, 15)
     with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256,
-             max_num_batched_tokens=16) as llm:
+             max_num_batched_tokens=16, encoder_beside_steps=beside) as llm:
         eng, calls = llm.engine, []
         encode = eng.model.encode_images
         monkeypatch.setattr(eng.model, "encode_images", lambda pixels, grids: calls.append(
@@ -240,9 +242,11 @@ def test_queued_images_go_through_the_tower_a_budget_a_step_batched(hf, monkeypa
                 hf, model, seq.token_ids[:seq.num_prompt_tokens], [image])
 
 
-def test_a_request_whose_image_the_tower_cannot_encode_fails_alone(hf, monkeypatch):
+@pytest.mark.parametrize("beside", [False, True], ids=["in-step", "beside"])
+def test_a_request_whose_image_the_tower_cannot_encode_fails_alone(hf, monkeypatch, beside):
     a, bad = picture(56, 84, 16), picture(84, 112, 17)
-    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256) as llm:
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256,
+             encoder_beside_steps=beside) as llm:
         encode = llm.engine.model.encode_images
 
         def failing(pixels, grids):
@@ -261,6 +265,33 @@ def test_a_request_whose_image_the_tower_cannot_encode_fails_alone(hf, monkeypat
         assert seq.token_ids[seq.num_prompt_tokens:] == reference(
             hf, llm.engine.model, seq.token_ids[:seq.num_prompt_tokens], [a])
         assert not eng.encoder.pending
+
+
+def test_beside_the_steps_decoding_goes_on_while_the_tower_runs(hf, monkeypatch):
+    """The tower's call held on its thread (until the test lets it go): the text request
+    decodes a token every step meanwhile and the image request waits; then it is admitted
+    and exact, and a step with nothing else to run waits for the tower."""
+    a, gate = picture(84, 56, 20), threading.Event()
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256,
+             encoder_beside_steps=True) as llm:
+        eng = llm.engine
+        encode = eng.model.encode_images
+        monkeypatch.setattr(eng.model, "encode_images",
+                            lambda pixels, grids: gate.wait(60) and encode(pixels, grids))
+        eng.add_request("text", [5, 6, 7], SamplingParams(max_tokens=12, temperature=0,
+                                                          ignore_eos=True))
+        eng.add_request("image", with_images(ONE, a), GREEDY)
+        text = [o for _ in range(8) for o in eng.step() if o.request_id == "text"]
+        assert len(text) >= 6 and eng.seqs["image"].images.features is None
+        threading.Timer(0.2, gate.set).start()  # after the text request ends
+        outs = {}
+        while eng.has_unfinished():
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+        seq = outs["image"].seq
+        assert seq.token_ids[seq.num_prompt_tokens:] == reference(
+            hf, eng.model, seq.token_ids[:seq.num_prompt_tokens], [a])
+        assert outs["text"].seq.token_ids[3:] == llm.generate(
+            [[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
 
 
 def test_a_request_whose_features_cannot_be_gathered_fails_alone(hf, monkeypatch):

@@ -14,7 +14,11 @@ part of a stall from the prompts' prefill.
 
 Usage: python3 docs/bench/vision_burst.py [--model qwen2.5-vl-7b-random] [--chats 16]
   [--images 32] [--rate 0] [--size 1024] [--text 64] [--new 256] [--device cuda]
-  [--dtype bfloat16] [--max-model-len 8192]
+  [--dtype bfloat16] [--max-model-len 8192] [--in-step] [--max-mixed-prefill-tokens N]
+
+--in-step runs the tower's calls in the steps (``encoder_beside_steps=False``) instead of
+beside them, as the engine did before; --max-mixed-prefill-tokens caps the prompt tokens a
+step carries while the chats decode (default: no cap on a GPU).
 """
 import argparse
 import json
@@ -110,9 +114,13 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--in-step", action="store_true")
+    p.add_argument("--max-mixed-prefill-tokens", type=int)
     args = p.parse_args()
     llm = LLM(args.model, device=args.device, dtype=args.dtype,
-              max_model_len=args.max_model_len, max_num_seqs=args.chats + args.images)
+              max_model_len=args.max_model_len, max_num_seqs=args.chats + args.images,
+              encoder_beside_steps=False if args.in_step else None,
+              max_mixed_prefill_tokens=args.max_mixed_prefill_tokens)
     run(llm, args, True, 0)  # warm-up: compiles, captures, fills the allocator
     rows = [run(llm, args, images, r) for r in (1, 2) for images in (False, True)]
     out = open(os.path.join(os.environ.get("OUT", "."), "vision_burst.jsonl"), "a")

@@ -59,6 +59,10 @@ class EngineConfig:
     # 128-token chunk made a GPT-2 step 4x a decode step (docs/benchmarks.md,
     # "Decoding while maximum-size prompts arrive").
     max_mixed_prefill_tokens: Optional[int] = None
+    # A vision-language model's tower runs on a thread and CUDA stream beside the
+    # steps, so that the sequences decoding meanwhile do not wait for it (default:
+    # on a GPU; core/image_encoder.py). Off, a step runs the tower's call itself.
+    encoder_beside_steps: Optional[bool] = None
     # The logits processor (a plugin name) that enforces a request's
     # response_format: JSON schema, any JSON object, or a regex.
     structured_output: str = "xgrammar"

@@ -78,7 +78,9 @@ class Engine:
         side = device_side.build(model, tokenizer, config, plugins, self.device, self.peers)
         self.config = config = side.config
         self.shares_prompts = not recurrent.layers(side.model)  # _queue
-        self.encoder = ImageEncoder(side.model, config.max_num_batched_tokens) \
+        beside = config.encoder_beside_steps
+        self.encoder = ImageEncoder(side.model, config.max_num_batched_tokens, beside=(
+            self.device.type == "cuda" if beside is None else beside)) \
             if hasattr(side.model, "encode_images") else None
         self.dtype, self.model, self.hf_config = side.dtype, side.model, side.hf_config
         self.tokenizer, self.kv_cache, self.runner = side.tokenizer, side.kv_cache, side.runner
@@ -164,6 +166,8 @@ class Engine:
         if self.closed:
             return
         self._leave()
+        if self.encoder is not None:
+            self.encoder.close()
         self.seqs.clear()
         self.groups.clear()
         self._in_flight = self.runner = self.kv_cache = self.model = None
@@ -355,9 +359,11 @@ class Engine:
     def _encode_images(self) -> list[RequestOutput]:
         """The queued requests' next images through the tower (core/image_encoder.py); a
         request whose images raise there fails."""
-        outputs = []
-        for images, error in self.encoder.step():
-            for seq in [s for s in self.scheduler.waiting if s.images is images]:
+        outputs, waiting = [], self.scheduler.waiting
+        idle = not self.scheduler.running and self._in_flight is None and \
+            not any(_encoded(s) for s in waiting)  # only images to wait for
+        for images, error in self.encoder.step(wait=idle):
+            for seq in [s for s in waiting if s.images is images]:
                 if not seq.finished:
                     outputs += self.fail(seq, error)
         return outputs
