@@ -8,8 +8,9 @@ import torch
 from roseinfer.core.triton_support import triton_usable
 from roseinfer.layers.gated_deltanet import delta_rule
 from roseinfer.layers.mamba2 import ssm_scan
-from roseinfer.layers.recurrent_decode import delta_decode_in_place, delta_decode_torch, \
-    delta_gates, ssm_decode_in_place, ssm_decode_torch
+from roseinfer.layers.recurrent_decode import conv_decode_in_place, conv_decode_torch, \
+    delta_decode_in_place, delta_decode_torch, delta_gates, ssm_decode_in_place, \
+    ssm_decode_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -93,3 +94,31 @@ def test_the_ssm_kernel_equals_its_torch_form():
 
 def test_the_ssm_torch_form_equals_the_closed_form():
     equals_the_closed_form(ssm_decode_torch, ssm_scan, *ssm_batch(3))
+
+
+@pytest.mark.skipif(not triton_usable(DEVICE), reason="Triton runs on CUDA or interpreted")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_the_convolution_kernel_equals_its_torch_form(dtype, bias):
+    """The depthwise causal convolution and SiLU of one token a sequence (a 4-tap kernel
+    over 200 channels: a block and a part): outputs, the rows' inputs moved on (a fresh
+    row's from zeros), the other rows untouched; x read through its row stride."""
+    gen = torch.Generator().manual_seed(4)
+    channels, taps = 200, 4
+    conv = torch.nn.Conv1d(channels, channels, taps, groups=channels, bias=bias)
+    with torch.no_grad():
+        for p in conv.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    conv = conv.to(DEVICE, dtype)
+    x = torch.randn(3, channels + 8, generator=gen).to(DEVICE, dtype)[:, :channels]
+    state = torch.randn(5, channels, taps - 1, generator=gen).to(DEVICE, dtype)
+    rows = torch.tensor([3, 0, 4], device=DEVICE)
+    fresh = torch.tensor([False, True, False], device=DEVICE)
+    want_state = state.clone()
+    want = conv_decode_torch(x, want_state, conv, rows, fresh)
+    got = conv_decode_in_place(x, state, conv, rows, fresh)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=0)  # moved, not computed
+    assert torch.equal(state[[1, 2]], want_state[[1, 2]])

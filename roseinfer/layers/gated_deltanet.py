@@ -85,8 +85,12 @@ class GatedDeltaNet(RecurrentLayer):
         their outputs [B, T, value heads, value dim]. A decode batch on a GPU steps its
         states in their rows, its gates in the same kernel (layers/recurrent_decode.py)."""
         in_place = isinstance(fresh, torch.Tensor) and recurrent_decode.steps_in_place(mixed)
-        conv, state = self.states(rows, fresh, recurrent=not in_place)
-        mixed = F.silu(causal_conv(conv, mixed, self.conv1d))
+        if in_place:
+            mixed = recurrent_decode.conv_decode_in_place(
+                mixed[:, 0], self.conv_state, self.conv1d, rows, fresh)[:, None]
+        else:
+            conv, state = self.states(rows, fresh)
+            mixed = F.silu(causal_conv(conv, mixed, self.conv1d))
         n, tokens = mixed.shape[:2]
         q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], -1)
         q, k = q.view(n, tokens, self.nk, self.dk), k.view(n, tokens, self.nk, self.dk)
@@ -99,7 +103,7 @@ class GatedDeltaNet(RecurrentLayer):
             g, beta = recurrent_decode.delta_gates(ba, self.A_log, self.dt_bias)
             out, state = delta_rule(q, k, v, g, beta, state,
                                     state_conv.kernels(mixed.device, mixed.dtype))
-        self.keep(rows, conv, state)
+            self.keep(rows, conv, state)
         return out.to(mixed.dtype)
 
 

@@ -78,8 +78,12 @@ class Mamba2Mixer(RecurrentLayer):
         """B sequences' step tokens, T each (their states in ``rows``): the SSM's output
         [B, T, inner]."""
         in_place = isinstance(fresh, torch.Tensor) and recurrent_decode.steps_in_place(xbc)
-        conv, ssm = self.states(rows, fresh, recurrent=not in_place)
-        xbc = F.silu(causal_conv(conv, xbc, self.conv1d))
+        if in_place:
+            xbc = recurrent_decode.conv_decode_in_place(
+                xbc[:, 0], self.conv_state, self.conv1d, rows, fresh)[:, None]
+        else:
+            conv, ssm = self.states(rows, fresh)
+            xbc = F.silu(causal_conv(conv, xbc, self.conv1d))
         x, b, c = xbc.split([self.inner, self.groups * self.state,
                              self.groups * self.state], -1)
         per_group = self.heads // self.groups
@@ -95,7 +99,7 @@ class Mamba2Mixer(RecurrentLayer):
                 fresh)[:, None]
         else:
             out, ssm = ssm_scan(x, dt, a, b, c, ssm, state_conv.kernels(xbc.device, xbc.dtype))
-        self.keep(rows, conv, ssm)
+            self.keep(rows, conv, ssm)
         out = out + self.D.float()[:, None] * x
         return out.view(n, tokens, self.inner).to(xbc.dtype)
 

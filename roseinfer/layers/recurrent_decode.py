@@ -7,19 +7,25 @@ Gathering the step's rows into a batch, running the recurrence on the copy and w
 back moved every state three times over, and cost four launches a layer; here one program
 a (sequence, head, block of 32 columns) reads its tile of the state from the row, steps
 it, writes it back and stores its outputs. A sequence whose token is its first
-(``fresh``) starts from zeros. Triton on CUDA (and interpreted, for tests); each
-``*_torch`` is the same step in plain torch.
+(``fresh``) starts from zeros. The layers' depthwise convolution before it steps its
+inputs in their rows the same way (``conv_decode_in_place``, with the SiLU after it): a
+launch where gathering, shifting, convolving, activating and writing back took about
+eight. Triton on CUDA (and interpreted, for tests); each ``*_torch`` is the same step in
+plain torch.
 """
 from __future__ import annotations  # kernel annotations stay strings without triton
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton
+from roseinfer.layers.state_conv import causal_conv
 
 EPS = 1e-6     # the q/k L2 norm's, as the torch form's (gated_deltanet._l2norm)
 BLOCK_V = 32   # value columns a program: a [key dim, 32] float32 tile of the state
 BLOCK_P = 32   # Mamba2: head-dim rows a program, a [32, state size] float32 tile
+BLOCK_C = 128  # the convolution's channels a program
 
 
 def steps_in_place(x: torch.Tensor) -> bool:
@@ -158,3 +164,54 @@ def ssm_decode_torch(x, dt, a, b, c, state: torch.Tensor, rows: torch.Tensor,
     s = s + (dt[..., None] * x)[..., None] * b[:, :, None, :]
     state[rows] = s
     return torch.einsum("bhpn,bhn->bhp", s, c)
+
+
+@_kernel
+def _conv_decode_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, rows_ptr, fresh_ptr, out_ptr, C,
+                        s_xb, s_row, HAS_BIAS: tl.constexpr, K: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+    b, cb = tl.program_id(0), tl.program_id(1)
+    cc = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = cc < C
+    fresh = tl.load(fresh_ptr + b) != 0
+    window = state_ptr + tl.load(rows_ptr + b).to(tl.int64) * s_row + cc * (K - 1)
+    x = tl.load(x_ptr + b * s_xb + cc, mask=ok, other=0.0)
+    acc = x.to(tl.float32) * tl.load(w_ptr + cc * K + K - 1, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cc, mask=ok, other=0.0).to(tl.float32)
+    # each input moves one place back; a thread stores only what it loaded the pass before
+    for j in tl.static_range(K - 1):
+        v = tl.load(window + j, mask=ok, other=0.0)
+        v = tl.where(fresh, tl.zeros_like(v), v)
+        acc += v.to(tl.float32) * tl.load(w_ptr + cc * K + j, mask=ok, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(window + j - 1, v, mask=ok)
+    tl.store(window + K - 2, x.to(state_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + b * C + cc, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def conv_decode_in_place(x: torch.Tensor, state: torch.Tensor, conv: nn.Conv1d,
+                         rows: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """The recurrent layers' depthwise causal convolution and SiLU for one token a
+    sequence: x [B, C]; ``state`` [rows, C, kernel - 1], each row its sequence's inputs
+    before the token, the batch's in ``rows`` [B] (those where ``fresh`` [B] from zeros),
+    moved on by x in place. Returns SiLU(conv) [B, C] in x's dtype."""
+    batch, channels = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    assert state.is_contiguous() and state.shape[1] == channels
+    out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
+    bias = conv.bias
+    _conv_decode_kernel[(batch, triton.cdiv(channels, BLOCK_C))](
+        x, state, conv.weight, conv.weight if bias is None else bias, rows, fresh, out,
+        channels, x.stride(0), state.stride(0), HAS_BIAS=bias is not None,
+        K=conv.weight.shape[-1], BLOCK_C=BLOCK_C)
+    return out
+
+
+def conv_decode_torch(x: torch.Tensor, state: torch.Tensor, conv: nn.Conv1d,
+                      rows: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """``conv_decode_in_place`` in plain torch (layers/state_conv.py's ``causal_conv``)."""
+    window = state[rows].masked_fill(fresh.view(-1, 1, 1), 0)
+    out = F.silu(causal_conv(window, x[:, None], conv))[:, 0]
+    state[rows] = window
+    return out

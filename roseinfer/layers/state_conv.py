@@ -48,25 +48,23 @@ class RecurrentLayer(nn.Module):
         return {"conv_state": ((self.conv_dim, self.kernel - 1), False),
                 self.STATE: (self.state_shape(), True)}
 
-    def states(self, rows: torch.Tensor, fresh: bool | torch.Tensor, recurrent: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def states(self, rows: torch.Tensor, fresh: bool | torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the rows' convolution inputs and state (zeros where ``fresh``: all of
-        them, or a mask [B] of a decode batch's rows), for ``keep`` to write back;
-        ``recurrent`` False: the convolution's alone (a kernel steps the state in its
-        rows)."""
+        them, or a mask [B] of a decode batch's rows), for ``keep`` to write back. (A
+        decode batch on a GPU steps both in their rows instead: layers/recurrent_decode.py.)"""
         conv, state = getattr(self, "conv_state", None), getattr(self, self.STATE, None)
         if conv is None:
             raise RuntimeError(f"{type(self).__name__} runs inside an engine step, after "
                                "core/recurrent.py has bound its state rows")
-        found = [conv[rows]] + ([state[rows]] if recurrent else [])
+        found = conv[rows], state[rows]
         for t in found:
             if isinstance(fresh, torch.Tensor):
                 t.masked_fill_(fresh.view(-1, *[1] * (t.dim() - 1)), 0)
             elif fresh:
                 t.zero_()
-        return found[0], found[1] if recurrent else None
+        return found
 
-    def keep(self, rows: torch.Tensor, conv: torch.Tensor, state: torch.Tensor | None) -> None:
+    def keep(self, rows: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> None:
         self.conv_state[rows] = conv
-        if state is not None:
-            getattr(self, self.STATE)[rows] = state
+        getattr(self, self.STATE)[rows] = state
