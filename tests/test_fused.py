@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
 from roseinfer.layers.fused import ROPE_HEAD_ROWS, HeadNorms, add_layer_norm, add_rms_norm, apply_rope, \
-    gelu_tanh_and_mul, silu_and_mul
+    gated_rms_norm, gelu_tanh_and_mul, silu_and_mul
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -252,6 +252,34 @@ def test_apply_rope_with_head_norms(gen, norm_class, rows, dtype):
     (fused_q, fused_k), (plain_q, plain_k) = results
     assert_close(fused_q, plain_q, dtype)
     assert_close(fused_k, plain_k, dtype)
+
+
+@dtypes
+@pytest.mark.parametrize("family", ["qwen3_next", "granite"])
+def test_gated_rms_norm(gen, family, dtype):
+    """Against transformers' own gated norms: Qwen3-Next's per value head (norm, weight,
+    then the gate) and Granite 4.0-H's Mamba2 one over groups (the gate first); the gate
+    read through a row stride, as the layers' split views give it."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import \
+        GraniteMoeHybridRMSNormGated
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    if family == "qwen3_next":  # [tokens, value heads, value dim], the weight a head's
+        x, width, group = randn(gen, ROWS, 4, 48, dtype=dtype), 48, 48
+        hf = Qwen3NextRMSNormGated(48, eps=EPS)
+    else:  # [tokens, inner] in 4 groups
+        x, width, group = randn(gen, ROWS, 192, dtype=dtype), 192, 48
+        hf = GraniteMoeHybridRMSNormGated(192, 48, eps=EPS)
+    gate = randn(gen, *x.shape[:-1], width + 16, dtype=dtype)[..., 16:]
+    hf = hf.to(DEVICE, dtype)
+    with torch.no_grad():
+        hf.weight.copy_(1 + 0.2 * randn(gen, width, dtype=dtype))
+        expected = hf(x, gate)
+    for use_triton in (True, False):
+        got = gated_rms_norm(x, gate, hf.weight.detach(), EPS, group,
+                             gate_first=family == "granite", use_triton=use_triton)
+        assert got.shape == x.shape
+        assert_close(got, expected, dtype)
 
 
 @pytest.mark.gpu

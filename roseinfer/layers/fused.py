@@ -6,6 +6,8 @@ kernel:
 
 - ``add_layer_norm`` / ``add_rms_norm``: residual add + norm (one shared kernel).
 - ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` on the fused gate_up output.
+- ``gated_rms_norm``: the recurrent layers' RMSNorm with a SiLU gate, per group of channels
+  (Qwen3-Next's DeltaNet, Mamba2's mixers).
 - ``fp8=True`` (RMSNorm, SwiGLU): the rows come out rounded to e4m3 with a scale each
   (``QuantizedRows``), for an FP8 linear that reads them: its rounding's launch saved.
 - ``apply_rope``: gather cos/sin by position and rotate q and k, in place; with
@@ -217,6 +219,59 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         return F.rms_norm(h, (h.shape[-1],), weight, eps), h
     normed = F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype) * weight
     return normed.to(h.dtype), h
+
+
+# ---------------------------------------------------------------- gated RMSNorm
+@_kernel
+def _gated_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, s_x, s_g, per_token, n_cols, eps,
+                       BLOCK: tl.constexpr, GATE_FIRST: tl.constexpr):
+    """One group of a token's channels: row r is token r // per_token, group r % per_token
+    (the token's stride for x and the gate, the groups contiguous in it)."""
+    r = tl.program_id(0).to(tl.int64)
+    token, group = r // per_token, r % per_token
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    h = tl.load(x_ptr + token * s_x + group * n_cols + cols, mask=mask, other=0.0)
+    g = tl.load(g_ptr + token * s_g + group * n_cols + cols, mask=mask, other=0.0)
+    h, g = h.to(tl.float32), g.to(tl.float32)
+    silu = g / (1.0 + tl.exp(-g))
+    if GATE_FIRST:
+        h = h * silu
+    y = rms_norm_row(h, w_ptr + group * n_cols, out_ptr, cols, mask, n_cols, eps,
+                     UNIT_OFFSET=False)
+    if not GATE_FIRST:
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32) * silu
+    tl.store(out_ptr + r * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   group: int, gate_first: bool, use_triton: bool | None = None
+                   ) -> torch.Tensor:
+    """RMSNorm over each ``group`` channels of x [..., C] with a SiLU gate [..., C]:
+    ``gate_first`` (Mamba2's) norms x * silu(gate) and rounds before the weight; else
+    (Qwen3-Next's) the weight [C] scales the rounded norm, rounded, times silu(gate).
+    Returns x's shape and dtype."""
+    if _use_triton(use_triton, x):
+        return _gated_norm_triton(x, gate, weight, eps, group, gate_first)
+    h, silu = x.float(), F.silu(gate.float())
+    if gate_first:
+        h = h * silu
+    rows = h.view(*h.shape[:-1], -1, group)
+    h = (rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)).view_as(h)
+    h = weight * h.to(x.dtype)
+    return h if gate_first else (h * silu).to(x.dtype)
+
+
+def _gated_norm_triton(x, gate, weight, eps, group, gate_first):
+    x2, g2 = (t.reshape(-1, t.shape[-1]) for t in (x, gate))
+    x2, g2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, g2))
+    per_token = x2.shape[1] // group
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(group)
+    _gated_norm_kernel[(x2.shape[0] * per_token,)](
+        x2, g2, weight, out, x2.stride(0), g2.stride(0), per_token, group, eps, BLOCK=block,
+        GATE_FIRST=gate_first, num_warps=_warps(block))
+    return out
 
 
 # ---------------------------------------------------------------- SwiGLU

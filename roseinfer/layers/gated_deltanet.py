@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.recurrent import over_batches
-from roseinfer.layers import state_conv
-from roseinfer.layers import recurrent_decode
+from roseinfer.layers import fused, recurrent_decode, state_conv
 from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens the delta rule takes at once in a prompt
@@ -37,9 +36,8 @@ class HeadGatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * h.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+        return fused.gated_rms_norm(x, gate, self.weight, self.eps, x.shape[-1],
+                                    gate_first=False)
 
 
 class GatedDeltaNet(RecurrentLayer):

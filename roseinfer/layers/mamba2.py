@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.recurrent import over_batches
-from roseinfer.layers import recurrent_decode, state_conv
+from roseinfer.layers import fused, recurrent_decode, state_conv
 from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
 
 CHUNK = 64  # tokens the SSM takes at once in a prompt
@@ -37,10 +37,8 @@ class GatedRMSNorm(nn.Module):
         self.group, self.eps = group, eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float() * F.silu(gate.float())
-        g = h.view(*h.shape[:-1], -1, self.group)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view_as(h).to(x.dtype)
+        return fused.gated_rms_norm(x, gate, self.weight, self.eps, self.group,
+                                    gate_first=True)
 
 
 class Mamba2Mixer(RecurrentLayer):
