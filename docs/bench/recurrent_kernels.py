@@ -12,12 +12,18 @@ and scatters them back (the engine before), "in_place" is layers/recurrent_decod
 tokens a second. Median of 20 calls after one, each timed with events. One JSON line per
 row to OUT/recurrent_kernels.jsonl.
 
+With MAMBA_SSM_SRC set to an unpacked mamba-ssm source tree (its sdist: the registry has no
+wheel, and its CUDA extensions are not needed here), Mamba2's rows also time mamba-ssm's
+Triton kernels, as vLLM runs them: "mamba_ssm" decode is ``selective_state_update`` over
+the table's rows (in place, by ``state_batch_indices``), a prompt ``mamba_chunk_scan_combined``.
+
     python3 docs/bench/recurrent_kernels.py [--decode 1,8,64,256] [--prompt 512,4096,32768]
 """
 import argparse
 import json
 import os
 import sys
+import types
 
 import torch
 
@@ -42,8 +48,53 @@ def inputs(layer: str, batch: int, tokens: int):
                 randn(*shape, 32, 128).bfloat16(), -rand(*shape, 32), rand(*shape, 32),
                 randn(batch, 32, 128, 128, scale=0.1))
     dt = rand(*shape, 128) * 0.1
-    return (randn(*shape, 128, 64), dt, -dt * rand(128), randn(*shape, 128, 128, scale=0.1),
+    return (randn(*shape, 128, 64), dt, dt * A_MAMBA, randn(*shape, 128, 128, scale=0.1),
             randn(*shape, 128, 128, scale=0.1), randn(batch, 128, 64, 128, scale=0.1))
+
+
+# Mamba2's per-head A (each token's log decay is dt A), the same in every call
+A_MAMBA = -torch.rand(128, generator=torch.Generator().manual_seed(0)).cuda() \
+    if torch.cuda.is_available() else None
+
+
+def mamba_ssm():
+    """(selective_state_update, mamba_chunk_scan_combined) from MAMBA_SSM_SRC, loaded past
+    the package's __init__ (which imports its unbuilt CUDA extensions); None without it."""
+    src = os.environ.get("MAMBA_SSM_SRC")
+    if not src:
+        return None
+    package = types.ModuleType("mamba_ssm")
+    package.__path__ = [os.path.join(src, "mamba_ssm")]
+    sys.modules["mamba_ssm"] = package
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    return selective_state_update, mamba_chunk_scan_combined
+
+
+def mamba_ssm_decode(update, args, table, rows) -> float:
+    """One token a sequence, each state stepped in its table row; dt and A tied over the
+    head dim (stride 0), as vLLM passes them; B and C a group a head."""
+    x, dt, _, b, c = (a[:, 0] for a in args[:5])
+    heads, p, n = table.shape[1:]
+    a = A_MAMBA[:, None, None].expand(heads, p, n)
+    dt = dt[..., None].expand(-1, -1, p)
+    # zeros for D (the skip the layer adds itself) and the dt bias: its wrapper needs both
+    zeros = torch.zeros(heads, device="cuda")[:, None].expand(heads, p)
+    return seconds(lambda: update(table, x, dt, a, b, c, D=zeros, dt_bias=zeros,
+                                  state_batch_indices=rows.int()), reps=20)
+
+
+def mamba_ssm_prompt(scan, args) -> float:
+    """The SSD chunk scan over one prompt (chunks of 256, as Mamba2 checkpoints set),
+    checked once against the layer's closed form before it is timed."""
+    x, dt, _, b, c, state = args
+    got, end = scan(x, dt, A_MAMBA, b, c, 256, initial_states=state.clone(),
+                    return_final_states=True)
+    want, want_end = mamba2.ssm_scan(*args[:5], state.clone())
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(end, want_end, atol=2e-2, rtol=2e-2)
+    return seconds(lambda: scan(x, dt, A_MAMBA, b, c, 256, initial_states=state.clone(),
+                                return_final_states=True), reps=20)
 
 
 SCANS = {"gated_deltanet": gated_deltanet.delta_rule, "mamba2": mamba2.ssm_scan}
@@ -69,6 +120,8 @@ def decode_rows(layer: str, kind: str, args) -> float:
         one[3:] = ba[:, 0], a_log, dt_bias
     if kind == "in_place":
         return seconds(lambda: IN_PLACE[layer](*one, table, rows, fresh), reps=20)
+    if kind == "mamba_ssm":
+        return mamba_ssm_decode(mamba_ssm()[0], args, table, rows)
 
     def gathered():
         scan = list(args[:5])
@@ -83,6 +136,10 @@ def run(layer: str, kind: str, args) -> float:
     return seconds(lambda: SCANS[layer](*args[:5], args[5].clone(), kind), reps=20)
 
 
+def extra(layer: str) -> tuple[str, ...]:
+    return ("mamba_ssm",) if layer == "mamba2" and mamba_ssm() is not None else ()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode", default="1,8,64,256")
@@ -95,7 +152,7 @@ def main():
         for batch in map(int, args.decode.split(",")):
             x = inputs(layer, batch, 1)
             floor = 2 * x[5].numel() * 4 / rate  # states read and written
-            for kind in ("fla", "torch", "fla+rows", "in_place"):
+            for kind in ("fla", "torch", "fla+rows", "in_place") + extra(layer):
                 s = run(layer, kind, x) if kind in ("fla", "torch") else \
                     decode_rows(layer, kind, x)
                 row = {"layer": layer, "phase": "decode", "batch": batch, "kernels": kind,
@@ -105,8 +162,9 @@ def main():
                       f"{floor * 1e6:.1f} us: {floor / s:.0%})", flush=True)
         for tokens in map(int, args.prompt.split(",")):
             x = inputs(layer, 1, tokens)
-            for kind in ("fla", "torch"):
-                s = run(layer, kind, x)
+            for kind in ("fla", "torch") + extra(layer):
+                s = mamba_ssm_prompt(mamba_ssm()[1], x) if kind == "mamba_ssm" else \
+                    run(layer, kind, x)
                 row = {"layer": layer, "phase": "prompt", "tokens": tokens, "kernels": kind,
                        "ms": s * 1e3, "tokens_per_s": tokens / s}
                 out.write(json.dumps(row) + "\n")
