@@ -35,11 +35,26 @@ if CUDA:  # compiled kernels: afford realistic sizes as well
     LONG_DECODE = [(9000, 1), (3000, 1), (17, 1), (4500, 1)] * 4
 
 
+def visible(seqs, spans):
+    """Each query's last visible key past its own position (-1: none): an image's tokens,
+    ``spans`` [start, end) per sequence, see on to the image's last."""
+    out = []
+    for (context_len, query_len), runs in zip(seqs, spans):
+        pos = torch.arange(context_len - query_len, context_len)
+        last = torch.full_like(pos, -1)
+        for start, end in runs:
+            last[(pos >= start) & (pos < end)] = end - 1
+        out.append(last)
+    return torch.cat(out)
+
+
 def reference(q, k_cache, v_cache, block_tables, seqs, scale, window=None, sinks=None,
-              softcap=None):
+              softcap=None, spans=None):
     """Causal attention in float64 over each sequence's gathered context; with a window,
     a query at position p sees keys p - window + 1 .. p; with sinks, each head's sink
-    logit joins its softmax (and its weight is dropped), as transformers' gpt-oss does."""
+    logit joins its softmax (and its weight is dropped), as transformers' gpt-oss does;
+    with ``spans``, a query inside one sees on to its end (Gemma 3's images)."""
+    seen = None if spans is None else visible(seqs, spans).to(q.device)
     q, k_cache, v_cache = q.double(), k_cache.double(), v_cache.double()
     group = q.shape[1] // k_cache.shape[1]
     block_size = k_cache.shape[2]
@@ -54,7 +69,8 @@ def reference(q, k_cache, v_cache, block_tables, seqs, scale, window=None, sinks
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
         q_pos = context_len - query_len + torch.arange(query_len, device=q.device)
-        scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], -math.inf)
+        last = q_pos if seen is None else torch.maximum(q_pos, seen[start:start + query_len])
+        scores.masked_fill_(pos[None, None, :] > last[None, :, None], -math.inf)
         if window:
             scores.masked_fill_(pos[None, None, :] <= q_pos[None, :, None] - window, -math.inf)
         if sinks is not None:
@@ -96,7 +112,8 @@ def make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
 
 
 def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
-          cache_dtype=None, window=None, sinks=False, softcap=None, values_are_keys=False):
+          cache_dtype=None, window=None, sinks=False, softcap=None, values_are_keys=False,
+          spans=None):
     backend = REGISTRY.create("attention", backend_name)
     if not backend.supports(DEVICE):
         pytest.skip(f"{backend_name} does not run on {DEVICE.type}")
@@ -117,9 +134,11 @@ def check(request, backend_name, seqs, num_heads, num_kv_heads, head_dim, block_
         extra["sinks"] = (torch.randn(num_heads, generator=gen) * 2).float().to(DEVICE)
     if softcap:
         extra["softcap"] = softcap
+    if spans is not None:
+        attn.visible = visible(seqs, spans).to(DEVICE, torch.int32)
     out = backend.forward(q, k_cache, v_cache, attn, scale, **extra)
     ref = reference(q, k_cache, v_cache, attn.block_tables, seqs, scale, window,
-                    extra.get("sinks"), softcap)
+                    extra.get("sinks"), softcap, spans)
     assert out.shape == q.shape and out.dtype == dtype
     err = (out.double() - ref).norm() / ref.norm()
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
@@ -181,6 +200,23 @@ def test_a_soft_cap(request, backend_name, batch, dtype):
     here, below the random scores' spread, so the cap changes every row."""
     seqs = LONG_DECODE if batch == "long_decode" else BATCHES[batch]
     check(request, backend_name, seqs, 6, 2, 64, 16, dtype, window=5, softcap=1.5)
+
+
+# Image tokens attending both ways (Gemma 3), [start, end) per sequence of BATCHES' own:
+# inside a chunk after a cached prefix, a whole prompt's, two in a 40-token chunk (across
+# q-blocks), beside decode rows
+SPANS = {"prefill_prefix": [[(8, 11)], [(2, 6)], [(31, 40), (50, 66)]],
+         "mixed": [[], [(40, 44)], [], [(3, 20)], []]}
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("batch", list(SPANS))
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_image_tokens_attending_both_ways(request, backend_name, batch, window):
+    """Each image token of a prompt chunk sees its whole image (AttnMetadata.visible),
+    the others causally; with Gemma 3's window layers' kind (5 here) as well."""
+    check(request, backend_name, BATCHES[batch], 6, 2, 24, 4, torch.float32, window=window,
+          spans=SPANS[batch])
 
 
 # (query heads, RoPE dims, latent dims): odd sizes, and DeepSeek's where kernels are compiled

@@ -61,3 +61,47 @@ def declared_png(width: int, height: int) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(
         b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+
+
+def tiny_gemma3_vl(vocab: int = 512, image: int = 300, start: int = 301, end: int = 302):
+    """Gemma 3 with images: two decoder layers (a window of 16, then a global one; 4 heads
+    of 16), a one-layer SigLIP tower over 56 x 56 pixels in 14-pixel patches, pooled 2 x 2
+    to 4 tokens an image; ``image``, ``start``, ``end``: the image token and the ids around
+    it. Norms and the projector drawn away from their zero starts, so that they matter."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Gemma3Config(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+                         layer_types=["sliding_attention", "full_attention"],
+                         max_position_embeddings=1024, rope_parameters={
+                             "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": 10000.0}}),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=56, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=image, boi_token_index=start,
+        eoi_token_index=end, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name and "vision_tower" not in name:
+                p.uniform_(-0.5, 0.5)
+            elif name.endswith("mm_input_projection_weight"):
+                p.normal_(0, 0.3)
+    return hf
+
+
+def gemma3_reference(hf, model, ids, images, max_tokens=10):
+    """transformers' greedy ids for the widened prompt ``ids`` and its images, prepared by
+    ``model``'s (roseinfer's) image processor; its image tokens attend both ways."""
+    kwargs = {}
+    if images:
+        kwargs = dict(pixel_values=torch.cat([model.image_inputs(i)[0] for i in images]),
+                      token_type_ids=(torch.tensor([ids]) == hf.config.image_token_id).long())
+    out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens,
+                      attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[0, len(ids):].tolist()

@@ -23,6 +23,9 @@ class AttnMetadata:
     query_start: torch.Tensor    # int32 [S + 1]: cumulative query lengths
     max_query_len: int
     max_context_len: int
+    # int32 [query tokens]: the last key position each sees where past its own (an image's
+    # tokens attending both ways, models/gemma3_vl.py), else -1; None: causal throughout
+    visible: Optional[torch.Tensor] = None
     # What every layer of one forward derives alike (RoPE rows, gather indices),
     # computed by the first: the runner clears it before each forward.
     memo: dict = field(default_factory=dict, repr=False)

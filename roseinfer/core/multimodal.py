@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,8 @@ class Images:
     patches: list  # each image's pixel patches; None once its features are found
     found: list  # each image's features, None until found
     features: torch.Tensor | None = None  # [image tokens, hidden]: all, in prompt order
+    # each image's tokens [start, end) where they attend both ways (Gemma 3), else none
+    spans: list = field(default_factory=list)
 
     @property
     def digest(self) -> int:
@@ -56,6 +58,18 @@ class Images:
 
     def missing(self) -> list[int]:
         return [i for i, f in enumerate(self.found) if f is None]
+
+    def chunk(self, start: int, n: int, most: int) -> int:
+        """The tokens of a prompt chunk from ``start`` of at most ``n``, where its images'
+        tokens attend both ways: shortened to end before an image it would cut, or, one
+        it starts inside (or at its first token), lengthened to that image's end, when
+        ``most`` tokens allow it (else none: it waits for a step with room)."""
+        for first, end in self.spans:
+            if first < start + n < end:
+                if first > start:
+                    return first - start
+                return end - start if end - start <= most else 0
+        return n
 
     def complete(self, device: torch.device) -> None:
         """Every image found: their features, in order, on ``device``."""
@@ -69,6 +83,9 @@ class StepImages:
     rows: torch.Tensor  # the step's token indices that take a feature
     features: torch.Tensor  # [rows, hidden]
     positions3: torch.Tensor  # [3, step tokens]
+    # [step tokens]: the last key position each sees where past its own (an image token's
+    # that attends both ways), else -1; None where no step token does (AttnMetadata)
+    visible: torch.Tensor | None = None
 
 
 def split(prompt):
@@ -139,14 +156,13 @@ def preprocess(model, images: list, fields: list[str] | None = None, known=None)
     return Pixels(patches, torch.cat(grids), keys, sent)
 
 
-def _prepared(model, image, field: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(patches, grid [1, 3]) of one image by the model's image processor."""
-    picture = _picture(image, field)
+def _prepared(model, image, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixels, grid [1, 3]) of one image by the model's image processor."""
+    picture = _picture(image, name)
     try:
-        prepared = model.image_processor(images=[picture], return_tensors="pt")
+        return model.image_inputs(picture)
     except ValueError as e:  # e.g. an aspect ratio past the processor's bound
-        raise InvalidRequestError(field, f"cannot be prepared ({e})") from None
-    return prepared["pixel_values"], prepared["image_grid_thw"]
+        raise InvalidRequestError(name, f"cannot be prepared ({e})") from None
 
 
 def _source(image) -> int | None:
@@ -177,9 +193,11 @@ def prepare(model, ids: list[int], images, cache=None) -> tuple[list[int], Image
                                   "images: one each")
     grids = pixels.grids
     counts = (grids.prod(-1) // model.merge ** 2).tolist()
-    widened, last = [], 0
+    widened, last, spans = [], 0, []
     for slot, count in zip(slots, counts):
-        widened += ids[last:slot] + [model.image_token_id] * count
+        widened += ids[last:slot]
+        spans.append((len(widened), len(widened) + count))
+        widened += [model.image_token_id] * count
         last = slot + 1
     widened += ids[last:]
     positions3, delta = model.image_positions(widened, grids)
@@ -187,7 +205,8 @@ def prepare(model, ids: list[int], images, cache=None) -> tuple[list[int], Image
     found = [cache.get(k) if cache is not None else None for k in pixels.keys]
     patches = [p if p is not None or f is not None else _prepared(model, image, "image")[0]
                for p, f, image in zip(pixels.patches, found, pixels.sent)]
-    images = Images(at, positions3, delta, pixels.keys, counts, grids, patches, found)
+    images = Images(at, positions3, delta, pixels.keys, counts, grids, patches, found,
+                    spans=spans if getattr(model, "bidirectional_images", False) else [])
     if not images.missing():
         images.complete(model.embed_tokens.weight.device)
     return widened, images
@@ -237,10 +256,13 @@ def step_inputs(seqs, num_tokens, device: torch.device):
     if all(seq.images is None or seq.num_computed >= seq.images.positions3.shape[1]
            for seq in seqs):
         return None
-    rows, features, positions3, t = [], [], [], 0
+    rows, features, positions3, visible, t = [], [], [], [], 0
     for seq, n in zip(seqs, num_tokens):
         idx = torch.arange(seq.num_computed, seq.num_computed + n)
         images = seq.images
+        visible.append(torch.full((n,), -1))
+        for first, end in images.spans if images is not None else ():
+            visible[-1][(idx >= first) & (idx < end)] = end - 1
         if images is None:
             positions3.append(idx.expand(3, -1))
         else:
@@ -252,8 +274,10 @@ def step_inputs(seqs, num_tokens, device: torch.device):
             rows.append(images.at[inside] - idx[0] + t)
             features.append(images.features[inside])
         t += n
+    visible = torch.cat(visible)
     return StepImages(torch.cat(rows).to(device), torch.cat(features).to(device),
-                      torch.cat(positions3, dim=1).to(device))
+                      torch.cat(positions3, dim=1).to(device),
+                      visible.to(device, torch.int32) if bool((visible >= 0).any()) else None)
 
 
 def shift_rows(shift: torch.Tensor, seqs) -> None:

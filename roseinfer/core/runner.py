@@ -162,6 +162,7 @@ class ModelRunner:
         ctx.attn.block_tables = self.tables[inp.seq_rows]
         ctx.seq_rows = inp.seq_rows  # recurrent layers' state rows (core/recurrent.py)
         ctx.model_inputs = self.model_inputs
+        ctx.attn.visible = getattr(self.model_inputs, "visible", None)
         ctx.attn.memo.clear()  # a decode window runs several forwards under one context
         ctx.slots.memo.clear()
         if self.group_blocks is not None:

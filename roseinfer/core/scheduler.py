@@ -191,7 +191,7 @@ class Scheduler:
             if left == 1:  # decoding: the common case, kept to plain arithmetic
                 n = 1 if seq.draft is None else self._fit_draft(batch, seq, budget.tokens)
             else:
-                n = self.blocks.chunk(seq, min(left, budget.prefill_room(seq)))
+                n = self._chunk(seq, min(left, budget.prefill_room(seq)), min(left, budget.tokens))
                 if n == 0:
                     i += 1  # no prefill budget is left for it
                     continue
@@ -233,8 +233,9 @@ class Scheduler:
                 seq.num_computed = self.blocks.match_prefix(seq)
                 if seq.num_cached_tokens is None:  # what the cache saved it, first time in
                     seq.num_cached_tokens = seq.num_computed
-            n = self.blocks.chunk(seq, min(seq.num_scheduled_tokens - seq.num_computed, room))
-            if not self.blocks.reserve(seq, n):
+            left = seq.num_scheduled_tokens - seq.num_computed
+            n = self._chunk(seq, min(left, room), min(left, budget.tokens))
+            if n == 0 or not self.blocks.reserve(seq, n):
                 self.blocks.free_seq(seq)
                 break
             self.waiting.popleft()
@@ -245,6 +246,13 @@ class Scheduler:
             budget.spend_prefill(seq, n)
             batch.prefill_tokens += n
         self.waiting.extendleft(reversed(passed))
+
+    def _chunk(self, seq: Sequence, n: int, most: int) -> int:
+        """A prompt chunk of at most ``n`` tokens; where its images' tokens attend both
+        ways, none cut (up to ``most`` tokens to take one whole: core/multimodal.py)."""
+        if seq.images is not None and seq.images.spans:
+            n = seq.images.chunk(seq.num_computed, n, most)
+        return self.blocks.chunk(seq, n) if n else 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_seq(seq)

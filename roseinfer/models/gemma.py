@@ -8,7 +8,7 @@
 - Gemma 2: attention scores and final logits soft-capped (cap * tanh(x / cap));
 - Gemma 3: q and k normed per head, and the window layers' RoPE base apart from the
   global layers' (``rope_parameters`` by layer type). Its vision-language checkpoints
-  (``gemma3``) load their text part (models/loader.py ``text_part``).
+  (``gemma3``) take images too (models/gemma3_vl.py).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class GemmaLayer(nn.Module):
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(e), norm(e)
         self.qkv_proj = nn.Linear(e, (h + 2 * hkv) * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * d, e, bias=cfg.attention_bias)
-        self.qk_norm, self.clip_qkv = cfg.model_type == "gemma3_text", None
+        self.qk_norm, self.clip_qkv = cfg.model_type in ("gemma3_text", "gemma3"), None
         if self.qk_norm:
             self.q_norm, self.k_norm = norm(d), norm(d)
         self.rotary = rotary
@@ -99,23 +99,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def convert_hf_state_dict(sd: dict, cfg) -> dict:
-        """Llama's; of a Gemma 3 vision-language checkpoint, the language model's tensors
-        only (``language_model.`` on disk, ``model.language_model.`` in memory)."""
+        """Llama's; of a vision-language checkpoint's, the language model's tensors
+        (``language_model.`` on disk, ``model.language_model.`` in memory)."""
         text = {}
         for key, t in sd.items():
-            if not key.startswith(_NOT_TEXT):
-                text[key.replace("model.language_model.", "model.")
-                     .removeprefix("language_model.")] = t
+            text[key.replace("model.language_model.", "model.")
+                 .removeprefix("language_model.")] = t
         return LlamaForCausalLM.convert_hf_state_dict(text, cfg)
-
-    @staticmethod
-    def shard_rule(key: str, cfg) -> sharding.Shard | None:
-        """Llama's; a vision tower's and projector's tensors are not read at all."""
-        if key.startswith(_NOT_TEXT):
-            return sharding.ABSENT
-        return LlamaForCausalLM.shard_rule(key, cfg)
-
-
-# A Gemma 3 checkpoint's image parts, left out: roseinfer serves its text part.
-_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-             "model.multi_modal_projector.")

@@ -368,25 +368,24 @@ def _config(path: str):
     return config
 
 
-# Vision-language checkpoints whose text part roseinfer serves (its family's
-# convert_hf_state_dict and shard_rule leave the rest out), and those whose images it
-# takes too: their text config carries the vision config and the image token's id.
-TEXT_PARTS = ("gemma3",)
-VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl")
+# Vision-language checkpoints: their text config carries the vision config and the image
+# token's id (and Gemma 3's, its tokens an image), and the family takes both parts.
+VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl", "gemma3")
 
 
 def text_part(config):
-    """The text model's config of a checkpoint in TEXT_PARTS or VISION_LANGUAGE (whether
-    its LM head is the embedding is the whole model's to say); any other as it is."""
-    if config.model_type not in TEXT_PARTS + VISION_LANGUAGE:
+    """The text model's config of a checkpoint in VISION_LANGUAGE (whether its LM head is
+    the embedding is the whole model's to say); any other as it is."""
+    if config.model_type not in VISION_LANGUAGE:
         return config
     text = copy.deepcopy(config.get_text_config())  # a model instance's config is its own
     tied = getattr(config, "tie_word_embeddings", None)
     text.tie_word_embeddings = getattr(text, "tie_word_embeddings", False) if tied is None \
         else tied
-    if config.model_type in VISION_LANGUAGE:
-        text.vision_config, text.image_token_id = config.vision_config, config.image_token_id
-        for key in ("bos_token_id", "eos_token_id"):  # Qwen3-VL's text config has none
-            if getattr(text, key, None) is None:
-                setattr(text, key, getattr(config, key, None))
+    text.vision_config, text.image_token_id = config.vision_config, config.image_token_id
+    for key in ("bos_token_id", "eos_token_id"):  # Qwen3-VL's text config has none
+        if getattr(text, key, None) is None:
+            setattr(text, key, getattr(config, key, None))
+    if config.model_type == "gemma3":  # its text config is a text checkpoint's type
+        text.model_type, text.mm_tokens_per_image = "gemma3", config.mm_tokens_per_image
     return text

@@ -82,6 +82,11 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return self.visual(pixels.to(param.device, param.dtype),
                            grid_thw=grids.to(param.device)).pooler_output
 
+    def image_inputs(self, picture) -> tuple[torch.Tensor, torch.Tensor]:
+        """(patches, grid [1, 3]: time, height, width in patches) of a picture."""
+        prepared = self.image_processor(images=[picture], return_tensors="pt")
+        return prepared["pixel_values"], prepared["image_grid_thw"]
+
     def image_positions(self, ids: list[int], grids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(M-RoPE positions [3, P] of a prompt's tokens, the offset of every position past
         it): text tokens count on from the last position, each image's tokens are its grid

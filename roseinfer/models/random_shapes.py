@@ -82,6 +82,20 @@ def _random_qwen3_vl_8b():
         tie_word_embeddings=False)), None
 
 
+def _random_gemma3_12b_vl():
+    """Gemma-3-12B-it's shape with its images: the 12B decoder and SigLIP-so400m (27 layers
+    of 1,152, 896 x 896 pixels in 14-pixel patches) pooled to 256 tokens an image."""
+    from transformers import Gemma3Config
+
+    from roseinfer.models.loader import text_part
+    return text_part(Gemma3Config(
+        text_config=GEMMA3_12B, vision_config=dict(
+            hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+            num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=256, image_token_index=262144, boi_token_index=255999,
+        eoi_token_index=256000)), None
+
+
 GEMMA3_12B = dict(
     vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
     num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
@@ -157,4 +171,5 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
               pad_token_id=0, rope_theta=10000.0),
           "qwen2.5-vl-7b-random": _random_qwen2_5_vl_7b,
-          "qwen3-vl-8b-random": _random_qwen3_vl_8b}
+          "qwen3-vl-8b-random": _random_qwen3_vl_8b,
+          "gemma3-12b-vl-random": _random_gemma3_12b_vl}

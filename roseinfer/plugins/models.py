@@ -9,7 +9,8 @@ Granite 4.0-H has Mamba2 layers beside attention ones (roseinfer/models/granite_
 Qwen3-Next gated DeltaNet ones (roseinfer/models/qwen3_next.py), Nemotron-H Mamba2 blocks
 beside attention and MLP blocks (roseinfer/models/nemotron_h.py). Qwen2.5-VL takes images
 beside Qwen2's decoder (roseinfer/models/qwen2_5_vl.py, core/multimodal.py), Qwen3-VL
-beside Qwen3's (roseinfer/models/qwen3_vl.py)."""
+beside Qwen3's (roseinfer/models/qwen3_vl.py), Gemma 3 beside Gemma 3's
+(roseinfer/models/gemma3_vl.py)."""
 from roseinfer.core.hookspecs import hookimpl
 
 
@@ -18,6 +19,7 @@ def roseinfer_register_model_architectures(register):
     from roseinfer.models.bert import BertModel
     from roseinfer.models.deepseek import DeepseekForCausalLM, Glm4MoeForCausalLM
     from roseinfer.models.gemma import GemmaForCausalLM
+    from roseinfer.models.gemma3_vl import Gemma3ForConditionalGeneration
     from roseinfer.models.gpt2 import GPT2ForCausalLM
     from roseinfer.models.granite_hybrid import GraniteHybridForCausalLM
     from roseinfer.models.nemotron_h import NemotronHForCausalLM
@@ -35,6 +37,7 @@ def roseinfer_register_model_architectures(register):
         register(model_type, MoeForCausalLM)
     for model_type in ("gemma2", "gemma3_text"):
         register(model_type, GemmaForCausalLM)
+    register("gemma3", Gemma3ForConditionalGeneration)
     for model_type in ("bert", "roberta", "xlm-roberta"):
         register(model_type, BertModel)
     register("modernbert", ModernBertModel)

@@ -2,7 +2,9 @@
 (``kv_cache_dtype="fp8"``) is read in the query's dtype: only the rows a step gathers are
 converted. A sliding-window layer's query at position p sees keys p - window + 1 .. p.
 Attention sinks (gpt-oss: a learned logit per head, a key with no value) join each row's
-softmax; a soft cap (Gemma 2) bounds each score to (-cap, cap) by cap * tanh(score / cap)."""
+softmax; a soft cap (Gemma 2) bounds each score to (-cap, cap) by cap * tanh(score / cap).
+A prompt's image tokens that attend both ways (``AttnMetadata.visible``) see the keys up to
+their image's last."""
 import torch
 import torch.nn.functional as F
 
@@ -58,9 +60,10 @@ class TorchSDPAAttention:
         pre_qlens = qlens[pre]
         starts = torch.zeros(len(pre) + 1, dtype=attn.query_start.dtype, device=q.device)
         torch.cumsum(pre_qlens, 0, out=starts[1:])
-        sub = AttnMetadata(attn.block_tables[pre], attn.context_lens[pre], starts,
-                           int(pre_qlens.max()), int(attn.context_lens[pre].max()))
         rows = ~torch.repeat_interleave(single, qlens.long())
+        sub = AttnMetadata(attn.block_tables[pre], attn.context_lens[pre], starts,
+                           int(pre_qlens.max()), int(attn.context_lens[pre].max()),
+                           visible=None if attn.visible is None else attn.visible[rows])
         out[rows] = _prefill(q[rows], k_cache, v_cache, sub, pre_qlens, scale, *extra)
         return out
 
@@ -162,7 +165,12 @@ def _prefill(q, k_cache, v_cache, attn, qlens, scale, window=None, sinks=None, s
     padded[seq, local] = q
     first = (attn.context_lens - qlens)[:, None]
     qp = first + torch.arange(attn.max_query_len, device=q.device)[None, :]
-    mask = kpos[None, None, None, :] <= qp[:, None, :, None]
+    seen = qp  # the last key each query sees: its own, or its image's last (both ways)
+    if attn.visible is not None:
+        seen = torch.full_like(qp, -1)
+        seen[seq, local] = attn.visible.to(qp.dtype)
+        seen = torch.maximum(seen, qp)
+    mask = kpos[None, None, None, :] <= seen[:, None, :, None]
     if window:
         mask &= kpos[None, None, None, :] > qp[:, None, :, None] - window
     out = attend(padded.transpose(1, 2), k, v, mask, scale, sinks, softcap)

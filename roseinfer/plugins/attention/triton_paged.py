@@ -149,16 +149,18 @@ def _softmax_start(sinks_ptr, head, ok, ROWS: tl.constexpr, HAS_SINKS: tl.conste
 
 
 @_kernel
-def _seen(k_pos, k_ok, q_pos, window, HAS_WINDOW: tl.constexpr):
-    """[rows, keys]: which keys each query row sees (causal; within its window)."""
-    seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+def _seen(k_pos, k_ok, q_pos, last, window, HAS_WINDOW: tl.constexpr):
+    """[rows, keys]: which keys each query row sees: up to ``last`` (its own position, or
+    past it for an image's tokens attending both ways); within its window."""
+    seen = k_ok[None, :] & (k_pos[None, :] <= last[:, None])
     if HAS_WINDOW:
         seen &= k_pos[None, :] > q_pos[:, None] - window
     return seen
 
 
 @_kernel
-def _prefill_tiles(q, m_i, l_i, acc, lo, hi, kv_hi, q_pos, window, k_cache_ptr, v_cache_ptr,
+def _prefill_tiles(q, m_i, l_i, acc, lo, hi, kv_hi, q_pos, last, window, k_cache_ptr,
+                   v_cache_ptr,
                    block_table, kv_head, d, d_ok, sc_b, sc_h, sc_o, sc_d, scale_log2,
                    softcap_log2, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr,
@@ -172,7 +174,8 @@ def _prefill_tiles(q, m_i, l_i, acc, lo, hi, kv_hi, q_pos, window, k_cache_ptr, 
         k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's e4m3 values, exactly
         s = _capped(_scores(q, k, DOT_PRECISION, KV_FP16) * scale_log2, softcap_log2, SOFTCAP)
         if MASKED:
-            s = tl.where(_seen(k_pos, k_ok, q_pos, window, HAS_WINDOW), s, float("-inf"))
+            s = tl.where(_seen(k_pos, k_ok, q_pos, last, window, HAS_WINDOW), s,
+                         float("-inf"))
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, HAS_WINDOW)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_i, l_i, acc
@@ -186,10 +189,12 @@ def _paged_attention_kernel(
     so_n, so_h,                       # out strides (d stride 1)
     sc_b, sc_h, sc_o, sc_d,           # cache strides, K and V alike
     bt_stride, table_keys, num_seqs, head_dim, scale_log2, window, sinks_ptr, softcap_log2,
+    visible_ptr,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_VISIBLE: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     kv_head = tl.program_id(1)
@@ -215,6 +220,10 @@ def _paged_attention_kernel(
     # Keys up to the block's last query. Every row sees the first key, so the
     # running max is finite after the first tile (no -inf - -inf).
     kv_hi = context_len - q_len + tl.minimum(first_tok + BLOCK_Q, q_len)
+    last = q_pos
+    if HAS_VISIBLE:  # an image's tokens attending both ways see on to its last
+        last = tl.maximum(q_pos, tl.load(visible_ptr + q_start + tok, mask=row_ok, other=-1))
+        kv_hi = tl.maximum(kv_hi, tl.max(tl.where(row_ok, last, 0)) + 1)
     # A CUDA graph's padding sequence may hold more tokens than a block table
     # covers (step_inputs._pad): it reads no keys past the table.
     kv_hi = tl.minimum(kv_hi, table_keys)
@@ -234,11 +243,11 @@ def _paged_attention_kernel(
     m_i, l_i = _softmax_start(sinks_ptr, head, row_ok, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i, l_i, acc = _prefill_tiles(
-        q, m_i, l_i, acc, kv_lo, full_hi, kv_hi, q_pos, window, k_cache_ptr, v_cache_ptr,
+        q, m_i, l_i, acc, kv_lo, full_hi, kv_hi, q_pos, last, window, k_cache_ptr, v_cache_ptr,
         block_table, kv_head, d, d_ok, sc_b, sc_h, sc_o, sc_d, scale_log2, softcap_log2,
         BLOCK_SIZE, BLOCK_N, DOT_PRECISION, KV_FP16, HAS_WINDOW, SOFTCAP, False)
     m_i, l_i, acc = _prefill_tiles(
-        q, m_i, l_i, acc, full_hi, kv_hi, kv_hi, q_pos, window, k_cache_ptr, v_cache_ptr,
+        q, m_i, l_i, acc, full_hi, kv_hi, kv_hi, q_pos, last, window, k_cache_ptr, v_cache_ptr,
         block_table, kv_head, d, d_ok, sc_b, sc_h, sc_o, sc_d, scale_log2, softcap_log2,
         BLOCK_SIZE, BLOCK_N, DOT_PRECISION, KV_FP16, HAS_WINDOW, SOFTCAP, True)
     out = acc / l_i[:, None]
@@ -448,8 +457,10 @@ class TritonPagedAttention:
             q, k_cache, v_cache, out, attn.block_tables, attn.context_lens, attn.query_start,
             *q.stride(), *out.stride()[:2], *k_cache.stride(), attn.block_tables.stride(0),
             attn.block_tables.shape[1] * k_cache.shape[2], attn.num_seqs, head_dim, scale_log2,
-            window or NO_WINDOW, sinks, softcap_log2, BLOCK_M=block_m, BLOCK_Q=block_q, HAS_WINDOW=bool(window),
-            **const)
+            window or NO_WINDOW, sinks, softcap_log2,
+            attn.context_lens if attn.visible is None else attn.visible,
+            BLOCK_M=block_m, BLOCK_Q=block_q, HAS_WINDOW=bool(window),
+            HAS_VISIBLE=attn.visible is not None, **const)
         return out
 
     @staticmethod
