@@ -205,6 +205,8 @@ class Engine:
             raise InvalidRequestError("rid", f"request id {request_id!r} is already in use")
         self._check_lora(lora)
         prompt, images = multimodal.split(prompt)
+        if images is not None and isinstance(prompt, str):
+            prompt = multimodal.prompt_text(self.model, self.tokenizer, prompt)
         ids = self.intake.prompt_ids(prompt, params)
         if images is not None:
             ids, images = multimodal.prepare(self.model, ids, images, self.encoder and

@@ -212,6 +212,13 @@ def prepare(model, ids: list[int], images, cache=None) -> tuple[list[int], Image
     return widened, images
 
 
+def prompt_text(model, tokenizer, text: str) -> str:
+    """A prompt's text with images as the family's processor writes it before tokenizing
+    (Gemma 3's widens the chat template's image marker), else as it is."""
+    hook = getattr(model, "prompt_text", None)
+    return text if hook is None or tokenizer is None else hook(text, tokenizer)
+
+
 def _digest(values: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(values.float().numpy().tobytes(), digest_size=8,
                                           person=b"images").digest(), "little", signed=True)

@@ -40,6 +40,7 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
             text_config={"hidden_size": cfg.hidden_size}, vision_config=vision.to_dict(),
             mm_tokens_per_image=cfg.mm_tokens_per_image))
         self.image_token_id = cfg.image_token_id
+        self.marks = cfg.boi_token_id, cfg.eoi_token_id  # around an image's tokens
         self.side = int(cfg.mm_tokens_per_image ** 0.5)  # tokens a side of an image
         size = vision.image_size
         self.image_processor = Gemma3ImageProcessorPil.from_dict({
@@ -53,6 +54,14 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
         embeddings = self.vision_tower.embeddings
         embeddings.position_ids = torch.arange(
             embeddings.num_positions, device=self.embed_tokens.weight.device)[None]
+
+    def prompt_text(self, text: str, tokenizer) -> str:
+        """As Gemma 3's processor: each ``<start_of_image>`` the chat template writes becomes
+        the image's sequence, two newlines, the marker, the image's tokens (one here: the
+        engine widens it), ``<end_of_image>``, two newlines; tokenized as a whole after."""
+        start, image, end = tokenizer.convert_ids_to_tokens(
+            [self.marks[0], self.image_token_id, self.marks[1]])
+        return text.replace(start, f"\n\n{start}{image}{end}\n\n")
 
     def image_inputs(self, picture) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixels [1, 3, size, size], grid [1, 3]: 1 x side x side tokens) of a picture."""

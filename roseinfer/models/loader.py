@@ -388,4 +388,5 @@ def text_part(config):
             setattr(text, key, getattr(config, key, None))
     if config.model_type == "gemma3":  # its text config is a text checkpoint's type
         text.model_type, text.mm_tokens_per_image = "gemma3", config.mm_tokens_per_image
+        text.boi_token_id, text.eoi_token_id = config.boi_token_index, config.eoi_token_index
     return text

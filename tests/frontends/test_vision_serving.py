@@ -238,3 +238,51 @@ def test_the_gateway_fetches_images_only_from_allowed_domains(served, start_work
         with pytest.raises(openai.BadRequestError, match=match) as refused:
             ask(path)
         assert refused.value.body["param"] == "messages[0].content[1]"
+
+
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>{% elif part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+GEMMA_SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<image_soft_token>",
+                  "<end_of_image>"]
+
+
+def test_gemma3_chat_images_as_its_processor_writes_them(tiny_gpt2_dir, start_worker,
+                                                          redis_server, prefix):
+    """Gemma 3's chat template writes one ``<start_of_image>`` an image, which its processor
+    widens (newlines, the image's tokens, ``<end_of_image>``) before tokenizing: the prompt
+    ids through LLM.chat and through a worker equal transformers' Gemma3Processor's, and the
+    reply its model's."""
+    from transformers import AutoTokenizer, Gemma3Processor
+
+    from tests.vision_models import tiny_gemma3_vl
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA_SPECIALS})
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    start, image, end = tokenizer.convert_tokens_to_ids(GEMMA_SPECIALS[2:])
+    for name, token in zip(("boi", "image", "eoi"), GEMMA_SPECIALS[2:]):  # as Gemma's has
+        setattr(tokenizer, f"{name}_token", token)
+        setattr(tokenizer, f"{name}_token_id", tokenizer.convert_tokens_to_ids(token))
+    hf = tiny_gemma3_vl(vocab=len(tokenizer) + 7, image=image, start=start, end=end)
+    llm = LLM(hf, tokenizer=tokenizer, device="cpu", dtype="float32", block_size=4,
+              num_kv_blocks=512, max_num_seqs=4)
+    processor = Gemma3Processor(image_processor=llm.engine.model.image_processor,
+                                tokenizer=tokenizer, image_seq_length=4)
+    a = picture(56, 84, 2)
+    messages = user({"type": "image"}, {"type": "text", "text": "What is this?"})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[a]], return_tensors="pt")
+    greedy = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    want = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    parts = user({"type": "image", "data": png(a)}, {"type": "text", "text": "What is this?"})
+    chat = llm.chat(parts, SamplingParams(**greedy))
+    assert chat.output.seq.token_ids[:chat.output.seq.num_prompt_tokens] == \
+        inputs["input_ids"][0].tolist()
+    assert chat.output.token_ids == want
+    start_worker(llm.engine)
+    out = Client(redis_server.url, prefix=prefix).generate(Chat(parts), timeout=60, **greedy)
+    assert out.token_ids == want

@@ -61,6 +61,8 @@ class Admission:
             chat = req.prompt
             pixels = self._images(chat)
             text = self._render(chat)
+            if pixels is not None:
+                text = multimodal.prompt_text(self.model, self.tokenizer, text)
             if self.reasoning is not None:
                 req.reasoning_inside = self.reasoning.opened(text)
                 # response_format and forced tool calls constrain the answer alone
