@@ -177,6 +177,14 @@ class Engine:
             torch.cuda.empty_cache()
 
     @property
+    def prompts_pending(self) -> bool:
+        """Whether a prompt waits or is being computed (the step in flight included)."""
+        launched, scheduler = self._in_flight, self.scheduler
+        return bool(scheduler.waiting) or (launched is not None and launched.batch.prefill_tokens
+                                           > 0) or any(s.num_computed < s.num_prompt_tokens
+                                                       for s in scheduler.running)
+
+    @property
     def closed(self) -> bool:
         return self.scheduler is None
 

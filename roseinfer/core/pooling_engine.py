@@ -110,10 +110,12 @@ class PoolingEngine:
         return EngineStats(started, len(self._queue) - started, 0.0, 0)
 
     @torch.inference_mode()
-    def step(self) -> list[PoolingOutput]:
+    def step(self, max_tokens: int | None = None) -> list[PoolingOutput]:
+        """A batch of the queued inputs (of at most ``max_tokens`` tokens, one input at
+        least; default the config's budget) through the model; the requests it ends."""
         outputs = [PoolingOutput(rid, "abort") for rid in self._aborted]
         self._aborted = []
-        batch = self._take_batch()
+        batch = self._take_batch(max_tokens)
         if batch:
             self._run(batch)
         for q in [q for q in self._queue if len(q.rows) == len(q.prepared.items)]:
@@ -159,10 +161,10 @@ class PoolingEngine:
         return Prepared(task, items, order, logits)
 
     # ---- batches ---------------------------------------------------------------------
-    def _take_batch(self) -> list[tuple[_Queued, int]]:
+    def _take_batch(self, max_tokens: int | None) -> list[tuple[_Queued, int]]:
         """(request, input index) pairs of the next batch: queued inputs in order until
         the token budget."""
-        budget = max(self.config.max_num_batched_tokens, self.max_model_len)
+        budget = max_tokens or max(self.config.max_num_batched_tokens, self.max_model_len)
         batch, tokens = [], 0
         for q in self._queue:
             order, items = q.prepared.order, q.prepared.items

@@ -17,12 +17,11 @@ closed form: one triangular solve a chunk): the reference the kernels are checke
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.recurrent import over_batches
 from roseinfer.layers import fused, recurrent_decode, state_conv
-from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
+from roseinfer.layers.state_conv import RecurrentLayer
 
 CHUNK = 64  # tokens the delta rule takes at once in a prompt
 
@@ -82,18 +81,12 @@ class GatedDeltaNet(RecurrentLayer):
         """B sequences' step tokens, T each (``ba``: the gates' inputs, ``delta_gates``):
         their outputs [B, T, value heads, value dim]. A decode batch on a GPU steps its
         states in their rows, its gates in the same kernel (layers/recurrent_decode.py)."""
-        in_place = isinstance(fresh, torch.Tensor) and recurrent_decode.steps_in_place(mixed)
-        if in_place:
-            mixed = recurrent_decode.conv_decode_in_place(
-                mixed[:, 0], self.conv_state, self.conv1d, rows, fresh)[:, None]
-        else:
-            conv, state = self.states(rows, fresh)
-            mixed = F.silu(causal_conv(conv, mixed, self.conv1d))
+        mixed, conv, state = self.convolved(mixed, rows, fresh)
         n, tokens = mixed.shape[:2]
         q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], -1)
         q, k = q.view(n, tokens, self.nk, self.dk), k.view(n, tokens, self.nk, self.dk)
         v = v.view(n, tokens, self.nv, self.dv)
-        if in_place:
+        if conv is None:  # a decode batch on a GPU: the states step in their rows
             out = recurrent_decode.delta_decode_in_place(
                 q[:, 0], k[:, 0], v[:, 0], ba[:, 0], self.A_log, self.dt_bias,
                 self.recurrent_state, rows, fresh)[:, None]

@@ -23,7 +23,7 @@ from torch import nn
 
 from roseinfer.core.recurrent import over_batches
 from roseinfer.layers import fused, recurrent_decode, state_conv
-from roseinfer.layers.state_conv import RecurrentLayer, causal_conv
+from roseinfer.layers.state_conv import RecurrentLayer
 
 CHUNK = 64  # tokens the SSM takes at once in a prompt
 
@@ -75,13 +75,7 @@ class Mamba2Mixer(RecurrentLayer):
                rows: torch.Tensor) -> torch.Tensor:
         """B sequences' step tokens, T each (their states in ``rows``): the SSM's output
         [B, T, inner]."""
-        in_place = isinstance(fresh, torch.Tensor) and recurrent_decode.steps_in_place(xbc)
-        if in_place:
-            xbc = recurrent_decode.conv_decode_in_place(
-                xbc[:, 0], self.conv_state, self.conv1d, rows, fresh)[:, None]
-        else:
-            conv, ssm = self.states(rows, fresh)
-            xbc = F.silu(causal_conv(conv, xbc, self.conv1d))
+        xbc, conv, ssm = self.convolved(xbc, rows, fresh)
         x, b, c = xbc.split([self.inner, self.groups * self.state,
                              self.groups * self.state], -1)
         per_group = self.heads // self.groups
@@ -91,7 +85,7 @@ class Mamba2Mixer(RecurrentLayer):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [B, T, H]
         x = x.float().view(n, tokens, self.heads, self.head_dim)
         a = -torch.exp(self.A_log.float()) * dt  # log of each token's decay, [B, T, H]
-        if in_place:  # a decode batch on a GPU: the states step in their rows
+        if conv is None:  # a decode batch on a GPU: the states step in their rows
             out = recurrent_decode.ssm_decode_in_place(
                 x[:, 0], dt[:, 0], a[:, 0], b[:, 0], c[:, 0], self.ssm_state, rows,
                 fresh)[:, None]

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.core.triton_support import kernel as _kernel, tl, triton
-from roseinfer.layers.state_conv import causal_conv
 
 EPS = 1e-6     # the q/k L2 norm's, as the torch form's (gated_deltanet._l2norm)
 BLOCK_V = 32   # value columns a program: a [key dim, 32] float32 tile of the state
@@ -210,8 +209,9 @@ def conv_decode_in_place(x: torch.Tensor, state: torch.Tensor, conv: nn.Conv1d,
 
 def conv_decode_torch(x: torch.Tensor, state: torch.Tensor, conv: nn.Conv1d,
                       rows: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """``conv_decode_in_place`` in plain torch (layers/state_conv.py's ``causal_conv``)."""
-    window = state[rows].masked_fill(fresh.view(-1, 1, 1), 0)
-    out = F.silu(causal_conv(window, x[:, None], conv))[:, 0]
-    state[rows] = window
-    return out
+    """``conv_decode_in_place`` in plain torch."""
+    window = torch.cat([state[rows].masked_fill(fresh.view(-1, 1, 1), 0),
+                        x[:, :, None].to(state.dtype)], dim=2)
+    state[rows] = window[..., 1:]
+    out = F.conv1d(window.to(conv.weight.dtype), conv.weight, conv.bias, groups=x.shape[1])
+    return F.silu(out[..., 0]).to(x.dtype)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roseinfer.layers import recurrent_decode
+
 
 def kernels(device: torch.device, dtype: torch.dtype) -> str:
     """What runs the recurrences of a model computing in ``dtype``: "fla" (flash-linear-
@@ -64,6 +66,18 @@ class RecurrentLayer(nn.Module):
             elif fresh:
                 t.zero_()
         return found
+
+    def convolved(self, x: torch.Tensor, rows: torch.Tensor, fresh: bool | torch.Tensor):
+        """SiLU of the causal convolution of B sequences' step tokens x [B, T, C] after their
+        stored inputs, and (conv, state): the copies ``keep`` writes back after the
+        recurrence; (None, None) for a decode batch on a GPU, whose convolution inputs
+        moved on in their rows and whose states step there too
+        (layers/recurrent_decode.py)."""
+        if isinstance(fresh, torch.Tensor) and recurrent_decode.steps_in_place(x):
+            return recurrent_decode.conv_decode_in_place(
+                x[:, 0], self.conv_state, self.conv1d, rows, fresh)[:, None], None, None
+        conv, state = self.states(rows, fresh)
+        return F.silu(causal_conv(conv, x, self.conv1d)), conv, state
 
     def keep(self, rows: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> None:
         self.conv_state[rows] = conv

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from roseinfer import LLM
+from roseinfer import LLM, SamplingParams
 from roseinfer.frontends.redis_streams.client import Client, RequestFailed
 from tests.frontends.conftest import pending, raw_chunks, wait_until
 from tests.pooling_models import TEXTS, cross_encoder, sentence_model
@@ -112,6 +112,65 @@ def test_a_generate_worker_refuses_pooling_tasks(tiny_llm, client, start_worker)
         client.embed(["hello"], timeout=30)
     assert e.value.code == "bad_request" and e.value.message.startswith("task:")
     assert "pools" in e.value.message
+
+
+def paired(tiny_llm, folder, beside=None, **config):
+    from roseinfer.core.config import EngineConfig
+    from roseinfer.core.paired_engine import BESIDE_TOKENS, PairedEngine
+    from roseinfer.core.pooling_engine import PoolingEngine
+
+    pooler = PoolingEngine(folder, config=EngineConfig(**POOLING, **config))
+    return PairedEngine(tiny_llm.engine, pooler, beside or BESIDE_TOKENS)
+
+
+def test_one_worker_generates_and_embeds(tiny_llm, embedder, client, start_worker,
+                                        redis_server, prefix):
+    """A generating model with an embedding one beside it (serve --pooling-model): a
+    chat's ids equal the generating engine alone's, embeddings the pooling engine's, an
+    embedding job at priority 5 (the backlog) sent beside the chat among them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder, alone = embedder
+    greedy = dict(max_tokens=8, temperature=0, ignore_eos=True)
+    want_ids = tiny_llm.generate([[5, 6, 7, 8]], SamplingParams(**greedy))[0].token_ids
+    want = torch.tensor([o.embedding for o in alone.embed(TEXTS)])
+    start_worker(paired(tiny_llm, folder))
+    with Client(redis_server.url, prefix) as other, ThreadPoolExecutor(1) as pool:
+        job = pool.submit(other.embed, TEXTS * 8, timeout=60, priority=5)
+        assert client.generate([5, 6, 7, 8], timeout=30, **greedy).token_ids == want_ids
+        got = torch.tensor(client.embed(TEXTS, timeout=30).embeddings)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.tensor(job.result().embeddings), want.repeat(8, 1))
+
+
+def test_the_pooling_batches_yield_to_generation(tiny_llm, embedder, monkeypatch):
+    """Embeddings alone take whole batches; beside a decoding chat, batches of at most
+    the beside budget; in a step where a chat's prompt waits, none; every result exact."""
+    from roseinfer.core.pooling_task import PoolingTask
+
+    folder, alone = embedder
+    pair, budgets, waiting = paired(tiny_llm, folder, 8, max_num_batched_tokens=64), [], []
+    step = pair.pooler.step
+    monkeypatch.setattr(pair.pooler, "step", lambda n=None: budgets.append(n) or step(n))
+    texts = TEXTS * 10  # whole batches of 128 tokens: more than one
+    for i in range(len(texts)):
+        pair.add_request(f"e{i}", pair.prepare(PoolingTask("embed", [texts[i]])))
+    outs = {o.request_id: o for o in pair.step()}
+    assert budgets == [None]  # nothing generates: a whole batch
+    pair.add_request("chat", [5, 6, 7, 8], SamplingParams(max_tokens=8, temperature=0,
+                                                          ignore_eos=True))
+    while pair.has_unfinished():
+        waiting.append(bool(tiny_llm.engine.scheduler.waiting))
+        before = len(budgets)
+        outs.update({o.request_id: o for o in pair.step() if o.finished})
+        if waiting[-1]:
+            assert len(budgets) == before  # the chat's prompt waited: no pooling batch
+    assert 8 in budgets and set(budgets) <= {None, 8}
+    want = [o.embedding for o in alone.embed(texts)]
+    for i, vector in enumerate(want):
+        torch.testing.assert_close(torch.tensor(outs[f"e{i}"].result), torch.tensor([vector]))
+    assert outs["chat"].token_ids == tiny_llm.generate(
+        [[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
 
 
 # --- the gateway ---------------------------------------------------------------------------

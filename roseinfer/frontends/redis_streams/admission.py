@@ -40,6 +40,7 @@ class Admission:
         name = reasoning.parser_name(getattr(config, "reasoning_parser", "auto"), hf_config)
         self.reasoning = plugins.create("reasoning_parser", name) if name else None
         self.prepare = getattr(engine, "prepare", None)  # a pooling engine's (core/pooling_engine.py)
+        self.tasks = set(getattr(engine, "tasks", ("generate",)))
         self.model = getattr(engine, "model", None)  # a vision-language model prepares images
         encoder = getattr(engine, "encoder", None)
         self.images_seen = encoder.cache if encoder is not None else None  # not prepared again
@@ -48,12 +49,13 @@ class Admission:
         """The entry as a request whose text prompt is already token ids; raises
         InvalidRequestError naming what is wrong or too large."""
         req = decode_request(entry_id, fields, self.limits)
-        if (req.pooling is None) == (self.prepare is not None):
+        if req.pooling is None and "generate" not in self.tasks:
             raise InvalidRequestError("task", "this worker's model pools: send task embed, "
-                                      "score or classify" if self.prepare else
-                                      f"task {req.pooling.task} needs a worker whose model "
-                                      "pools (an embedding or scoring model); this one "
-                                      "generates")
+                                      "score or classify")
+        if req.pooling is not None and self.prepare is None:
+            raise InvalidRequestError("task", f"task {req.pooling.task} needs a worker whose "
+                                      "model pools (an embedding or scoring model, or "
+                                      "serve --pooling-model); this one generates")
         if req.pooling is not None:  # tokenized and checked here, off the step loop
             req.prompt = self.prepare(req.pooling, self.tokenizer)
             return req

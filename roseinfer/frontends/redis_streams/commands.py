@@ -58,6 +58,10 @@ WORKER_SETTINGS = {
     "route_policy": ("ttft", str, "where a prompt's prefix is cached elsewhere: ttft (to the "
                                   "worker predicted to answer first) or prefix (to the holder "
                                   "unless it is loaded past the bounds above)"),
+    "pooling_model": (None, str, "also serve this embedding or scoring model, on the same "
+                                 "device: requests with task embed, score or classify go to "
+                                 "it, and its batches yield to generation "
+                                 "(core/paired_engine.py)"),
 }
 
 
@@ -219,6 +223,24 @@ def _start_gateway(args, settings: dict, redis_url: str):
     return BackgroundGateway(config, port=args.gateway_port).start()
 
 
+def _paired(engine, pooling_model: str | None):
+    """``engine``, or it with a pooling engine for ``pooling_model`` beside it, on its
+    device and in its dtype."""
+    if pooling_model is None:
+        return engine
+    from roseinfer.core.config import EngineConfig
+    from roseinfer.core.paired_engine import PairedEngine
+    from roseinfer.core.pooling_engine import PoolingEngine
+
+    if not hasattr(engine, "scheduler"):
+        kind = engine.hf_config.model_type
+        raise SystemExit(f"--pooling-model serves beside a generating model; {kind} pools "
+                         f"itself: serve {pooling_model} on its own")
+    config = EngineConfig(device=str(engine.device), dtype=str(engine.dtype).removeprefix(
+        "torch."), max_num_batched_tokens=engine.config.max_num_batched_tokens)
+    return PairedEngine(engine, PoolingEngine(pooling_model, config=config))
+
+
 def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                 announce: bool = False) -> int:
     from roseinfer.core.llm import llm_from_args  # torch loads only for commands that need it
@@ -232,7 +254,8 @@ def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
     stop_metrics = _serve_metrics(worker_metrics, settings)
     try:
         llm = llm_from_args(args)
-        worker = Worker(llm.engine, redis_client, prefix=settings["prefix"],
+        engine = _paired(llm.engine, settings["pooling_model"])
+        worker = Worker(engine, redis_client, prefix=settings["prefix"],
                         group=settings["group"], consumer=settings["consumer"],
                         grace_s=settings["grace_s"], claim_idle_ms=settings["claim_idle_ms"],
                         max_deliveries=settings["max_deliveries"],
@@ -245,7 +268,7 @@ def _serve_with(args: argparse.Namespace, settings: dict, redis_url: str,
                             settings["route_min_gain_tokens"], settings["route_max_load"],
                             settings["route_max_excess"], settings["route_policy"]))
         gateway = _start_gateway(args, settings, redis_url)
-        pools = hasattr(llm.engine, "prepare")  # an embedding or scoring model
+        pools = "generate" not in getattr(engine, "tasks", ("generate",))
         if announce:
             example = "embed FILE.jsonl --out OUT.jsonl" if pools else \
                 f"submit {EXAMPLE_PROMPT!r}"
