@@ -24,8 +24,12 @@ BESIDE_TOKENS = 512  # a pooling batch's tokens while sequences decode
 class PairedEngine:
     step_kind = "generate"
 
-    def __init__(self, generator, pooler, beside_tokens: int = BESIDE_TOKENS):
+    def __init__(self, generator, pooler, beside_tokens: int = BESIDE_TOKENS,
+                 idle_tokens: int | None = None):
+        """``idle_tokens``: a pooling batch's tokens where nothing generates (None: the
+        pooling engine's whole batch); a chat arriving waits for the batch running."""
         self.generator, self.pooler, self.beside = generator, pooler, beside_tokens
+        self.idle = idle_tokens
         self.tasks = ("generate", *pooler.tasks)
         self._pooled: set[str] = set()
         self._tokenizers = threading.local()  # the pooling model's, a copy per thread
@@ -77,8 +81,8 @@ class PairedEngine:
         self.generator.close()
 
     def _pooling_room(self) -> int | None:
-        """Tokens the step's pooling batch may take: None (a whole batch) where nothing
-        generates, 0 where a prompt waits or is being computed, else ``beside``."""
+        """Tokens the step's pooling batch may take: ``idle`` where nothing generates, 0
+        where a prompt waits or is being computed, else ``beside``."""
         if not self.generator.has_unfinished():
-            return None
+            return self.idle
         return 0 if self.generator.prompts_pending else self.beside
