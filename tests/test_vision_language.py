@@ -318,3 +318,20 @@ def test_a_request_whose_features_cannot_be_gathered_fails_alone(hf, monkeypatch
         assert seq.token_ids[seq.num_prompt_tokens:] == reference(
             hf, eng.model, seq.token_ids[:seq.num_prompt_tokens], [a])
         assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["qwen2.5-vl", "qwen3-vl"])
+def test_the_patch_embedding_as_a_linear_equals_the_conv3d(bias):
+    """layers/patch_embed.py against transformers' own Conv3d patch embedding."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionPatchEmbed
+
+    from roseinfer.layers.patch_embed import as_linear
+
+    torch.manual_seed(0)
+    embed = Qwen2_5_VisionPatchEmbed(patch_size=14, temporal_patch_size=2, embed_dim=48)
+    if bias:
+        embed.proj.bias = torch.nn.Parameter(torch.randn(48))
+    patches = torch.randn(37, 3 * 2 * 14 * 14)
+    want = embed(patches)
+    as_linear(embed)
+    torch.testing.assert_close(embed(patches), want, rtol=1e-5, atol=1e-5)

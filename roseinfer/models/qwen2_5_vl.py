@@ -14,6 +14,7 @@ import copy
 import torch
 
 from roseinfer.core.attention import get_context
+from roseinfer.layers import patch_embed
 from roseinfer.layers.encoder_attention import tower_attention
 from roseinfer.layers.rotary import MultimodalRotaryEmbedding, RotaryEmbedding, interleaved, \
     rope_params, sectioned
@@ -34,6 +35,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         # after the build (transformers looks for a flash package at a "flash" name then)
         self.visual = self.tower()._from_config(copy.deepcopy(vision))
         self.visual.config._attn_implementation = tower_attention()
+        patch_embed.as_linear(self.visual.patch_embed)
         self.image_token_id, self.merge = cfg.image_token_id, vision.spatial_merge_size
         # Qwen2-VL's processor as the checkpoint's preprocessor_config.json sets it (the
         # pixels an image is resized within: Qwen2.5-VL's allow 12.8 M, the processor's
