@@ -112,3 +112,15 @@ def test_a_saved_checkpoint_takes_images(hf, tmp_path):
         n = out.seq.num_prompt_tokens
         assert out.token_ids == gemma3_reference(hf, llm.engine.model, out.seq.token_ids[:n],
                                                  [a])
+
+
+def test_an_image_longer_than_a_step_is_refused_by_name(hf):
+    """An image's tokens come in one chunk: one longer than a step's budget could never be
+    computed, so the request is refused, not left waiting."""
+    from roseinfer.core.errors import InvalidRequestError
+
+    with LLM(hf, device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256,
+             max_num_batched_tokens=3) as llm:
+        with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
+            llm.generate([with_images(ONE, picture(56, 56, 8))], GREEDY)
+        assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids  # the engine goes on

@@ -219,6 +219,7 @@ class Engine:
         if images is not None:
             ids, images = multimodal.prepare(self.model, ids, images, self.encoder and
                                              self.encoder.cache)
+            multimodal.check_spans(images, self.config.max_num_batched_tokens)
         if params.n == 1:
             seq = self.intake.sequence(request_id, 0, ids, params, emitted_ids, emitted_text, lora)
             self._queue(self._with_images([seq], images))

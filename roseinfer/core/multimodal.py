@@ -212,6 +212,16 @@ def prepare(model, ids: list[int], images, cache=None) -> tuple[list[int], Image
     return widened, images
 
 
+def check_spans(images: Images, budget: int) -> None:
+    """Refuses images a step could never take whole where their tokens attend both ways:
+    a prompt chunk holds an image whole, and a step at most ``budget`` tokens."""
+    longest = max((end - start for start, end in images.spans), default=0)
+    if longest > budget:
+        raise InvalidRequestError("multi_modal_data", f"an image of {longest} tokens, more "
+                                  f"than a step's {budget} (max_num_batched_tokens): raise it "
+                                  "to at least that")
+
+
 def prompt_text(model, tokenizer, text: str) -> str:
     """A prompt's text with images as the family's processor writes it before tokenizing
     (Gemma 3's widens the chat template's image marker), else as it is."""
