@@ -250,6 +250,32 @@ def test_bench_serve_through_real_redis(tmp_path, tiny_dir):
     assert result["workload"]["stream_interval"] == 4
 
 
+def test_bench_serve_sends_each_request_a_fresh_image(tmp_path):
+    """--images: each request a chat with its own picture before its text, through the
+    queue to a vision-language model (tiny Qwen2.5-VL, with the synthetic tokenizer that
+    gives a random shape one): every request completes, its prompt widened by the image's
+    tokens (a 56 x 56 picture: 4); prompts as token ids are refused by name."""
+    import sys
+    from pathlib import Path
+
+    from tests.vision_models import tiny_qwen2_5_vl
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "bench"))
+    from synthetic_tokenizer import build
+
+    model = tmp_path / "vl"
+    hf = tiny_qwen2_5_vl()
+    hf.save_pretrained(model)
+    build(hf.config.text_config.vocab_size, hf.config.image_token_id).save_pretrained(model)
+    code, result = _bench(tmp_path, "serve", str(model), "--images", "56")
+    assert code == 0
+    # <|im_start|> user <|vision_start|> 4 image tokens <|vision_end|> Hello (x 1 or 4)
+    # <|im_end|> <|im_start|> assistant: 8 tokens and the text's, 4 of the image
+    _assert_all_requests_complete(result, prompt_tokens=[8 + n + 4 for n in (0, 3, 0, 3, 0)])
+    with pytest.raises(SystemExit, match="text prompts"):
+        _bench(tmp_path, "serve", str(model), "--images", "56", "--pretok")
+
+
 def test_bench_serve_through_the_openai_gateway(tmp_path, tiny_dir):
     """--endpoint openai: the same requests through the gateway, each chunk's tokens
     counted from the usage every chunk carries."""

@@ -49,6 +49,10 @@ def add_commands(subparsers, engine_parent: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="at most this many requests in flight; a due request waits for a "
                         "slot (vLLM's meaning; default: no cap)")
+    g.add_argument("--images", type=int, default=0, metavar="PIXELS",
+                   help="each request a chat with a fresh PIXELS x PIXELS JPEG before its text "
+                        "prompt (a vision-language model; docs/bench/synthetic_tokenizer.py "
+                        "gives a random shape a tokenizer)")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds to wait for each chunk (default: %(default)s)")
     srv.set_defaults(func=lambda args: run_bench(args, "serve"))

@@ -124,7 +124,7 @@ class BenchRun:
         runs = []
         with ServeHarness(None, a.redis_url, a.client_procs, a.request_timeout,
                           prefix=a.prefix, endpoint=a.endpoint, tools=_tools(a),
-                          loras=_loras(a)) as harness:
+                          loras=_loras(a), images=_images(a)) as harness:
             for k in range(a.warmup_runs):
                 self._ours(harness, w, f"warm-up {k + 1}/{a.warmup_runs}", f"w{k}")
             for k in range(a.repeat_runs):
@@ -239,7 +239,7 @@ class BenchRun:
             a = self.args
             return ServeHarness(probe, a.redis_url, a.client_procs, a.request_timeout,
                                 endpoint=a.endpoint, ack_replicas=a.ack_replicas,
-                                tools=_tools(a), loras=_loras(a))
+                                tools=_tools(a), loras=_loras(a), images=_images(a))
         return _OfflineHarness(probe)
 
     # --- output ---------------------------------------------------------------------------
@@ -275,6 +275,16 @@ def _loras(args) -> list[str]:
     """--loras: the adapters requests run with, in turn."""
     names = getattr(args, "loras", None)
     return [n for n in names.split(",") if n] if names else []
+
+
+def _images(args) -> int:
+    """--images: the pixels a side of each request's image (0: none); its requests are
+    chats through the queue, so their prompts are text."""
+    size = getattr(args, "images", 0)
+    if size and (args.pretok or args.dataset == "random" or args.endpoint != "redis"):
+        raise SystemExit("--images sends chats through the queue: text prompts (--dataset "
+                         "repeat, no --pretok) and --endpoint redis")
+    return size
 
 
 def _tools(args) -> list | None:

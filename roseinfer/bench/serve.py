@@ -35,8 +35,10 @@ class ServeHarness:
     def __init__(self, probe: Optional[EngineProbe], redis_url: Optional[str] = None,
                  client_procs: int = 1, request_timeout_s: float = 600.0,
                  prefix: Optional[str] = None, endpoint: str = "redis", ack_replicas: int = 0,
-                 tools: Optional[list] = None, loras: Optional[list[str]] = None):
+                 tools: Optional[list] = None, loras: Optional[list[str]] = None,
+                 images: int = 0):
         self.probe = probe
+        self.images = images  # each request a chat with a fresh image of this many pixels a side
         self.tools = tools
         self.loras = loras or []  # request i runs with loras[i % len]
         self.ack_replicas = ack_replicas
@@ -136,7 +138,7 @@ class ServeHarness:
                 "gateway_url": self._gateway.url if self._gateway else None,
                 # the chat endpoint: the tools each request offers ([]: none)
                 "chat": (self.tools or []) if self.endpoint == "openai-chat" else None,
-                "loras": self.loras,
+                "loras": self.loras, "images": self.images,
                 "timeout_s": self.timeout_s}
 
     def _wait(self, pending, progress: Progress) -> None:
@@ -186,11 +188,34 @@ async def _client(spec: dict) -> list[dict]:
             params = {**spec["params"], "max_tokens": spec["output_lens"][i]}
             if spec.get("loras"):
                 params["lora"] = spec["loras"][i % len(spec["loras"])]
-            tasks.append(await transport.send(spec["prompts"][i], rec, params, slots))
+            prompt = spec["prompts"][i]
+            if spec.get("images"):
+                prompt = _with_image(prompt, spec["images"], rec.rid)
+            tasks.append(await transport.send(prompt, rec, params, slots))
         await asyncio.gather(*tasks)
     finally:
         await transport.close()
     return [dataclasses.asdict(r) for r in records]
+
+
+def _with_image(text: str, size: int, seed: str):
+    """A chat of one user turn: a fresh JPEG of ``size`` x ``size`` random pixels (seeded by
+    the request's id: no two alike, so neither cache holds it), then the prompt's text."""
+    import io
+    import zlib
+
+    import numpy as np
+    from PIL import Image
+
+    from roseinfer.frontends.redis_streams.protocol import Chat
+    if not isinstance(text, str):
+        raise SystemExit("--images needs text prompts: the model has no tokenizer (give one: "
+                         "--tokenizer DIR, docs/bench/synthetic_tokenizer.py)")
+    pixels = np.random.RandomState(zlib.crc32(seed.encode())).randint(0, 256, (size, size, 3))
+    data = io.BytesIO()
+    Image.fromarray(pixels.astype("uint8")).save(data, format="JPEG", quality=90)
+    return Chat([{"role": "user", "content": [{"type": "image", "data": data.getvalue()},
+                                              {"type": "text", "text": text}]}])
 
 
 class _Queue:
