@@ -7,6 +7,15 @@ import numpy as np
 import torch
 
 
+# Qwen2-VL's chat template, its image branch: one image token a picture, between its marks
+QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def tiny_qwen2_5_vl(vocab: int = 512, image: int = 300, start: int = 301, end: int = 302):
     """Two decoder layers (4 heads of 16, M-RoPE sections 2/3/3), a two-block tower (one
     windowed, one full), 2 x 2 merging into the decoder's width; ``image``, ``start``,

@@ -8,16 +8,15 @@ Usage: python3 docs/bench/synthetic_tokenizer.py --model qwen2.5-vl-7b-random --
   then: roseinfer bench serve --model qwen2.5-vl-7b-random --tokenizer DIR --images 1024 ...
 """
 import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.vision_models import QWEN_VL_TEMPLATE  # noqa: E402
 
 QWEN_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
                  "<|vision_start|>": 151652, "<|vision_end|>": 151653,
                  "<|image_pad|>": 151655}
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-    "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}"
-    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def build(vocab_size: int, image_token_id: int):
@@ -39,7 +38,7 @@ def build(vocab_size: int, image_token_id: int):
     tok.add_special_tokens(list(specials))
     out = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0",
                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    out.chat_template = TEMPLATE
+    out.chat_template = QWEN_VL_TEMPLATE
     return out
 
 

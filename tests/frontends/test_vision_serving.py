@@ -13,15 +13,9 @@ import pytest
 from roseinfer import LLM, SamplingParams
 from roseinfer.frontends.redis_streams.client import Client, RequestFailed
 from roseinfer.frontends.redis_streams.protocol import Chat
-from tests.vision_models import declared_png, picture, reference, tiny_qwen2_5_vl
+from tests.vision_models import QWEN_VL_TEMPLATE as TEMPLATE, declared_png, picture, \
+    reference, tiny_qwen2_5_vl
 
-# Qwen2-VL's chat template, its image branch: one image token a picture, between its marks
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-    "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}"
-    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 MAX_TOKENS = 8
 
