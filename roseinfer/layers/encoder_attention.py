@@ -107,9 +107,13 @@ def tower_attention() -> str:
 def _tower_attention(module, query, key, value, attention_mask=None, scaling=None,
                      cu_seq_lens_q=None, **kwargs):
     """transformers' attention call: q, k, v [1, H, N, D] of one packed batch of windows
-    (``cu_seq_lens_q``); returns ([1, N, H, D], None), as its flash kernels do."""
-    lens = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
-    packed = Packed.of(lens, None, query.device)
+    (``cu_seq_lens_q``); returns ([1, N, H, D], None), as its flash kernels do. The tower
+    passes the same boundaries tensor to every block of a kind (windowed or full), so the
+    packing is made once a call and kept on it: one read to the host a kind, not a block."""
+    packed = getattr(cu_seq_lens_q, "roseinfer_packed", None)
+    if packed is None:
+        lens = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+        packed = cu_seq_lens_q.roseinfer_packed = Packed.of(lens, None, query.device)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     return packed_attention(q, k, v, packed, scale=scaling)[None], None
 
