@@ -35,7 +35,6 @@ class ImageEncoder:
         # where set, the tower runs beside the steps (core/side_work.py), a call at a time
         self.side = SideWork(self.device) if beside else None
         self.running: list[tuple[Images, int]] | None = None  # the call's batch
-        self._result = None  # without a side thread: the call's, until finished
 
     def add(self, images: Images) -> None:
         if images.features is None:
@@ -51,12 +50,14 @@ class ImageEncoder:
         with nothing else to run does), and start the next on the oldest pending images
         up to the budget; returns the requests' Images whose encoding raised, with the
         error (they leave the queue). Without a side thread the call runs here."""
-        failed = self._finish(wait) if self.running is not None else []
+        failed = self._finish(self.side.result(wait)) if self.running is not None else []
         batch = self._take() if self.running is None else []
         if batch:
-            self._start(batch)
+            parts = self._start(batch)
             if self.side is None:
-                failed += self._finish(True)
+                failed += self._finish(self._tower(parts))
+            else:
+                self.side.submit(lambda: self._tower(parts))
         for images in [imgs for imgs in self.pending if not imgs.missing()]:
             self.pending.remove(images)
             try:
@@ -81,9 +82,9 @@ class ImageEncoder:
                 tokens += images.counts[i]
         return batch
 
-    def _start(self, batch: list[tuple[Images, int]]) -> None:
-        """The batch's images the cache holds found; one call of the tower for the
-        distinct others (by key), started."""
+    def _start(self, batch: list[tuple[Images, int]]) -> list:
+        """The batch's images the cache holds found; the parts of one call of the tower
+        for the distinct others (by key)."""
         todo: dict[int, tuple[Images, int]] = {}
         for images, i in batch:
             cached = self.cache.get(images.keys[i])
@@ -94,20 +95,13 @@ class ImageEncoder:
         parts = [(key, imgs.patches[i], imgs.grids[i], imgs.counts[i], imgs)
                  for key, (imgs, i) in todo.items()]
         self.running = batch
-        if self.side is None:
-            self._result = self._tower(parts)
-        else:
-            self.side.submit(lambda: self._tower(parts))
+        return parts
 
-    def _finish(self, wait: bool) -> list[tuple[Images, Exception]]:
-        """The running call's features into the cache and their Images; the requests
-        whose images raised, out of the queue. Nothing if it is still running."""
-        if self.side is None:
-            result, self._result = self._result, None
-        else:
-            result = self.side.result(wait)
-            if result is None:
-                return []
+    def _finish(self, result) -> list[tuple[Images, Exception]]:
+        """The running call's ``result`` (None: still running) into the cache and its
+        Images; the requests whose images raised, out of the queue."""
+        if result is None:
+            return []
         features, errors = result
         batch, self.running = self.running, None
         for key, f in features.items():
