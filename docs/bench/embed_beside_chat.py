@@ -114,12 +114,16 @@ def main():
     pair = PairedEngine(llm.engine, pooler, args.beside_tokens, args.idle_tokens)
     run(pair, dataclass_copy(args, chats=4, job=256), True, 0)  # warm-up
     out = open(os.path.join(os.environ.get("OUT", "."), "embed_beside_chat.jsonl"), "a")
-    rows = [run(pair, args, job, r) for r in (1, 2) for job in (False, True)]
-    for row in rows:
-        out.write(json.dumps({**vars(args), **row}) + "\n")
-        print(f"{'beside the job' if row['job'] else 'alone'}: TTFT p50 {row['ttft_p50_ms']:.1f} "
-              f"ms, p99 {row['ttft_p99_ms']:.1f} ms; TPOT p50 {row['tpot_p50_ms']:.2f} ms; "
-              f"job {row['job_texts_per_s']:.0f} texts/s", flush=True)
+    rows = []
+    for r in (1, 2):
+        for job in (False, True):
+            row = run(pair, args, job, r)
+            rows.append(row)
+            out.write(json.dumps({**vars(args), **row}) + "\n")
+            out.flush()
+            print(f"{'beside the job' if job else 'alone'}: TTFT p50 {row['ttft_p50_ms']:.1f} "
+                  f"ms, p99 {row['ttft_p99_ms']:.1f} ms; TPOT p50 {row['tpot_p50_ms']:.2f} ms; "
+                  f"job {row['job_texts_per_s']:.0f} texts/s", flush=True)
     alone = statistics.median(r["ttft_p50_ms"] for r in rows if not r["job"])
     beside = statistics.median(r["ttft_p50_ms"] for r in rows if r["job"])
     print(f"chat TTFT p50 beside the job / alone: {beside / alone:.3f} (target <= 1.2)")

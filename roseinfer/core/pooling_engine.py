@@ -22,6 +22,7 @@ from roseinfer.core.errors import InvalidRequestError
 from roseinfer.core.plugins import default_registry
 from roseinfer.core.pooling import PoolingOutput, Prepared, activate, finish, pool, spec_of
 from roseinfer.core.pooling_decoder import decoder_states
+from roseinfer.core.pooling_graphs import EncoderGraphs
 from roseinfer.core.pooling_inputs import InputRules
 from roseinfer.core.pooling_task import PoolingTask
 from roseinfer.core.token_classifier import token_classifier
@@ -77,6 +78,11 @@ class PoolingEngine:
         self.labels = labels if self.classifier else None
         self.tasks = ("embed", "score", "classify") if self.classifier else ("embed", "score")
         self.loras = None
+        self._graphs = None
+        if config.cuda_graphs and self.device.type == "cuda" and not self.decoder:
+            with torch.inference_mode():
+                self._graphs = EncoderGraphs(self.model, self.device,
+                                             config.max_num_batched_tokens)
         self._queue: list[_Queued] = []
         self._aborted: list[str] = []
         self._arrivals = itertools.count()
@@ -192,7 +198,10 @@ class PoolingEngine:
             types = [x for ids, t in encoded for x in (t or [0] * len(ids))]
         packed = Packed.of(lens, types, self.device)
         ids = torch.tensor([x for ids, _ in encoded for x in ids], device=self.device)
-        hidden = decoder_states(self.model, ids, packed) if self.decoder else self.model(ids, packed)
+        hidden = None if self._graphs is None else self._graphs.forward(ids, packed)
+        if hidden is None:
+            hidden = decoder_states(self.model, ids, packed) if self.decoder else \
+                self.model(ids, packed)
         vectors = pool(hidden, packed, self.spec.mode).cpu()
         logits = self._classify(hidden, packed).float().cpu() if any(
             q.prepared.logits for q, _ in batch) else None

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from roseinfer.layers.packed_attention_kernel import packed_attention_kernel
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class Packed:
     slots: torch.Tensor        # [N] int64: b * L + position
     keys_ok: torch.Tensor | None  # [B, 1, 1, L] bool; None where every length is L
     cu_seqlens: torch.Tensor   # [B + 1] int32: where each sequence starts, then N
+    # [2, N] int32, each row's sequence's [start, end): a captured graph's packing, run
+    # by layers/packed_attention_kernel.py (core/pooling_graphs.py); None elsewhere
+    bounds: torch.Tensor | None = None
 
     @classmethod
     def of(cls, lens: list[int], token_types: list[int] | None, device) -> "Packed":
@@ -66,12 +72,15 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     """Attention within each sequence of ``packed``: q [N, H, D], k and v [N, H_kv, D]
     (grouped-query: H a multiple of H_kv); ``causal``: each query sees the keys up to its
     own position; ``window``: only keys at most that far from it, on either side. [N, H, D]."""
+    if packed.bounds is not None:
+        return packed_attention_kernel(q, k, v, packed.bounds, causal, scale, window)
     batch, longest = len(packed.lens), max(packed.lens)
-    if _flash(q):  # no padding at all
-        reach = -1 if window is None else window
-        return _varlen()(q, k, v, packed.cu_seqlens, packed.cu_seqlens, longest, longest,
-                         scale=scale, window_size=(reach, 0 if causal else reach),
-                         enable_gqa=q.shape[1] != k.shape[1])
+    varlen = _varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    kwargs = None if varlen is None else flash_kwargs(
+        varlen[1], q.shape, k.shape[1], causal, scale, window)
+    if kwargs is not None:  # no padding at all
+        return varlen[0](q, k, v, packed.cu_seqlens, packed.cu_seqlens, longest, longest,
+                         **kwargs)
 
     def padded(x):
         out = x.new_zeros(batch * longest, *x.shape[1:])
@@ -118,20 +127,37 @@ def _tower_attention(module, query, key, value, attention_mask=None, scaling=Non
     return packed_attention(q, k, v, packed, scale=scaling)[None], None
 
 
+def flash_kwargs(params: frozenset, q_shape, kv_heads: int, causal: bool,
+                 scale: float | None, window: int | None) -> dict | None:
+    """The keyword arguments of torch's ``varlen_attn`` (whose ``params`` these are) for
+    the call, or None where that torch's cannot make it: the function gained its window,
+    grouped-query and scale arguments over releases (torch 2.11's takes ``is_causal``)."""
+    kwargs = {}
+    if "window_size" in params:
+        reach = -1 if window is None else window
+        kwargs["window_size"] = (reach, 0 if causal else reach)
+    elif window is not None or (causal and "is_causal" not in params):
+        return None
+    elif causal:
+        kwargs["is_causal"] = True
+    if q_shape[1] != kv_heads:
+        if "enable_gqa" not in params:
+            return None
+        kwargs["enable_gqa"] = True
+    if scale is not None and "scale" in params:
+        kwargs["scale"] = scale
+    elif scale is not None and not math.isclose(scale, q_shape[-1] ** -0.5):
+        return None
+    return kwargs
+
+
 @functools.cache
 def _varlen():
-    """torch's flash attention over packed sequences, where this torch has it with the
-    arguments used here; imported on first use (it loads torch._dynamo, seconds of a
-    cold start a generating model does not need)."""
+    """(torch's flash attention over packed sequences, its parameter names), where this
+    torch has it; imported on first use (it loads torch._dynamo, seconds of a cold start
+    a generating model does not need)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn if {"window_size", "enable_gqa"} <= set(
-        inspect.signature(varlen_attn).parameters) else None
-
-
-def _flash(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen() is not None
-
-
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
