@@ -3,6 +3,7 @@ follows the engine contract, a tiny random GPT-2 with the real GPT-2 tokenizer, 
 worker running in a thread."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -20,6 +21,11 @@ from roseinfer.core.errors import InvalidRequestError
 from roseinfer.frontends.redis_streams.protocol import Keys, decode_chunk
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
 from roseinfer.frontends.redis_streams.worker import Worker
+
+# The repeated failover tests (test_sentinel.py, test_cluster.py) run each kind this many
+# times: each run is 10-15 s of a Sentinel or cluster failing over. A soak runs them more:
+# ROSEINFER_FAILOVER_RUNS=10 python3 -m tests -k "failovers or kills"
+FAILOVER_RUNS = int(os.environ.get("ROSEINFER_FAILOVER_RUNS", "3"))
 
 
 WORDS = "the a red fox jumps over lazy dog in Paris capital of France is what".split()

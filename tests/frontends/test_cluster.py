@@ -13,7 +13,7 @@ from roseinfer.frontends.redis_streams.connection import ClusterURL, connect, pa
 from roseinfer.frontends.redis_streams.protocol import Keys
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis, free_port
 
-from .conftest import status_until, wait_until
+from .conftest import FAILOVER_RUNS, status_until, wait_until
 from .test_sentinel import stream_through_a_failover, want  # noqa: F401 - want: a fixture
 
 SLOTS = 16384
@@ -117,10 +117,10 @@ def test_requests_stream_through_a_primary_killed(cluster, tiny_llm, start_worke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", range(9))
-def test_requests_stream_through_nine_more_kills(cluster, tiny_llm, start_worker_on, prefix,
-                                                want, run):  # noqa: F811 - the fixture
-    """The failover above nine times more: ten runs in all."""
+@pytest.mark.parametrize("run", range(FAILOVER_RUNS - 1))
+def test_requests_stream_through_more_kills(cluster, tiny_llm, start_worker_on, prefix,
+                                           want, run):  # noqa: F811 - the fixture
+    """The failover above FAILOVER_RUNS - 1 times more."""
     _through_a_kill(cluster, tiny_llm, start_worker_on, prefix, want, f"run {run}: ")
 
 

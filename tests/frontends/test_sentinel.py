@@ -15,7 +15,7 @@ from roseinfer.frontends.redis_streams.connection import AsyncNamingSentinel, Na
     SentinelURL, connect, parse_sentinel
 from roseinfer.frontends.redis_streams.server import EmbeddedRedis, EmbeddedSentinel, free_port
 
-from .conftest import roseinfer_cmd, wait_until
+from .conftest import FAILOVER_RUNS, roseinfer_cmd, wait_until
 
 NAME = "roseinfer-primary"
 NODE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "node")
@@ -285,13 +285,14 @@ def test_requests_streaming_through_a_failover_complete_exactly(group, tiny_llm,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", range(10))
+@pytest.mark.parametrize("run", range(FAILOVER_RUNS))
 @pytest.mark.parametrize("case", ["plain", "ack_replicas", "worker_killed"])
 def test_two_worker_processes_through_repeated_failovers(group, worker_process, prefix, want,
                                                          case, run):
-    """Two `roseinfer worker` processes through Sentinel, the primary SIGKILLed mid-run, ten
-    times each: plain, with acks that wait for the replica, and with one of the workers
-    SIGKILLed during the failover (the other resumes its requests once claimable)."""
+    """Two `roseinfer worker` processes through Sentinel, the primary SIGKILLed mid-run,
+    FAILOVER_RUNS times each: plain, with acks that wait for the replica, and with one of
+    the workers SIGKILLed during the failover (the other resumes its requests once
+    claimable)."""
     from roseinfer.frontends.redis_streams.heartbeat import read_heartbeats
     from roseinfer.frontends.redis_streams.protocol import Keys
 
