@@ -28,8 +28,21 @@ fi
 gguf=$(python3 -c "from roseinfer.models.loader import ALIASES; print(ALIASES['smollm2']())")
 { lscpu | grep -E "Model name|Flags" | cut -c1-200; date -u; git rev-parse --short HEAD; } \
   > "$OUT/machine.txt"
-"$src/build/bin/llama-bench" -m "$gguf" -t "$THREADS" -p 32,512 -n 64 -pg 32,64 -r 3 \
-  | tee "$OUT/llama-bench.md"
+"$src/build/bin/llama-bench" -m "$gguf" -t "$THREADS" -p 0 -n 64 -r 3 | tee "$OUT/llama-bench.md"
+# On a 2-core Intel VM with AMX (2026-11-29) the native build's AMX prompt kernel died of
+# SIGILL (tileloadd in an OpenMP thread) while its decode ran: the prompt rows are then
+# re-run by a build without AMX ($src/build-noamx), and say so.
+if ! "$src/build/bin/llama-bench" -m "$gguf" -t "$THREADS" -p 32,512 -n 0 -pg 32,64 -r 3 \
+    >> "$OUT/llama-bench.md"; then
+  cmake -S "$src" -B "$src/build-noamx" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+    -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+    -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    -DLLAMA_CURL=OFF > "$OUT/llamacpp-cmake-noamx.log"
+  cmake --build "$src/build-noamx" --target llama-bench -j "$(nproc)" > /dev/null
+  echo "prompt rows: the native build failed; a build without AMX:" >> "$OUT/llama-bench.md"
+  "$src/build-noamx/bin/llama-bench" -m "$gguf" -t "$THREADS" -p 32,512 -n 64 -pg 32,64 -r 3 \
+    | tee -a "$OUT/llama-bench.md"
+fi
 python3 docs/bench/cpu_default.py --prompts 4 --compiled-step build \
   --only "float32,gguf blocks" | tee "$OUT/roseinfer.txt"
 "$src/build/bin/llama-batched-bench" -m "$gguf" -t "$THREADS" -c 2048 -npp 32 -ntg 64 \
