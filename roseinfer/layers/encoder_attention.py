@@ -136,18 +136,21 @@ def flash_kwargs(params: frozenset, q_shape, kv_heads: int, causal: bool,
     if "window_size" in params:
         reach = -1 if window is None else window
         kwargs["window_size"] = (reach, 0 if causal else reach)
-    elif window is not None or (causal and "is_causal" not in params):
+    elif window is not None:
         return None
     elif causal:
+        if "is_causal" not in params:
+            return None
         kwargs["is_causal"] = True
     if q_shape[1] != kv_heads:
         if "enable_gqa" not in params:
             return None
         kwargs["enable_gqa"] = True
-    if scale is not None and "scale" in params:
-        kwargs["scale"] = scale
-    elif scale is not None and not math.isclose(scale, q_shape[-1] ** -0.5):
-        return None
+    if scale is not None:
+        if "scale" in params:
+            kwargs["scale"] = scale
+        elif not math.isclose(scale, q_shape[-1] ** -0.5):
+            return None  # the default scale is the only one it takes
     return kwargs
 
 
