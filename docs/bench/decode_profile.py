@@ -8,9 +8,10 @@ bytes a step must read (weights once, each sequence's K/V) at PEAK_TB_S
 (default 3.0) TB/s. With tensor parallelism (TP > 1) the figures are rank 0's
 (its shards' bytes, its kernels), and the all-reduces' share of the step is
 printed. KV_CACHE_DTYPE=fp8 profiles over an FP8 K/V cache; QUANTIZATION=fp8 (or another
-method) quantizes the weights at load.
+method) quantizes the weights at load. SKINNY_ROWS=16 puts every 16-bit linear on the
+skinny kernel up to that many rows instead of timing it against cuBLAS at load.
 
-    [PEAK_TB_S=4.5] [KV_CACHE_DTYPE=fp8] [QUANTIZATION=fp8] python3 docs/bench/decode_profile.py MODEL:BATCH[:CONTEXT[:TP]] ...
+    [PEAK_TB_S=4.5] [KV_CACHE_DTYPE=fp8] [QUANTIZATION=fp8] [SKINNY_ROWS=16] python3 docs/bench/decode_profile.py MODEL:BATCH[:CONTEXT[:TP]] ...
     e.g. llama3-1b-random:1 llama3-8b-random:1 llama3-1b-random:256:600
 """
 import collections
@@ -103,6 +104,9 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("SKINNY_ROWS"):
+        from roseinfer.layers import skinny_linear
+        skinny_linear.skinny_rows = lambda linears: int(os.environ["SKINNY_ROWS"])
     for spec in sys.argv[1:] or ["llama3-1b-random:1"]:
         model, batch, *rest = spec.split(":")
         profile(model, int(batch), *map(int, rest))

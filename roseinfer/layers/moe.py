@@ -34,6 +34,7 @@ from torch import nn
 from roseinfer.core import tp
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     wait_for_inputs
+from roseinfer.layers.folded import gated_down
 from roseinfer.layers.fused import _use_triton, silu_and_mul
 from roseinfer.layers.moe_routing import route
 from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
@@ -433,5 +434,5 @@ class SharedExpert(nn.Module):
         self.gate.router = True
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+        out = gated_down(self.down_proj, self.gate_up_proj(h))
         return torch.sigmoid(self.gate(h)) * out

@@ -1,0 +1,169 @@
+"""The ops folded into the skinny linear's launch (layers/folded.py) against the unfused
+launches they replace: SwiGLU's and GeGLU's act(gate) * up read by down_proj, the residual
+add in a linear's epilogue, and the RMSNorm after it applied by the next linear as it
+reads. Interpreted on the CPU (float32, float16), compiled on a GPU (bfloat16 too); then
+whole models, whose tokens must not move."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from roseinfer.layers import folded
+from roseinfer.layers.fused import add_rms_norm, gelu_tanh_and_mul, silu_and_mul
+from roseinfer.layers.skinny_linear import MAX_ROWS, PendingNorm, SummedRows, skinny_linear
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.skipif(not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+# The interpreter truncates float32 -> bfloat16 instead of rounding: bf16 compiled only.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+rows_ = pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
+# (out, in): a K not a multiple of the kernel's K block, and one that is
+SHAPES = [(40, 72), (96, 256)] + ([(4096, 14336)] if CUDA else [])
+
+
+def rand(gen, *shape, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+@dtypes
+@rows_
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_down_reads_the_gated_rows_as_the_unfused_pair_makes_them(gelu, shape, rows, dtype):
+    gen = torch.Generator().manual_seed(rows + shape[1] + gelu)
+    n, k = shape
+    gate_up = rand(gen, rows, 2 * k, dtype=dtype)
+    w = rand(gen, n, k, dtype=dtype, scale=k ** -0.5)
+    b = rand(gen, n, dtype=dtype)
+    act = gelu_tanh_and_mul if gelu else silu_and_mul
+    got = skinny_linear(gate_up, w, b, gated=folded.GELU_TANH if gelu else folded.SILU)
+    # the same kernel over the rows the activation's own launch stores: the same bits
+    assert torch.equal(got, skinny_linear(act(gate_up, use_triton=True), w, b))
+
+
+@dtypes
+@rows_
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_the_epilogue_adds_the_residual_and_leaves_each_rows_squares(shape, rows, dtype):
+    gen = torch.Generator().manual_seed(rows * 7 + shape[0])
+    n, k = shape
+    x, w = rand(gen, rows, k, dtype=dtype), rand(gen, n, k, dtype=dtype, scale=k ** -0.5)
+    b, residual = rand(gen, n, dtype=dtype), rand(gen, rows, n, dtype=dtype)
+    got = skinny_linear(x, w, b, residual=residual)
+    assert isinstance(got, SummedRows)
+    # the add as the norm after an unfused linear makes it, bit for bit
+    want = add_rms_norm(skinny_linear(x, w, b), residual, torch.ones(n, dtype=dtype).to(DEVICE),
+                        1e-6, use_triton=True)[1]
+    assert torch.equal(got.rows, want)
+    squares = want.double().pow(2).sum(-1)
+    torch.testing.assert_close(got.squares.double().sum(0), squares, rtol=1e-5, atol=0)
+
+
+@dtypes
+@rows_
+@pytest.mark.parametrize("width", [72, 256] + ([4096] if CUDA else []))
+def test_the_next_linear_norms_its_rows_as_the_norm_launch_does(width, rows, dtype):
+    gen = torch.Generator().manual_seed(rows + width)
+    x, w = rand(gen, rows, 64, dtype=dtype), rand(gen, width, 64, dtype=dtype, scale=0.125)
+    summed = skinny_linear(x, w, None, residual=rand(gen, rows, width, dtype=dtype))
+    norm_w, eps = rand(gen, width, dtype=dtype), 1e-5
+    w2, b2 = rand(gen, 48, width, dtype=dtype, scale=width ** -0.5), rand(gen, 48, dtype=dtype)
+    got = skinny_linear(PendingNorm(summed, norm_w, eps), w2, b2)
+    normed = add_rms_norm(summed.rows, None, norm_w, eps, use_triton=True)[0]
+    want = skinny_linear(normed, w2, b2)
+    if dtype == torch.float32:  # only the sum of squares' order differs
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # ... which moves a normed value across a rounding boundary now and then
+        tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_a_norm_left_pending_only_for_a_linear_that_runs_the_kernel(monkeypatch):
+    from torch import nn
+
+    from roseinfer.layers.norm import RMSNorm
+    from roseinfer.layers.skinny_linear import SkinnyLinear
+
+    gen = torch.Generator().manual_seed(3)
+    summed = skinny_linear(rand(gen, 2, 64, dtype=torch.float32),
+                           rand(gen, 72, 64, dtype=torch.float32), None,
+                           residual=rand(gen, 2, 72, dtype=torch.float32))
+    norm = RMSNorm(72, 1e-6).to(DEVICE)
+    skinny, plain = nn.Linear(72, 40).to(DEVICE), nn.Linear(72, 40).to(DEVICE)
+    skinny.__class__, skinny.max_rows = SkinnyLinear, 1  # as use_skinny_linears makes it
+    stale = torch.full_like(summed.rows, 1e3)  # a SummedRows holds its residual already
+    for into, pending in ((skinny, False), (plain, False), (None, False)):
+        h, residual = norm(summed, stale, into=into)
+        assert isinstance(h, PendingNorm) == pending and residual is summed.rows
+        torch.testing.assert_close(h, add_rms_norm(summed.rows, None, norm.weight, 1e-6)[0])
+    skinny.max_rows = MAX_ROWS
+    h, _ = norm(summed, stale, into=skinny)
+    assert isinstance(h, PendingNorm)
+    torch.testing.assert_close(skinny(h), F.linear(norm(summed.rows)[0], skinny.weight,
+                                                   skinny.bias), rtol=1e-5, atol=1e-5)
+
+
+def folded_calls(monkeypatch) -> list:
+    """Spy on every skinny launch: (gated, pending norm, residual) each."""
+    from roseinfer.layers import skinny_linear as skinny
+
+    calls, launch = [], skinny.skinny_linear
+
+    def spy(x, weight, bias=None, **kw):
+        calls.append((kw.get("gated", 0), isinstance(x, PendingNorm),
+                      kw.get("residual") is not None))
+        return launch(x, weight, bias, **kw)
+
+    monkeypatch.setattr(folded, "skinny_linear", spy)
+    monkeypatch.setattr(skinny, "skinny_linear", spy)
+    return calls
+
+
+def skinny_everywhere(monkeypatch):
+    """Every half- and full-precision linear on the skinny kernel up to 16 rows, on the CPU
+    too (interpreted): as the loader makes them on a Hopper GPU where the kernel wins."""
+    from roseinfer.layers import skinny_linear as skinny
+    from roseinfer.models import loader
+
+    monkeypatch.setattr(loader, "measured_on", lambda device: True)
+    monkeypatch.setattr(loader, "triton_usable", lambda device: True)
+    monkeypatch.setattr(skinny, "skinny_rows", lambda linears: MAX_ROWS)
+    original = skinny.use_skinny_linears
+
+    def every_dtype(model, rows_faster=None):  # float32 on the CPU: the suite's references
+        for m in model.modules():
+            if type(m) is torch.nn.Linear and m.weight.is_contiguous():
+                m.__class__, m.max_rows = skinny.SkinnyLinear, MAX_ROWS
+        original(model, rows_faster)
+
+    monkeypatch.setattr(loader, "use_skinny_linears", every_dtype)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "qwen2_moe"])
+def test_a_model_with_every_fold_generates_what_transformers_does(family, monkeypatch):
+    from roseinfer import LLM, SamplingParams
+    from tests.models import tiny_family, tiny_llama
+
+    hf = tiny_llama() if family == "llama" else tiny_family(family)
+    prompts = [[5, 17, 99, 3, 8, 21], [200, 1, 42], [7] * 9]
+    max_tokens = 6
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    skinny_everywhere(monkeypatch)
+    calls = folded_calls(monkeypatch)
+    with LLM(hf, device=DEVICE, dtype="float32", num_kv_blocks=64, cuda_graphs=False) as llm:
+        got = [o.token_ids for o in llm.generate(
+            prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))]
+    assert got == want
+    folds = set(calls) - {(0, False, False)}  # the plain products
+    add, pending = (0, False, True), (0, True, False)
+    if family == "gemma3_text":  # post-norms come between each linear and its add
+        assert folds == {(folded.GELU_TANH, False, False)}
+    elif family == "qwen2_moe":  # layer 0's MLP is experts and a shared one; layer 1 dense
+        assert folds == {add, pending, (folded.SILU, False, True), (folded.SILU, False, False)}
+    else:  # o adds the stream; gate_up and the next layer's qkv norm; down gates and adds
+        assert folds == {add, pending, (folded.SILU, False, True)}
