@@ -116,6 +116,18 @@ class KVCache:
         k, v, group = self._layers[layer]
         self._active.append(k, v, key, value, self._slots[group])
 
+    def append_rotated(self, layer: int, q: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, rotation) -> bool:
+        """RoPE of q and key and the write of key and value in one launch, where the
+        step's backend offers it (``append_rotated``: the Triton ones, for batches whose
+        rows are the slots'); False, nothing done, where it does not. ``q``, ``key``,
+        ``value``: [N, heads * head_dim] (column slices of a fused qkv serve)."""
+        fused = getattr(self._active, "append_rotated", None)
+        if fused is None:
+            return False
+        k, v, group = self._layers[layer]
+        return fused(k, v, q, key, value, self._slots[group], rotation)
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: duplicate one block in every slot (a block is one group's)."""
         for k, v in zip(self.k, self.v):

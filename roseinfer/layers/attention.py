@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from roseinfer.core.attention import get_context
+from roseinfer.layers.rotary import Rotation
 
 
 class PagedAttention(nn.Module):
@@ -29,13 +30,18 @@ class PagedAttention(nn.Module):
         # the keywords fixed at build, made once: this runs per layer per step
         self._extra = {k: v for k, v in (("window", window), ("softcap", softcap)) if v}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rotation: Rotation | None = None) -> torch.Tensor:
+        """``rotation``: q's and k's RoPE, not yet applied: the append runs it where its
+        backend can in the same launch (``KVCache.append_rotated``)."""
         ctx = get_context()
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
         cache = ctx.kv_cache
-        cache.append(self.layer_idx, k, v)
+        if rotation is None or not cache.append_rotated(self.layer_idx, q, k, v, rotation):
+            if rotation is not None:
+                q, k = rotation.apply(q, k)
+            cache.append(self.layer_idx, k.view(-1, self.num_kv_heads, self.head_dim),
+                         v.view(-1, self.num_kv_heads, self.head_dim))
+        q = q.view(-1, self.num_heads, self.head_dim)
         # the sinks read here: a load may have replaced the parameter
         extra = self._extra if self.sinks is None else {**self._extra, "sinks": self.sinks}
         k_cache, v_cache, group = cache.layer(self.layer_idx)

@@ -350,11 +350,15 @@ ROPE_HEAD_ROWS = 16  # tokens up to which RoPE runs a program per head
 @_kernel
 def _rotate_heads(ptr, row_offset, num_heads, head_dim, cos, sin, half, w_ptr, eps,
                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
-                  UNIT_OFFSET: tl.constexpr):
+                  UNIT_OFFSET: tl.constexpr, dst=None, s_dst_h=0, s_dst_d=0,
+                  TO_DST: tl.constexpr = False, FP8: tl.constexpr = False):
     """Rotate-half RoPE of one token's heads, in place: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
     over each head's first ``2 * half`` dims (partial rotary leaves the rest). NORM: each
     head is first RMS-normed by ``w_ptr`` (full rotary only), rounded as the unfused norm
-    stores it, so the rotation sees the same values."""
+    stores it, so the rotation sees the same values. TO_DST (full rotary): stored at
+    ``dst`` (head h, dim d at ``h * s_dst_h + d * s_dst_d``: a cache slot's heads) in its
+    dtype, rounded to x's dtype first as the in-place store and the copy after it round;
+    FP8: saturated at e4m3's largest value, as the KV append saturates."""
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (j < half)
@@ -366,8 +370,23 @@ def _rotate_heads(ptr, row_offset, num_heads, head_dim, cos, sin, half, w_ptr, e
         x1 = _head_norm(x1 * rstd, w_ptr + j, j < half, ptr.dtype.element_ty, UNIT_OFFSET)
         x2 = _head_norm(x2 * rstd, w_ptr + half + j, j < half, ptr.dtype.element_ty,
                         UNIT_OFFSET)
-    tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
-    tl.store(first + half, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(ptr.dtype.element_ty)
+    if TO_DST:
+        at = dst + h * s_dst_h + j * s_dst_d
+        _store_cached(at, y1, mask, FP8)
+        _store_cached(at + half * s_dst_d, y2, mask, FP8)
+    else:
+        tl.store(first, y1, mask=mask)
+        tl.store(first + half, y2, mask=mask)
+
+
+@_kernel
+def _store_cached(at, y, mask, FP8: tl.constexpr):
+    """``y`` stored in the cache's dtype at ``at``; FP8: e4m3, scale 1, saturated."""
+    if FP8:
+        y = tl.clamp(y.to(tl.float32), -448.0, 448.0)
+    tl.store(at, y.to(at.dtype.element_ty), mask=mask)
 
 
 @_kernel

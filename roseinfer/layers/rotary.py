@@ -1,6 +1,8 @@
 """Rotary position embeddings: the tables from a config, and the rotation of q and k."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -29,6 +31,19 @@ def rope_params(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float
     return 1.0 / (theta ** exps), 1.0
 
 
+class Rotation(NamedTuple):
+    """A layer's RoPE of this step, left to the KV append: a backend that turns k as it
+    writes it to the cache (``append_rotated``) does it in that launch, else ``apply``."""
+    rotary: "RotaryEmbedding"
+    positions: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    norms: HeadNorms | None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(self.positions, q, k, self.num_heads, self.num_kv_heads, self.norms)
+
+
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) RoPE from precomputed cos/sin tables."""
 
@@ -46,6 +61,16 @@ class RotaryEmbedding(nn.Module):
         device = device or self.cos.device
         self.cos = (freqs.cos() * scaling).to(device)
         self.sin = (freqs.sin() * scaling).to(device)
+
+    def deferred(self, positions, q, num_heads, num_kv_heads, norms: HeadNorms | None = None
+                 ) -> Rotation | None:
+        """This rotation as a Rotation for the KV append to run (one launch fewer), where
+        the Triton kernel would run it: on CUDA, every dim rotated, plain RoPE (M-RoPE's
+        positions come from the step); None where it must run now."""
+        if type(self) is not RotaryEmbedding or not q.is_cuda or \
+                2 * self.cos.shape[-1] != q.shape[-1] // num_heads:
+            return None
+        return Rotation(self, positions, num_heads, num_kv_heads, norms)
 
     def forward(self, positions, q, k, num_heads, num_kv_heads, norms: HeadNorms | None = None):
         """Rotates q and k in place (they may be column slices of a fused qkv); ``norms``

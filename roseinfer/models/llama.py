@@ -116,8 +116,11 @@ def self_attention(layer: nn.Module, h: torch.Tensor | PendingNorm, positions: t
         k = layer.k_norm(k.reshape(-1, layer.k_norm.weight.numel()))[0].view(-1, layer.kv_size)
     if layer.clip_qkv is not None:
         q, k, v = (t.clamp(-layer.clip_qkv, layer.clip_qkv) for t in (q, k, v))
-    q, k = layer.rotary(positions, q, k, layer.h, layer.hkv, norms)  # in place, inside qkv
-    out = linear_plus(layer.o_proj, layer.attn(q, k, v), residual)
+    # in place, inside qkv; or left to the KV append's launch
+    rotation = layer.rotary.deferred(positions, q, layer.h, layer.hkv, norms)
+    if rotation is None:
+        q, k = layer.rotary(positions, q, k, layer.h, layer.hkv, norms)
+    out = linear_plus(layer.o_proj, layer.attn(q, k, v, rotation), residual)
     return tp.all_reduce(out) if summed else out
 
 
