@@ -46,7 +46,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
                    LORA_R: tl.constexpr = 16, nw_ptr=None, nsq_ptr=None, n_parts=0,
                    s_nsq=0, eps=0.0, r_ptr=None, sq_ptr=None, s_r=0,
                    NORM: tl.constexpr = False, PARTS: tl.constexpr = 1,
-                   GATED: tl.constexpr = 0, ADD: tl.constexpr = False):
+                   GATED: tl.constexpr = 0, ADD: tl.constexpr = False,
+                   ONE_ROW: tl.constexpr = False):
     """y = x @ w.T (+ b). SCALED: x and w hold e4m3 values, multiplied as float16 (which
     holds each exactly), and y is scaled by x's row scales ``xs`` and w's column scales
     ``ws`` (layers/fp8_linear.py). LORA: plus each row's LoRA expand, from the shrink's
@@ -65,6 +66,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
     ks = tl.arange(0, BLOCK_K)
     col_ok, row_ok = cols < N, rows < M
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    rstd = tl.zeros([16], dtype=tl.float32)
     if NORM:
         rstd = _row_rstd(nsq_ptr, n_parts, s_nsq, rows, row_ok, K, eps, PARTS)
     for k0 in range(0, K, BLOCK_K):
@@ -76,15 +78,20 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
         k_ok = k < K
         if EVEN_K:
             w = tl.load(w_at, mask=col_ok[:, None], other=0.0)
-            x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
         else:
             w = tl.load(w_at, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if ONE_ROW and (GATED or NORM):  # the op on the one row, not the tile's 16
+            x = _one_row(x_ptr + k, K, k_ok, rstd, nw_ptr + k, rows, GATED, NORM)
+        elif EVEN_K:
+            x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
+        else:
             x = tl.load(x_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if GATED:
-            up = tl.load(x_at + K, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            x = _gated(x, up, GATED)
-        if NORM:
-            x = _normed(x, rstd, nw_ptr + k, k_ok)
+        if not ONE_ROW or not (GATED or NORM):
+            if GATED:
+                up = tl.load(x_at + K, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                x = _gated(x, up, GATED)
+            if NORM:
+                x = _normed(x, rstd, nw_ptr + k, k_ok)
         if SCALED:
             x, w = x.to(tl.float16), w.to(tl.float16)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -125,6 +132,21 @@ def _normed(x, rstd, w_ptrs, k_ok):
     w = tl.load(w_ptrs, mask=k_ok, other=0.0).to(tl.float32)
     y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
     return y.to(x.dtype)
+
+
+@_kernel
+def _one_row(x_at, K, k_ok, rstd, w_ptrs, rows, GATED: tl.constexpr, NORM: tl.constexpr):
+    """The [16, BLOCK_K] tile of one row's K block after its folded op, computed on that
+    row alone (a tile's other 15 rows are zeros): an activation's exp over 16 rows where
+    1 is real cost as much as the weights' bytes on down_proj."""
+    x = tl.load(x_at, mask=k_ok, other=0.0)
+    if GATED:
+        x = _gated(x, tl.load(x_at + K, mask=k_ok, other=0.0), GATED)
+    if NORM:
+        w = tl.load(w_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        r = tl.sum(tl.where(rows == 0, rstd, 0.0), axis=0)
+        x = ((x.to(tl.float32) * r).to(x.dtype).to(tl.float32) * w).to(x.dtype)
+    return tl.where(rows[:, None] == 0, x[None, :], 0.0).to(x.dtype)
 
 
 @_kernel
@@ -211,6 +233,7 @@ def skinny_linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor,
     pdl = dependent_launch(x.device, m)
     programs = triton.cdiv(n, bn)
     extra = _lora_args(*lora) if lora is not None else {}
+    extra["nw_ptr"] = weight  # read only with NORM
     if norm is not None:
         parts = norm.summed.squares
         extra.update(nw_ptr=norm.weight, nsq_ptr=parts, n_parts=parts.shape[0],
@@ -225,7 +248,7 @@ def skinny_linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor,
         HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays float32
         SCALED=False, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
-        GATED=gated, **extra)
+        GATED=gated, ONE_ROW=m == 1, **extra)
     return y if residual is None else SummedRows(y, squares)
 
 
