@@ -43,6 +43,9 @@ class NoRotary:
     def __call__(self, positions, q, k, heads, kv_heads, norms=None):
         return q, k
 
+    def deferred(self, positions, q, heads, kv_heads, norms=None):
+        return None  # nothing for the KV append to turn
+
 
 class SharedMlp(nn.Module):
     """The SwiGLU every token goes through (``input_linear``: gate rows, then up)."""
