@@ -82,29 +82,27 @@ def test_the_next_linear_norms_its_rows_as_the_norm_launch_does(width, rows, dty
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_a_norm_left_pending_only_for_a_linear_that_runs_the_kernel(monkeypatch):
+def test_a_norm_left_pending_only_for_a_linear_that_runs_the_kernel_on_one_row():
     from torch import nn
 
     from roseinfer.layers.norm import RMSNorm
     from roseinfer.layers.skinny_linear import SkinnyLinear
 
     gen = torch.Generator().manual_seed(3)
-    summed = skinny_linear(rand(gen, 2, 64, dtype=torch.float32),
-                           rand(gen, 72, 64, dtype=torch.float32), None,
-                           residual=rand(gen, 2, 72, dtype=torch.float32))
     norm = RMSNorm(72, 1e-6).to(DEVICE)
     skinny, plain = nn.Linear(72, 40).to(DEVICE), nn.Linear(72, 40).to(DEVICE)
-    skinny.__class__, skinny.max_rows = SkinnyLinear, 1  # as use_skinny_linears makes it
-    stale = torch.full_like(summed.rows, 1e3)  # a SummedRows holds its residual already
-    for into, pending in ((skinny, False), (plain, False), (None, False)):
-        h, residual = norm(summed, stale, into=into)
-        assert isinstance(h, PendingNorm) == pending and residual is summed.rows
-        torch.testing.assert_close(h, add_rms_norm(summed.rows, None, norm.weight, 1e-6)[0])
-    skinny.max_rows = MAX_ROWS
-    h, _ = norm(summed, stale, into=skinny)
-    assert isinstance(h, PendingNorm)
-    torch.testing.assert_close(skinny(h), F.linear(norm(summed.rows)[0], skinny.weight,
-                                                   skinny.bias), rtol=1e-5, atol=1e-5)
+    skinny.__class__, skinny.max_rows = SkinnyLinear, MAX_ROWS  # as use_skinny_linears makes it
+    w = rand(gen, 72, 64, dtype=torch.float32)
+    for rows in (1, 2):
+        summed = skinny_linear(rand(gen, rows, 64, dtype=torch.float32), w, None,
+                               residual=rand(gen, rows, 72, dtype=torch.float32))
+        stale = torch.full_like(summed.rows, 1e3)  # a SummedRows holds its residual already
+        for into in (skinny, plain, None):
+            h, residual = norm(summed, stale, into=into)
+            assert residual is summed.rows
+            assert isinstance(h, PendingNorm) == (into is skinny and rows == 1)
+            torch.testing.assert_close(skinny(h), F.linear(norm(summed.rows)[0], skinny.weight,
+                                                           skinny.bias), rtol=1e-5, atol=1e-5)
 
 
 def folded_calls(monkeypatch) -> list:
@@ -179,8 +177,10 @@ def test_a_model_with_every_fold_generates_what_transformers_does(family, monkey
     rotated = rope_in_the_append(monkeypatch)
     with LLM(hf, device=DEVICE, dtype="float32", num_kv_blocks=64, cuda_graphs=False,
              kv_append_backend="triton_identity_pos") as llm:
-        got = [o.token_ids for o in llm.generate(
-            prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))]
+        # one at a time: the folds run at one row (a decode step of one sequence)
+        got = [llm.generate([p], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                ignore_eos=True))[0].token_ids
+               for p in prompts]
     assert got == want
     assert rotated  # decode steps (rows = slots) turned k in the append's launch
     folds = set(calls) - {(0, False, False)}  # the plain products

@@ -28,12 +28,13 @@ SILU, GELU_TANH = 1, 2  # skinny_linear's ``gated``
 
 
 def folds_into(linear: nn.Module | None, x: torch.Tensor) -> bool:
-    """Whether ``linear`` runs the skinny kernel on ``x``'s rows (so an op beside its
-    product can join its launch): a plain SkinnyLinear (not wrapped: LoRA's own launch
-    reads the rows as they are), rows within its ``max_rows``, one rank (the sum over
-    ranks comes before any add)."""
+    """Whether ``linear`` runs the skinny kernel on ``x`` and an op beside its product
+    joins its launch: a plain SkinnyLinear (not wrapped: LoRA's own launch reads the rows
+    as they are), one rank (the sum over ranks comes before any add), and one row: there a
+    launch's fixed cost is most of the op's, while over the tile's 16 rows the ops cost
+    more than their launches (down_proj gated at 16 rows: 6x its time, docs/kernels.md)."""
     return (type(linear) is SkinnyLinear and x.dim() == 2 and x.stride(1) == 1
-            and x.shape[0] <= linear.max_rows and tp.group().size == 1)
+            and x.shape[0] == 1 and tp.group().size == 1)
 
 
 def gated_down(down: nn.Module, gate_up: torch.Tensor, gelu: bool = False,

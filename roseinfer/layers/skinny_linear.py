@@ -69,6 +69,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
     rstd = tl.zeros([16], dtype=tl.float32)
     if NORM:
         rstd = _row_rstd(nsq_ptr, n_parts, s_nsq, rows, row_ok, K, eps, PARTS)
+    if ONE_ROW and (GATED or NORM):
+        # The row's next K block is loaded a pass ahead, in registers: Triton pipelines
+        # only the loads that feed the dot as they are, and the op on this one waited on
+        # its load every pass (3-5 us a call on the H100, docs/kernels.md).
+        g_next = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+        u_next = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0) if GATED else g_next
     for k0 in range(0, K, BLOCK_K):
         # Addresses rebuilt from k0 each pass: 1.1-1.3x faster on the H100 than
         # advancing pointers, whose loop Triton pipelines worse.
@@ -81,7 +87,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
         else:
             w = tl.load(w_at, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if ONE_ROW and (GATED or NORM):  # the op on the one row, not the tile's 16
-            x = _one_row(x_ptr + k, K, k_ok, rstd, nw_ptr + k, rows, GATED, NORM)
+            gate, up = g_next, u_next
+            after = k + BLOCK_K
+            g_next = tl.load(x_ptr + after, mask=after < K, other=0.0)
+            if GATED:
+                u_next = tl.load(x_ptr + K + after, mask=after < K, other=0.0)
+            x = _one_row(gate, up, k_ok, rstd, nw_ptr + k, rows, GATED, NORM)
         elif EVEN_K:
             x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
         else:
@@ -135,13 +146,13 @@ def _normed(x, rstd, w_ptrs, k_ok):
 
 
 @_kernel
-def _one_row(x_at, K, k_ok, rstd, w_ptrs, rows, GATED: tl.constexpr, NORM: tl.constexpr):
-    """The [16, BLOCK_K] tile of one row's K block after its folded op, computed on that
-    row alone (a tile's other 15 rows are zeros): an activation's exp over 16 rows where
-    1 is real cost as much as the weights' bytes on down_proj."""
-    x = tl.load(x_at, mask=k_ok, other=0.0)
+def _one_row(x, up, k_ok, rstd, w_ptrs, rows, GATED: tl.constexpr, NORM: tl.constexpr):
+    """The [16, BLOCK_K] tile of one row's K block ``x`` (``up``: its up half where GATED)
+    after its folded op, computed on that row alone (a tile's other 15 rows are zeros):
+    an activation's exp over 16 rows where 1 is real cost as much as the weights' bytes
+    on down_proj."""
     if GATED:
-        x = _gated(x, tl.load(x_at + K, mask=k_ok, other=0.0), GATED)
+        x = _gated(x, up, GATED)
     if NORM:
         w = tl.load(w_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         r = tl.sum(tl.where(rows == 0, rstd, 0.0), axis=0)
