@@ -82,12 +82,13 @@ def test_the_next_linear_norms_its_rows_as_the_norm_launch_does(width, rows, dty
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_a_norm_left_pending_only_for_a_linear_that_runs_the_kernel_on_one_row():
+def test_a_norm_left_pending_only_for_a_linear_that_runs_the_kernel_on_one_row(monkeypatch):
     from torch import nn
 
     from roseinfer.layers.norm import RMSNorm
     from roseinfer.layers.skinny_linear import SkinnyLinear
 
+    monkeypatch.setenv("ROSEINFER_FOLDS", "1")
     gen = torch.Generator().manual_seed(3)
     norm = RMSNorm(72, 1e-6).to(DEVICE)
     skinny, plain = nn.Linear(72, 40).to(DEVICE), nn.Linear(72, 40).to(DEVICE)
@@ -109,6 +110,7 @@ def folded_calls(monkeypatch) -> list:
     """Spy on every skinny launch: (gated, pending norm, residual) each."""
     from roseinfer.layers import skinny_linear as skinny
 
+    monkeypatch.setenv("ROSEINFER_FOLDS", "1")
     calls, launch = [], skinny.skinny_linear
 
     def spy(x, weight, bias=None, **kw):
@@ -242,3 +244,20 @@ def test_rope_and_the_append_in_one_launch_write_what_the_two_launches_write(
     assert torch.equal(as_bits(caches[0]), as_bits(caches[2]))
     assert torch.equal(as_bits(caches[1]), as_bits(caches[3]))
     assert torch.equal(qkv[:, heads * head_dim:], qkv_before[:, heads * head_dim:])  # k, v kept
+
+
+def test_the_folds_run_only_when_asked(monkeypatch):
+    """Off by default (measured slower on the H100, docs/kernels.md); ROSEINFER_FOLDS=1
+    turns them on."""
+    from torch import nn
+
+    from roseinfer.layers.skinny_linear import SkinnyLinear
+
+    linear = nn.Linear(64, 32).to(DEVICE)
+    linear.__class__ = SkinnyLinear
+    x = torch.zeros(1, 64, device=DEVICE)
+    monkeypatch.delenv("ROSEINFER_FOLDS", raising=False)
+    assert not folded.folds_into(linear, x)
+    monkeypatch.setenv("ROSEINFER_FOLDS", "1")
+    assert folded.folds_into(linear, x)
+    assert not folded.folds_into(linear, torch.zeros(2, 64, device=DEVICE))

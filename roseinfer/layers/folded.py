@@ -1,6 +1,7 @@
 """The elementwise ops beside a decode step's linears, folded into the skinny kernel's
 launch where that kernel runs (layers/skinny_linear.py): at batch 1 each of them was a
 launch of its own, a few microseconds on the critical path for a few kilobytes of work.
+They run only with ``ROSEINFER_FOLDS=1`` (``folds_on``) until a step shows they pay.
 
 - ``gated_down``: the MLP's act(gate) * up is computed as its down projection reads it.
 - ``linear_plus``: the residual add after o_proj and down_proj happens in their
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from roseinfer.core import tp
+from roseinfer.core.triton_support import folds_on
 from roseinfer.layers.fused import add_rms_norm, gelu_tanh_and_mul, silu_and_mul
 from roseinfer.layers.skinny_linear import PendingNorm, SkinnyLinear, SummedRows, \
     skinny_linear
@@ -33,7 +35,7 @@ def folds_into(linear: nn.Module | None, x: torch.Tensor) -> bool:
     as they are), one rank (the sum over ranks comes before any add), and one row: there a
     launch's fixed cost is most of the op's, while over the tile's 16 rows the ops cost
     more than their launches (down_proj gated at 16 rows: 6x its time, docs/kernels.md)."""
-    return (type(linear) is SkinnyLinear and x.dim() == 2 and x.stride(1) == 1
+    return (folds_on() and type(linear) is SkinnyLinear and x.dim() == 2 and x.stride(1) == 1
             and x.shape[0] == 1 and tp.group().size == 1)
 
 
