@@ -72,7 +72,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
     if ONE_ROW and (GATED or NORM):
         # The row's next K block is loaded a pass ahead, in registers: Triton pipelines
         # only the loads that feed the dot as they are, and the op on this one waited on
-        # its load every pass (3-5 us a call on the H100, docs/kernels.md).
+        # its load every pass (1-5 us a call on the H100, docs/kernels.md).
         g_next = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
         u_next = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0) if GATED else g_next
     for k0 in range(0, K, BLOCK_K):
