@@ -8,7 +8,8 @@ design, in Triton).
   and no host sync: it runs inside CUDA graphs.
 - ``fused_experts``: one launch for gate_up over every tile, with silu(gate) * up (or
   gpt-oss's clamped form) in its epilogue, one launch for down with the routing weights
-  applied in the kernel, then one launch summing each token's top-k rows. Each tile
+  applied in the kernel, then one launch summing each token's top-k rows (at one or two
+  tokens, the down launch's last program of each token and tile of columns sums them). Each tile
   streams only its own expert's weights, so at decode sizes a step reads the chosen
   experts and no other. FP8 experts (a scale per row) and biases are applied in the
   epilogues too.
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from roseinfer.core import tp
+from roseinfer.core.arrivals import counters, last_to_arrive
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     wait_for_inputs
 from roseinfer.layers.folded import gated_down
@@ -155,7 +157,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, 
                          BIAS: tl.constexpr, SWIGLU: tl.constexpr, CLAMPED: tl.constexpr,
                          MUL_WEIGHTS: tl.constexpr, PER_PAIR: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, sum_ptr=None, counter_ptr=None,
+                         SUM_LAST: tl.constexpr = False, TOP_K: tl.constexpr = 1):
     """C[pair] = A[pair // pairs_per_row] @ W[expert].T (x the pair's routing weight), for the
     BLOCK_M pairs of one tile and BLOCK_N of the N output columns. ``SWIGLU``: W holds 2N
     rows, gate then up, and C is silu(gate) * up, each rounded to C's dtype first as the
@@ -164,12 +167,18 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, 
     [E, rows]); A stays in its own dtype (W8A16). ``BIAS``: each row's bias (``bias_ptr``,
     [E, rows]) is added before the activation and the routing weight. ``PER_PAIR``: tile
     t is pair t alone (its first row), ``tile_expert_ptr`` the pairs' expert ids, and
-    ``sorted_ptr`` and ``total_ptr`` unused: no sort."""
+    ``sorted_ptr`` and ``total_ptr`` unused: no sort. ``SUM_LAST`` (a tile per pair):
+    the last of a token's ``TOP_K`` pairs to finish a tile of columns sums the token's
+    rows into ``sum`` as ``_sum_choices_kernel`` would (core/arrivals.py)."""
     wait_for_inputs(PDL)
     tile = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if PER_PAIR:
         expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        if expert < 0:  # another rank's expert
+        if expert < 0:  # another rank's expert: nothing to multiply, but it counts
+            if SUM_LAST:
+                _sum_if_last(sum_ptr, c_ptr, tile_expert_ptr, counter_ptr, tile // TOP_K, cols,
+                             N, TOP_K)
             return
         pair = tl.where(tl.arange(0, BLOCK_M) == 0, tile, pairs)
     else:
@@ -179,7 +188,6 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, 
         pair = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pair < pairs
     token = tl.where(valid, pair // pairs_per_row, 0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + expert * s_we + cols[None, :] * s_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -209,6 +217,17 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, weights_ptr, 
         acc *= tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + pair.to(tl.int64)[:, None] * s_c + cols[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+    if SUM_LAST:
+        _sum_if_last(sum_ptr, c_ptr, tile_expert_ptr, counter_ptr, tile // TOP_K, cols, N,
+                     TOP_K)
+
+
+@_kernel
+def _sum_if_last(sum_ptr, c_ptr, ids_ptr, counter_ptr, token, cols, hidden,
+                 TOP_K: tl.constexpr):
+    """A token's pairs arrive at its counter for this tile of columns; the last sums."""
+    if last_to_arrive(counter_ptr + token * tl.num_programs(1) + tl.program_id(1), TOP_K):
+        _token_sum(c_ptr, ids_ptr, sum_ptr, token, cols, hidden, TOP_K)
 
 
 # Tokens up to which each (token, choice) pair gets a tile of its own, unsorted: at one
@@ -235,13 +254,15 @@ def _config(pairs: int, fp8: bool = False, per_pair: bool = False,
 
 
 def _grouped_gemm(a, w, scale, bias, weights, aligned, config: dict, pairs_per_row: int,
-                  swiglu: bool, glu: ClampedGlu | None = None) -> torch.Tensor:
+                  swiglu: bool, glu: ClampedGlu | None = None,
+                  summed: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """[pairs, N]: row p is A's row p // pairs_per_row times its expert's W ([E, N, K]),
     FP8 times ``scale`` ([E, N]) where that is not None, plus ``bias`` ([E, N]) where
     that is not; ``swiglu``: W is [E, 2N, K], the gate and the up rows, and the rows
     come out silu(gate) * up (``glu``'s clamped form where given); otherwise each row is
     scaled by its routing weight. ``aligned``: align_blocks' result, or the pairs' expert
-    ids ([pairs]) for a tile per pair."""
+    ids ([pairs]) for a tile per pair. ``summed``: (out, counters, top_k), with a tile per
+    pair: each token's rows also summed into ``out`` ([tokens, N]) by the launch itself."""
     assert w.stride(-1) == 1, "expert weights must be contiguous in K"
     per_pair = isinstance(aligned, torch.Tensor)
     sorted_ids, tile_expert, total = (aligned,) * 3 if per_pair else aligned
@@ -250,6 +271,7 @@ def _grouped_gemm(a, w, scale, bias, weights, aligned, config: dict, pairs_per_r
     grid = (tile_expert.numel(), triton.cdiv(n, config["BLOCK_N"]))
     pdl = dependent_launch(a.device, pairs)
     scaled, biased = scale is not None, bias is not None
+    out, count, top_k = summed or (c, c, 1)
     _grouped_gemm_kernel[grid](a, w, scale if scaled else w, bias if biased else w, c, weights,
                                sorted_ids, tile_expert, total, n, k, pairs, pairs_per_row,
                                a.stride(0), w.stride(0), w.stride(1),
@@ -257,7 +279,8 @@ def _grouped_gemm(a, w, scale, bias, weights, aligned, config: dict, pairs_per_r
                                c.stride(0), glu.alpha if glu else 1.0, glu.limit if glu else 0.0,
                                SCALED=scaled, BIAS=biased, SWIGLU=swiglu, CLAMPED=glu is not None,
                                MUL_WEIGHTS=not swiglu, PER_PAIR=per_pair, PDL=pdl,
-                               launch_pdl=pdl, **config)
+                               launch_pdl=pdl, sum_ptr=out, counter_ptr=count,
+                               SUM_LAST=summed is not None, TOP_K=top_k, **config)
     return c
 
 
@@ -267,13 +290,20 @@ def _sum_choices_kernel(x_ptr, ids_ptr, out_ptr, hidden, TOP_K: tl.constexpr,
     """out[t] = the sum of x's TOP_K rows of token t, in float32, rounded once; rows of
     another rank's experts (id -1) were never written and count nothing."""
     wait_for_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    _token_sum(x_ptr, ids_ptr, out_ptr, tl.program_id(0).to(tl.int64),
+               tl.program_id(1) * BLOCK + tl.arange(0, BLOCK), hidden, TOP_K)
+
+
+@_kernel
+def _token_sum(x_ptr, ids_ptr, out_ptr, token, cols, hidden, TOP_K: tl.constexpr):
+    """Columns ``cols`` of ``token``'s TOP_K rows of x summed in float32 in choice order,
+    rounded once; read from L2 (``.cg``): other programs of the same launch may have
+    written them."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         if tl.load(ids_ptr + token * TOP_K + j) >= 0:
             acc += tl.load(x_ptr + (token * TOP_K + j) * hidden + cols, mask=cols < hidden,
-                           other=0.0).to(tl.float32)
+                           other=0.0, cache_modifier=".cg").to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty),
              mask=cols < hidden)
 
@@ -330,8 +360,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (s13, s2), (b13, b2) = scales or (None, None), biases or (None, None)
     act = _grouped_gemm(x, w13, s13, b13, flat_weights, aligned, config, top_k, swiglu=True,
                         glu=glu)
-    down = _grouped_gemm(act, w2, s2, b2, flat_weights, aligned, config, 1, swiglu=False)
-    return _sum_choices(down, ids)
+    # At one or two tokens the down GEMM sums each token's rows itself: a launch fewer
+    count = counters(x.device, tokens * triton.cdiv(w2.shape[1], config["BLOCK_N"])) \
+        if per_pair else None
+    if count is None:
+        return _sum_choices(_grouped_gemm(act, w2, s2, b2, flat_weights, aligned, config, 1,
+                                          swiglu=False), ids)
+    out = torch.empty((tokens, w2.shape[1]), dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, s2, b2, flat_weights, aligned, config, 1, swiglu=False,
+                  summed=(out, count, top_k))
+    return out
 
 
 def _experts_torch(x, w13, w2, weights, ids, biases=None, glu=None) -> torch.Tensor:
