@@ -302,34 +302,6 @@ def test_one_long_sequence_split_many_ways_or_none(request, monkeypatch, most, d
     check(request, "triton_paged", seqs, 6, 2, 64, 16, dtype)
 
 
-@pytest.mark.parametrize("in_kernel", [True, False], ids=["last-split", "merge-kernel"])
-@pytest.mark.parametrize("tile", [
-    {"block_n": 16, "num_warps": 1, "num_stages": 2, "dot": False},
-    {"block_n": 16, "num_warps": 4, "num_stages": 2, "dot": True}], ids=["cuda-cores", "dots"])
-def test_split_decode_merges_in_its_last_split_or_a_kernel(request, monkeypatch, in_kernel,
-                                                          tile):
-    """Eight splits a sequence, merged by each (seq, KV head)'s last split to finish or by
-    the merge kernel after, equal the reference twice over, and the arrival counters are
-    back at zero after each call (the next launch counts from there)."""
-    triton_paged = pytest.importorskip("roseinfer.plugins.attention.triton_paged")
-    pytest.importorskip("triton")
-    from roseinfer.core import arrivals
-    monkeypatch.setattr(triton_paged, "DECODE_TUNING", {})
-    monkeypatch.setitem(triton_paged.TUNING, "decode", dict(tile, programs_per_sm=8,
-                                                            max_splits=8))
-    monkeypatch.setattr(triton_paged, "MIN_SPLIT_LEN", 16)
-    monkeypatch.setattr(triton_paged, "_num_sms", lambda device: 132)
-    if not in_kernel:
-        monkeypatch.setattr(triton_paged, "MERGE_LAST_VALUES", 0)
-    merges, merge = [], triton_paged._merge
-    monkeypatch.setattr(triton_paged, "_merge", lambda *a: merges.append(a) or merge(*a))
-    seqs = [(300, 1), (130, 1), (17, 1)]
-    for _ in range(2):
-        check(request, "triton_paged", seqs, 6, 2, 64, 16, torch.float32)
-    assert bool(merges) != in_kernel
-    assert not arrivals.counters(DEVICE, 1).any()
-
-
 @pytest.mark.skipif(not CUDA, reason="compiled kernels: the larger prefill tiles are for GPUs")
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_long_prefill_steps(request, head_dim):

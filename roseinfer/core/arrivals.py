@@ -1,6 +1,7 @@
-"""Arrival counters: the last program of a group to finish runs the group's epilogue (a
-split decode's merge, an MoE token's sum over its experts) in the same launch, where a
-second kernel would add a launch, and its wait for the whole grid, to every layer.
+"""Arrival counters: the last program of a group to finish runs the group's epilogue (an
+MoE token's sum over its experts) in the same launch, where a second kernel would add a
+launch, and its wait for the whole grid, to every layer. Where the epilogue reads much
+(a split decode's merge of 32 splits) a merge kernel a head is faster: docs/kernels.md.
 
 A group's programs each add one to the group's int32 counter once their results are
 stored; the one that reads ``expected - 1`` back is the last, reads the others' results

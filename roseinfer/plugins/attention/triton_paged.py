@@ -14,11 +14,10 @@ program ``(seq, kv_head, split)``, no search, no tensor cores (see
 ``_paged_decode_kernel``). They give only ``S * H_kv`` programs, too few for
 a GPU when contexts are long, so the context is split across programs
 (flash-decoding):
-each split writes an unnormalised partial (running max, sum, accumulator), and the
-last split of each (sequence, KV head) to finish merges them (core/arrivals.py), or
-where they are too many for its registers a second kernel does. Shapes depend only on
-``N``, ``S`` and ``attn.max_context_len``: capture CUDA graphs with ``max_context_len``
-set to the context bound.
+each split writes an unnormalised partial (running max, sum, accumulator) and
+a second kernel merges them. Shapes depend only on ``N``, ``S`` and
+``attn.max_context_len``: capture CUDA graphs with ``max_context_len`` set to
+the context bound.
 
 An FP8 cache (``kv_cache_dtype="fp8"``) is read as e4m3 and widened in registers (a
 16-bit query's products then run in float16), so half a bfloat16 cache's bytes cross
@@ -37,7 +36,6 @@ import math
 
 import torch
 
-from roseinfer.core.arrivals import counters, last_to_arrive
 from roseinfer.core.hookspecs import hookimpl
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     triton_usable, wait_for_inputs
@@ -85,11 +83,6 @@ NO_WINDOW = 2 ** 30    # the decode kernel's window where a layer has none: past
 # contexts").
 MAX_SPLITS = 64
 MERGE_DIMS = 256       # a merge program's dims: every head dim the tuning table names
-# Partial values (splits x heads of a KV head x dims) up to which the last split merges
-# them in registers (64 a thread at 4 warps), in the decode kernel's own launch: short
-# contexts, where the merge launch is a large part of attention's time. Longer ones, with
-# more splits, keep the merge kernel: a program a head.
-MERGE_LAST_VALUES = 8192
 
 
 @_kernel
@@ -294,17 +287,13 @@ def _paged_decode_kernel(
     block_tables_ptr, context_lens_ptr,
     sq_n, sq_h, sq_d, so_s, so_n, so_h, sm_s, sm_n, sc_b, sc_h, sc_o, sc_d,
     bt_stride, head_dim, scale_log2, n_splits, window, sinks_ptr, softcap_log2,
-    final_ptr, counter_ptr, sf_n, sf_h,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP16: tl.constexpr, PDL: tl.constexpr,
-    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, MERGE_LAST: tl.constexpr = False,
-    BLOCK_S: tl.constexpr = 1, G_MERGE: tl.constexpr = 1,
+    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Decode rows only: program (seq, kv_head, split) owns query row ``seq``
-    and the ``G`` query heads of ``kv_head`` (tiles: ``_decode_tile``). ``MERGE_LAST``:
-    the last split of a (seq, kv_head) to finish merges the group's partials into
-    ``final`` (core/arrivals.py), where ``_merge_splits_kernel`` would run after."""
+    and the ``G`` query heads of ``kv_head`` (tiles: ``_decode_tile``)."""
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -350,38 +339,9 @@ def _paged_decode_kernel(
         ml_off = split.to(tl.int64) * sm_s + row * sm_n + head
         tl.store(m_ptr + ml_off, m_i, mask=g_ok)
         tl.store(l_ptr + ml_off, l_i, mask=g_ok)
-        if MERGE_LAST:
-            if last_to_arrive(counter_ptr + seq * tl.num_programs(1) + kv_head, n_splits):
-                _merge_group(final_ptr, out_ptr, m_ptr, l_ptr, seq, kv_head * G, d, d_ok,
-                             so_s, so_n, so_h, sm_s, sm_n, sf_n, sf_h, n_splits, G,
-                             BLOCK_S, G_MERGE)
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@_kernel
-def _merge_group(final_ptr, acc_ptr, m_ptr, l_ptr, seq, first_head, d, d_ok, sa_s, sa_n,
-                 sa_h, sm_s, sm_n, sf_n, sf_h, n_splits, G: tl.constexpr,
-                 BLOCK_S: tl.constexpr, G_MERGE: tl.constexpr):
-    """The ``G`` heads from ``first_head`` of row ``seq``: their splits' partials, all
-    splits at once ([BLOCK_S, G_MERGE, dims] in registers), merged as
-    ``_merge_splits_kernel`` merges one head's."""
-    sp = tl.arange(0, BLOCK_S)
-    head = first_head + tl.arange(0, G_MERGE)
-    g_ok = tl.arange(0, G_MERGE) < G
-    ok = (sp < n_splits)[:, None] & g_ok[None, :]
-    ml = sp.to(tl.int64)[:, None] * sm_s + seq * sm_n + head[None, :]
-    m = tl.load(m_ptr + ml, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(l_ptr + ml, mask=ok, other=0.0, cache_modifier=".cg")
-    acc = tl.load(acc_ptr + sp.to(tl.int64)[:, None, None] * sa_s + seq * sa_n
-                  + head[None, :, None] * sa_h + d[None, None, :],
-                  mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-    # Empty splits hold max -inf and sum 0: weight 0. Padding heads (past G) get 0 / 1.
-    w = tl.exp2(m - tl.where(g_ok, tl.max(m, 0), 0.0)[None, :])
-    out = tl.sum(acc * w[:, :, None], 0) / tl.where(g_ok, tl.sum(l * w, 0), 1.0)[:, None]
-    tl.store(final_ptr + seq * sf_n + head[:, None] * sf_h + d[None, :],
-             out.to(final_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
 @_kernel
@@ -515,19 +475,13 @@ class TritonPagedAttention:
             dest = torch.empty(splits, n, num_heads, head_dim, dtype=torch.float32, device=q.device)
             m = torch.empty(splits, n, num_heads, dtype=torch.float32, device=q.device)
             l = torch.empty_like(m)
-        g_merge = triton.next_power_of_2(const["G"])
-        merge = dict(BLOCK_S=triton.next_power_of_2(splits), G_MERGE=g_merge)
-        count = None
-        if 1 < splits and merge["BLOCK_S"] * g_merge * const["BLOCK_D"] <= MERGE_LAST_VALUES:
-            count = counters(q.device, n * num_kv_heads)
         _paged_decode_kernel[(n, num_kv_heads, splits)](
             q, k_cache, v_cache, dest, m, l, attn.block_tables, attn.context_lens,
             *q.stride(), *dest.stride()[:3], *m.stride()[:2], *k_cache.stride(),
             attn.block_tables.stride(0), head_dim, scale_log2, splits, window, sinks,
-            softcap_log2, out, out if count is None else count, *out.stride()[:2],
-            BLOCK_G=max(16 if tune["dot"] else 1, g_merge), PARTIAL=splits > 1,
-            DOT=tune["dot"], MERGE_LAST=count is not None, **merge, **const)
-        if splits > 1 and count is None:
+            softcap_log2, BLOCK_G=max(16 if tune["dot"] else 1, triton.next_power_of_2(const["G"])),
+            PARTIAL=splits > 1, DOT=tune["dot"], **const)
+        if splits > 1:
             _merge(out, dest, m, l, const["PDL"])
 
     @staticmethod
