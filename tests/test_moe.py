@@ -235,13 +235,16 @@ def test_pairs_of_another_ranks_experts_are_left_out(tokens):
 
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_the_down_launch_sums_a_tokens_rows_as_the_sum_kernel_does(monkeypatch, tokens):
-    """At one or two tokens the last of a token's pairs to finish a tile of columns sums
-    the token's rows (core/arrivals.py): bit for bit the separate sum's result, with
-    another rank's pairs left out (the second token has none of this rank's), and the
-    counters back at zero for the next launch."""
+    """The last of a token's pairs to finish a tile of columns sums the token's rows
+    (core/arrivals.py; at two tokens too, where the engine keeps the sum kernel): bit for
+    bit the separate sum's result, with another rank's pairs left out (the second token
+    has none of this rank's), and the counters back at zero for the next launch."""
     pytest.importorskip("triton")
     from roseinfer.core import arrivals
     from roseinfer.layers import moe as moe_layer
+    monkeypatch.setattr(moe_layer, "SUM_IN_DOWN_TOKENS", 2)
+    sums, sum_choices = [], moe_layer._sum_choices
+    monkeypatch.setattr(moe_layer, "_sum_choices", lambda *a: sums.append(a) or sum_choices(*a))
     moe = block(True, experts=8, top_k=4)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
     w13, w2 = (w.detach().to(DEVICE) for w in (moe.experts.gate_up_proj, moe.experts.down_proj))
@@ -250,9 +253,8 @@ def test_the_down_launch_sums_a_tokens_rows_as_the_sum_kernel_does(monkeypatch, 
     if tokens == 2:
         mine[1] = -1
     summed = [fused_experts(x, w13, w2, weights, mine, use_triton=True) for _ in range(2)]
+    assert not sums, "the down launch summed"
     assert not arrivals.counters(x.device, 1).any()
-    sums, sum_choices = [], moe_layer._sum_choices
-    monkeypatch.setattr(moe_layer, "_sum_choices", lambda *a: sums.append(a) or sum_choices(*a))
     monkeypatch.setattr(moe_layer, "counters", lambda *a: None)
     apart = fused_experts(x, w13, w2, weights, mine, use_triton=True)
     assert sums, "the separate sum ran"

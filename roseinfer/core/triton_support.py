@@ -43,10 +43,10 @@ def dependent_launch(device: torch.device, rows: int) -> bool:
 
 
 def folds_on() -> bool:
-    """Whether the ops beside a one-row decode's linears join their launches
-    (layers/folded.py) and RoPE the KV append's: ``ROSEINFER_FOLDS=1``. Off by default:
-    on an H100 the folds made the Llama-3 8B batch-1 step 5.83 ms where it was 5.73, the
-    1B's 1.30 where it was 1.23 (docs/kernels.md, "Folded ops")."""
+    """Whether RoPE is left to the KV append's launch (``RotaryEmbedding.deferred``):
+    ``ROSEINFER_FOLDS=1``. Off by default until a step shows it pays; the linears' folds
+    that came with it made the Llama-3 8B batch-1 step 5.83-6.09 ms where it was 5.73 on
+    an H100, and were removed (docs/kernels.md, "Folded ops")."""
     return os.environ.get("ROSEINFER_FOLDS") == "1"
 
 

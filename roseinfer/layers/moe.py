@@ -8,8 +8,8 @@ design, in Triton).
   and no host sync: it runs inside CUDA graphs.
 - ``fused_experts``: one launch for gate_up over every tile, with silu(gate) * up (or
   gpt-oss's clamped form) in its epilogue, one launch for down with the routing weights
-  applied in the kernel, then one launch summing each token's top-k rows (at one or two
-  tokens, the down launch's last program of each token and tile of columns sums them). Each tile
+  applied in the kernel, then one launch summing each token's top-k rows (at one token,
+  the down launch's last program of each tile of columns sums them). Each tile
   streams only its own expert's weights, so at decode sizes a step reads the chosen
   experts and no other. FP8 experts (a scale per row) and biases are applied in the
   epilogues too.
@@ -36,7 +36,6 @@ from roseinfer.core import tp
 from roseinfer.core.arrivals import counters, last_to_arrive
 from roseinfer.core.triton_support import dependent_launch, kernel as _kernel, tl, triton, \
     wait_for_inputs
-from roseinfer.layers.folded import gated_down
 from roseinfer.layers.fused import _use_triton, silu_and_mul
 from roseinfer.layers.moe_routing import route
 from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
@@ -234,6 +233,10 @@ def _sum_if_last(sum_ptr, c_ptr, ids_ptr, counter_ptr, token, cols, hidden,
 # or two tokens nearly every tile holds one pair anyway, and the sort's launch is saved
 # (1.05-1.15x the sorted GEMMs on three MoE shapes, H200, docs/kernels.md).
 PER_PAIR_TOKENS = 2
+# Tokens up to which the down launch sums each token's rows itself (its last pair to
+# finish a tile of columns does, core/arrivals.py): at one token 0.15-0.5 % off three MoE
+# shapes' steps, at two 0.9 % slower (H100, docs/kernels.md "The experts' sum").
+SUM_IN_DOWN_TOKENS = 1
 
 
 def _config(pairs: int, fp8: bool = False, per_pair: bool = False,
@@ -360,9 +363,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (s13, s2), (b13, b2) = scales or (None, None), biases or (None, None)
     act = _grouped_gemm(x, w13, s13, b13, flat_weights, aligned, config, top_k, swiglu=True,
                         glu=glu)
-    # At one or two tokens the down GEMM sums each token's rows itself: a launch fewer
     count = counters(x.device, tokens * triton.cdiv(w2.shape[1], config["BLOCK_N"])) \
-        if per_pair else None
+        if per_pair and tokens <= SUM_IN_DOWN_TOKENS else None
     if count is None:
         return _sum_choices(_grouped_gemm(act, w2, s2, b2, flat_weights, aligned, config, 1,
                                           swiglu=False), ids)
@@ -472,5 +474,5 @@ class SharedExpert(nn.Module):
         self.gate.router = True
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = gated_down(self.down_proj, self.gate_up_proj(h))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(h)))
         return torch.sigmoid(self.gate(h)) * out

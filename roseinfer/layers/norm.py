@@ -5,9 +5,7 @@ import torch
 from torch import nn
 
 from roseinfer.core import tp
-from roseinfer.layers.folded import norm_of
 from roseinfer.layers.fused import add_rms_norm
-from roseinfer.layers.skinny_linear import SummedRows
 
 
 class RMSNorm(nn.Module):
@@ -18,17 +16,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor | SummedRows, residual: torch.Tensor | None = None,
-                summed: bool = True, fp8: bool = False, into: nn.Module | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                summed: bool = True, fp8: bool = False):
         """(norm(x + residual), x + residual) in one kernel on CUDA. ``summed=False``:
         ``x`` is this rank's part of a row-parallel layer's output, summed over the
         ranks first: in the same kernel where the one-shot all-reduce takes it. ``fp8``
         (for a linear that takes them): the normed rows as QuantizedRows where this kernel
-        makes them, else a tensor (the one-shot all-reduce's), which the linear rounds.
-        SummedRows ``x`` holds the residual already (its linear added it): the norm is
-        left to ``into``, the linear after it, where that can apply it (layers/folded.py)."""
-        if isinstance(x, SummedRows):
-            return norm_of(x, self.weight, self.eps, into, fp8)
+        makes them, else a tensor (the one-shot all-reduce's), which the linear rounds."""
         if not summed and tp.group().size > 1:  # a group of one has nothing to sum
             fused = tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations  # kernel annotations stay strings without tr
 
 import logging
 from collections import defaultdict
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,66 +42,30 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
                    lends_ptr=None, l_rank=0, s_lh_split=0, s_lh_slice=0, s_lh_tok=0,
                    s_lb_slice=0, s_lb_slot=0, s_lb_n=0, LORA: tl.constexpr = False,
                    LORA_SPLIT: tl.constexpr = 1, LORA_SLICES: tl.constexpr = 1,
-                   LORA_R: tl.constexpr = 16, nw_ptr=None, nsq_ptr=None, n_parts=0,
-                   s_nsq=0, eps=0.0, r_ptr=None, sq_ptr=None, s_r=0,
-                   NORM: tl.constexpr = False, PARTS: tl.constexpr = 1,
-                   GATED: tl.constexpr = 0, ADD: tl.constexpr = False,
-                   ONE_ROW: tl.constexpr = False):
+                   LORA_R: tl.constexpr = 16):
     """y = x @ w.T (+ b). SCALED: x and w hold e4m3 values, multiplied as float16 (which
     holds each exactly), and y is scaled by x's row scales ``xs`` and w's column scales
     ``ws`` (layers/fp8_linear.py). LORA: plus each row's LoRA expand, from the shrink's
     partials ``lh`` (layers/lora_kernels.py), the slots' B ``lb``, the rows' slots and the
-    slices' first columns ``lends`` (a tile of columns lies in one slice).
-    The ops beside the product, each folded in where its own launch ran (layers/folded.py):
-    NORM: x is the residual stream, RMS-normed as it is read, by the weight ``nw`` and each
-    row's sum of squares, summed from the ``n_parts`` partials ``nsq`` the linear before
-    left; GATED (1 SiLU, 2 gelu-tanh): x is [M, 2K] gate then up, and the product reads
-    act(gate) * up; ADD: y is the residual ``r`` plus the product, and each program leaves
-    its columns' sum of y's squares a row at ``sq`` [programs, M]. Each rounds where the
-    unfused op stores its result, so the product sees the same values."""
+    slices' first columns ``lends`` (a tile of columns lies in one slice)."""
     wait_for_inputs(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, 16)
     ks = tl.arange(0, BLOCK_K)
     col_ok, row_ok = cols < N, rows < M
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    rstd = tl.zeros([16], dtype=tl.float32)
-    if NORM:
-        rstd = _row_rstd(nsq_ptr, n_parts, s_nsq, rows, row_ok, K, eps, PARTS)
-    if ONE_ROW and (GATED or NORM):
-        # The row's next K block is loaded a pass ahead, in registers: Triton pipelines
-        # only the loads that feed the dot as they are, and the op on this one waited on
-        # its load every pass (1-5 us a call on the H100, docs/kernels.md).
-        g_next = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-        u_next = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0) if GATED else g_next
     for k0 in range(0, K, BLOCK_K):
         # Addresses rebuilt from k0 each pass: 1.1-1.3x faster on the H100 than
         # advancing pointers, whose loop Triton pipelines worse.
         k = k0 + ks
         w_at = w_ptr + cols[:, None] * s_w + k[None, :]  # int32: the caller checks N * K
         x_at = x_ptr + rows[:, None] * s_x + k[None, :]
-        k_ok = k < K
         if EVEN_K:
             w = tl.load(w_at, mask=col_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_at, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if ONE_ROW and (GATED or NORM):  # the op on the one row, not the tile's 16
-            gate, up = g_next, u_next
-            after = k + BLOCK_K
-            g_next = tl.load(x_ptr + after, mask=after < K, other=0.0)
-            if GATED:
-                u_next = tl.load(x_ptr + K + after, mask=after < K, other=0.0)
-            x = _one_row(gate, up, k_ok, rstd, nw_ptr + k, rows, GATED, NORM)
-        elif EVEN_K:
             x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
         else:
-            x = tl.load(x_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if not ONE_ROW or not (GATED or NORM):
-            if GATED:
-                up = tl.load(x_at + K, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                x = _gated(x, up, GATED)
-            if NORM:
-                x = _normed(x, rstd, nw_ptr + k, k_ok)
+            w = tl.load(w_at, mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+            x = tl.load(x_at, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         if SCALED:
             x, w = x.to(tl.float16), w.to(tl.float16)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -116,61 +79,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
                             s_lh_slice, s_lh_tok, s_lb_slice, s_lb_slot, s_lb_n, rows, row_ok,
                             cols, col_ok, tl.program_id(0) * BLOCK_N, LORA_SPLIT, LORA_SLICES,
                             LORA_R)
-    out_ok = row_ok[:, None] & col_ok[None, :]
-    y = acc.to(y_ptr.dtype.element_ty)
-    if ADD:  # rounded as the unfused add rounds the linear's stored output plus r
-        r = tl.load(r_ptr + rows[:, None] * s_r + cols[None, :], mask=out_ok, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        sq = tl.where(out_ok, y.to(tl.float32) * y.to(tl.float32), 0.0)
-        tl.store(sq_ptr + tl.program_id(0) * M + rows, tl.sum(sq, axis=1), mask=row_ok)
-    tl.store(y_ptr + rows[:, None] * s_y + cols[None, :], y, mask=out_ok)
-
-
-@_kernel
-def _row_rstd(sq_ptr, n_parts, s_sq, rows, row_ok, K, eps, PARTS: tl.constexpr):
-    """[16]: 1 / RMS of each row, from the partial sums of its squares (fixed order: the
-    same rows give the same bits)."""
-    p = tl.arange(0, PARTS)
-    parts = tl.load(sq_ptr + p[:, None] * s_sq + rows[None, :],
-                    mask=(p < n_parts)[:, None] & row_ok[None, :], other=0.0)
-    return tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
-
-
-@_kernel
-def _normed(x, rstd, w_ptrs, k_ok):
-    """LlamaRMSNorm of the tile ``x``, rounded as ``rms_norm_row`` rounds it: the normalised
-    value to x's dtype, then scaled by the weight and rounded again."""
-    w = tl.load(w_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-    y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
-    return y.to(x.dtype)
-
-
-@_kernel
-def _one_row(x, up, k_ok, rstd, w_ptrs, rows, GATED: tl.constexpr, NORM: tl.constexpr):
-    """The [16, BLOCK_K] tile of one row's K block ``x`` (``up``: its up half where GATED)
-    after its folded op, computed on that row alone (a tile's other 15 rows are zeros):
-    an activation's exp over 16 rows where 1 is real cost as much as the weights' bytes
-    on down_proj."""
-    if GATED:
-        x = _gated(x, up, GATED)
-    if NORM:
-        w = tl.load(w_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        r = tl.sum(tl.where(rows == 0, rstd, 0.0), axis=0)
-        x = ((x.to(tl.float32) * r).to(x.dtype).to(tl.float32) * w).to(x.dtype)
-    return tl.where(rows[:, None] == 0, x[None, :], 0.0).to(x.dtype)
-
-
-@_kernel
-def _gated(gate, up, ACT: tl.constexpr):
-    """act(gate) * up in float32, rounded to the inputs' dtype, as ``_silu_and_mul_kernel``
-    computes it (ACT 1: SiLU, 2: gelu-tanh)."""
-    g, u = gate.to(tl.float32), up.to(tl.float32)
-    if ACT == 2:
-        t = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        y = g / (1.0 + tl.exp(-2.0 * t)) * u
-    else:
-        y = g / (1.0 + tl.exp(-g)) * u
-    return y.to(gate.dtype)
+    tl.store(y_ptr + rows[:, None] * s_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @_kernel
@@ -206,61 +116,27 @@ def launch_config(k: int, element_size: int) -> tuple[int, int, int, int]:
     return BLOCK_N, min(1024 // element_size, max(16, triton.next_power_of_2(k))), 4, stages
 
 
-class SummedRows(NamedTuple):
-    """A linear's output with the residual stream added in its own launch: ``rows``, the
-    stream after the add, and each row's sum of squares as partials [programs, M]
-    (``squares``), so that the norm after it needs no pass over the rows of its own."""
-    rows: torch.Tensor
-    squares: torch.Tensor
-
-
-class PendingNorm(NamedTuple):
-    """The RMSNorm of ``summed.rows`` by ``weight``, left to the skinny linear that reads
-    it (layers/folded.py)."""
-    summed: SummedRows
-    weight: torch.Tensor
-    eps: float
-
-
-def skinny_linear(x: torch.Tensor | PendingNorm, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None,
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: tuple[int, int, int, int] | None = None,
-                  lora: tuple | None = None, gated: int = 0,
-                  residual: torch.Tensor | None = None) -> torch.Tensor | SummedRows:
+                  lora: tuple | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D ``x`` of at most MAX_ROWS rows (unit
     column strides); float32 accumulation, output in x's dtype. ``lora``: (the shrink's
     partials, the slots' B, the rows' slots, the slices' bounds, rank) to add each row's
     LoRA product in the same launch (layers/lora.py); every slice bound a multiple of
-    BLOCK_N. Folded in (``_skinny_kernel``): a PendingNorm ``x`` is normed as it is read;
-    ``gated`` (1 SiLU, 2 gelu-tanh): ``x`` is gate then up and the product reads
-    act(gate) * up; ``residual``: returns SummedRows, the residual plus the product."""
-    norm = x if isinstance(x, PendingNorm) else None
-    if norm is not None:
-        x = norm.summed.rows
-    m, k = x.shape[0], x.shape[1] // (2 if gated else 1)
+    BLOCK_N."""
+    m, k = x.shape
     n = weight.shape[0]
     bn, bk, warps, stages = config or launch_config(k, x.element_size())
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device, m)
-    programs = triton.cdiv(n, bn)
-    extra = _lora_args(*lora) if lora is not None else {}
-    extra["nw_ptr"] = weight  # read only with NORM
-    if norm is not None:
-        parts = norm.summed.squares
-        extra.update(nw_ptr=norm.weight, nsq_ptr=parts, n_parts=parts.shape[0],
-                     s_nsq=parts.stride(0), eps=norm.eps, NORM=True,
-                     PARTS=triton.next_power_of_2(parts.shape[0]))
-    if residual is not None:
-        squares = torch.empty(programs, m, dtype=torch.float32, device=x.device)
-        extra.update(r_ptr=residual, sq_ptr=squares, s_r=residual.stride(0), ADD=True)
-    _skinny_kernel[(programs,)](
+    _skinny_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, weight, weight, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays float32
         SCALED=False, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
-        GATED=gated, ONE_ROW=m == 1, **extra)
-    return y if residual is None else SummedRows(y, squares)
+        **(_lora_args(*lora) if lora is not None else {}))
+    return y
 
 
 def _lora_args(part, b, slots, ends, rank) -> dict:
@@ -276,10 +152,7 @@ class SkinnyLinear(nn.Linear):
 
     max_rows = MAX_ROWS
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        if isinstance(x, PendingNorm):  # handed over only where the kernel runs (folded.py)
-            assert x.summed.rows.shape[0] <= self.max_rows
-            return skinny_linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows and x.stride(1) == 1:
             return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

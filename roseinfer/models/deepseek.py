@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from roseinfer.core import tp
-from roseinfer.layers.folded import gated_down
+from roseinfer.layers.fused import silu_and_mul
 from roseinfer.layers.mla import MultiLatentAttention, rope_halves
 from roseinfer.layers.moe import SparseMoE
 from roseinfer.layers.moe_routing import GroupedTopK, GroupLimitedSoftmax
@@ -39,7 +39,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return gated_down(self.down_proj, self.gate_up_proj(h))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
 
 
 class DeepseekLayer(nn.Module):
@@ -109,9 +109,9 @@ class Glm4MoeLayer(LlamaLayer):
         self.shared_experts = SwiGLU(cfg.hidden_size,
                                      cfg.moe_intermediate_size * cfg.n_shared_experts)
 
-    def mlp(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.moe is None:
-            return super().mlp(h, residual)
+            return super().mlp(h)
         return self.moe(h) + self.shared_experts(h)
 
 

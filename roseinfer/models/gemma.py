@@ -17,7 +17,7 @@ from torch import nn
 
 from roseinfer.core import tp
 from roseinfer.layers.attention import PagedAttention
-from roseinfer.layers.folded import gated_down
+from roseinfer.layers.fused import gelu_tanh_and_mul
 from roseinfer.layers.norm import GemmaRMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_params
 from roseinfer.models import sharding
@@ -55,7 +55,7 @@ class GemmaLayer(nn.Module):
         attn = self_attention(self, h, positions)
         h, residual = self.pre_feedforward_layernorm(attn, residual,
                                                      first=self.post_attention_layernorm)
-        return tp.all_reduce(gated_down(self.down_proj, self.gate_up_proj(h), gelu=True)), residual
+        return tp.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(h)))), residual
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -24,7 +24,7 @@ from torch import nn
 from roseinfer.core import recurrent
 from roseinfer.core.errors import ConfigError
 from roseinfer.layers.attention import PagedAttention
-from roseinfer.layers.folded import gated_down
+from roseinfer.layers.fused import silu_and_mul
 from roseinfer.layers.mamba2 import Mamba2Mixer
 from roseinfer.layers.moe import SparseMoE
 from roseinfer.layers.norm import RMSNorm
@@ -56,7 +56,7 @@ class SharedMlp(nn.Module):
         self.output_linear = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return gated_down(self.output_linear, self.input_linear(h))
+        return self.output_linear(silu_and_mul(self.input_linear(h)))
 
 
 class GraniteHybridLayer(nn.Module):

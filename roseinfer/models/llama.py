@@ -14,11 +14,9 @@ from torch import nn
 from roseinfer.core import tp
 from roseinfer.layers.attention import PagedAttention
 from roseinfer.layers.embedding import LogitsHead, VocabEmbedding
-from roseinfer.layers.folded import gated_down, linear_plus
-from roseinfer.layers.fused import HeadNorms, takes_quantized_rows
+from roseinfer.layers.fused import HeadNorms, silu_and_mul, takes_quantized_rows
 from roseinfer.layers.norm import RMSNorm, ShardedRMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_params
-from roseinfer.layers.skinny_linear import PendingNorm, SummedRows
 from roseinfer.models.bert import classifies, headless
 from roseinfer.models import sharding
 
@@ -77,38 +75,31 @@ class LlamaLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
 
-    def mlp(self, h: torch.Tensor, residual: torch.Tensor | None = None
-            ) -> torch.Tensor | SummedRows:
-        """This rank's part of the MLP's output (the caller sums the ranks'); with
-        ``residual``, SummedRows where the add joins down's launch (layers/folded.py)."""
-        return gated_down(self.down_proj, self.gate_up_proj(h), residual=residual,
-                          fp8=takes_quantized_rows(self.down_proj))
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the MLP's output (the caller sums the ranks')."""
+        gated = silu_and_mul(self.gate_up_proj(h), fp8=takes_quantized_rows(self.down_proj))
+        return self.down_proj(gated)
 
-    def forward(self, x: torch.Tensor | SummedRows, residual: torch.Tensor | None,
-                positions: torch.Tensor):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
         """Returns (this rank's part of the layer's output, the residual stream before it
         is added): the next norm sums the ranks' parts, adds the two and normalises, in
-        one kernel where it can; or SummedRows, the stream after the add, where down's
-        launch added it. ``x`` is whole (the embedding's) when residual is None."""
+        one kernel where it can. ``x`` is whole (the embedding's) when residual is None."""
         # An FP8 linear's rows are rounded by the norm that makes them (a launch saved);
         # a mixture of experts has no gate_up_proj: its router reads the rows too
         h, residual = self.input_layernorm(x, residual, summed=residual is None,
-                                           fp8=takes_quantized_rows(self.qkv_proj),
-                                           into=self.qkv_proj)
-        attn = self_attention(self, h, positions, summed=False, residual=residual)
-        gate_up = getattr(self, "gate_up_proj", None)
+                                           fp8=takes_quantized_rows(self.qkv_proj))
+        attn = self_attention(self, h, positions, summed=False)
         h, residual = self.post_attention_layernorm(
-            attn, residual, summed=False, fp8=takes_quantized_rows(gate_up), into=gate_up)
-        return self.mlp(h, residual), residual
+            attn, residual, summed=False,
+            fp8=takes_quantized_rows(getattr(self, "gate_up_proj", None)))
+        return self.mlp(h), residual
 
 
-def self_attention(layer: nn.Module, h: torch.Tensor | PendingNorm, positions: torch.Tensor,
-                   summed: bool = True, residual: torch.Tensor | None = None
-                   ) -> torch.Tensor | SummedRows:
+def self_attention(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor,
+                   summed: bool = True) -> torch.Tensor:
     """The attention block of a layer built as LlamaLayer's (``qkv_proj``, q/k norms where
     ``qk_norm``, ``clip_qkv``, ``rotary``, ``attn``, ``o_proj``), summed over the ranks
-    (``summed=False``: this rank's part); with ``residual``, SummedRows where the add
-    joins o_proj's launch (layers/folded.py)."""
+    (``summed=False``: this rank's part)."""
     q, k, v = layer.qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
     norms = _rope_norms(layer, q)
     if layer.qk_norm and norms is None:
@@ -120,7 +111,7 @@ def self_attention(layer: nn.Module, h: torch.Tensor | PendingNorm, positions: t
     rotation = layer.rotary.deferred(positions, q, layer.h, layer.hkv, norms)
     if rotation is None:
         q, k = layer.rotary(positions, q, k, layer.h, layer.hkv, norms)
-    out = linear_plus(layer.o_proj, layer.attn(q, k, v, rotation), residual)
+    out = layer.o_proj(layer.attn(q, k, v, rotation))
     return tp.all_reduce(out) if summed else out
 
 

@@ -79,9 +79,9 @@ class MoeLayer(LlamaLayer):
         self.shared_expert = SharedExpert(cfg.hidden_size, shared) if (
             self.moe is not None and shared) else None
 
-    def mlp(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.moe is None:
-            return super().mlp(h, residual)
+            return super().mlp(h)
         out = self.moe(h)
         return out if self.shared_expert is None else out + self.shared_expert(h)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from roseinfer.core.attention import get_context
-from roseinfer.layers.skinny_linear import SummedRows
 from roseinfer.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
 
@@ -48,8 +47,6 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions)
             if deep and i < self.deepstack:  # the hidden state is x + residual: add to x
-                if isinstance(x, SummedRows):  # the stream itself; its squares go stale
-                    x, residual = x.rows, None
                 part = images.features[:, (i + 1) * self.hidden:(i + 2) * self.hidden]
                 x[images.rows] += part.to(x.dtype)
         return self.final_norm(x, residual)
