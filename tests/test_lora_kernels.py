@@ -112,44 +112,17 @@ def test_the_expand_in_the_skinny_linears_launch(tokens):
     """A small batch's expand runs in the base linear's own kernel (layers/lora.py):
     x @ w^T plus each token's product, fused q/k/v slices and tokens of no slot."""
     from roseinfer.layers.lora_kernels import shrink
-    from roseinfer.layers.skinny_linear import LoraTerms, skinny_linear
+    from roseinfer.layers.skinny_linear import skinny_linear
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x, _, a, b, offsets, token_slots, slots = _case(tokens, 96, [64, 32, 32], device=device)
     w = torch.randn(128, 96, generator=torch.Generator().manual_seed(1)).to(device) * 0.1
     ends = torch.tensor(offsets, dtype=torch.int32, device=device)
     batch = LoraBatch(token_slots, slots)
-    got = skinny_linear(x, w, None, lora=LoraTerms(b, token_slots, ends, 16,
-                                                   part=shrink(x, a, batch)))
+    got = skinny_linear(x, w, None, lora=(shrink(x, a, batch), b, token_slots, ends, 16))
     cpu = (t.cpu() for t in (x, a, b))
     x64, a64, b64 = cpu
     want = _reference(x64, x64.double() @ w.cpu().double().T, a64, b64, offsets,
                       token_slots.cpu())
     tol = 2e-2 if device == "cuda" else 1e-4
     assert torch.allclose(got.double().cpu(), want, atol=tol, rtol=tol)
-
-
-@needs_triton
-@pytest.mark.parametrize("slot", [0, 3, -1], ids=["slot0", "slot3", "none"])
-@pytest.mark.parametrize("n_in", [96, 1100], ids=["one-block", "blocks"])
-def test_the_shrink_in_the_skinny_linears_launch_at_one_row(slot, n_in):
-    """At one row the shrink joins the launch too (every program reads its slice's A):
-    the same sum as the shrink and the expand launches make, for each slice of a fused
-    q/k/v, an adapter's slot or none, a K of one block and of several with a ragged end."""
-    from roseinfer.layers.lora_kernels import shrink
-    from roseinfer.layers.skinny_linear import LoraTerms, skinny_linear
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    x, _, a, b, offsets, _, slots = _case(1, n_in, [64, 32, 32], device=device)
-    token_slots = torch.tensor([slot], dtype=torch.int32, device=device)
-    w = torch.randn(128, n_in, generator=torch.Generator().manual_seed(1)).to(device) * 0.1
-    ends = torch.tensor(offsets, dtype=torch.int32, device=device)
-    terms = LoraTerms(b, token_slots, ends, 16)
-    got = skinny_linear(x, w, None, lora=terms._replace(a=a))
-    apart = skinny_linear(x, w, None, lora=terms._replace(
-        part=shrink(x, a, LoraBatch(token_slots, slots))))
-    torch.testing.assert_close(got, apart, rtol=1e-5, atol=1e-5)
-    x64, a64, b64 = (t.cpu() for t in (x, a, b))
-    want = _reference(x64, x64.double() @ w.cpu().double().T, a64, b64, offsets,
-                      token_slots.cpu())
-    assert torch.allclose(got.double().cpu(), want, atol=1e-4, rtol=1e-4)

@@ -3,8 +3,7 @@
 Each adapted projection becomes a ``LoraLinear``: the base projection, plus a fixed
 table of adapter slots, A and B of every slot, filled and emptied as adapters come and
 go (core/lora.py). A step's tokens name their slot (-1: none) and each projection adds
-its slots' products to the base output in two launches (layers/lora_kernels.py); on the
-skinny kernel the expand joins the linear's launch, and at one row the shrink too. The
+its slots' products to the base output in two launches (layers/lora_kernels.py). The
 tables' addresses never change, so the steps' CUDA graphs hold these launches. A step
 where no token has an adapter runs the base alone (its context has no ``lora_slots``):
 decode graphs are captured both ways (core/cuda_graphs.py).
@@ -19,8 +18,8 @@ from torch import nn
 from roseinfer.core.attention import get_context
 from roseinfer.core.errors import ConfigError
 from roseinfer.layers.lora_kernels import LoraBatch, add_lora, shrink
-from roseinfer.layers.skinny_linear import BLOCK_N as SKINNY_BLOCK_N, SHRINK_MAX_RANK, \
-    LoraTerms, SkinnyLinear, skinny_linear
+from roseinfer.layers.skinny_linear import BLOCK_N as SKINNY_BLOCK_N, SkinnyLinear, \
+    skinny_linear
 from roseinfer.models.lora_adapter import SLICES
 
 
@@ -48,12 +47,8 @@ class LoraLinear(nn.Module):
         batch = step_batch(self.slots)
         if self._in_skinny(x):  # the expand in the linear's own launch: one launch fewer
             rank = self.lora_a.shape[2]
-            terms = LoraTerms(self.lora_b, batch.slots, self.ends, rank)
-            if x.shape[0] == 1 and rank <= SHRINK_MAX_RANK:  # the shrink too: no launch
-                terms = terms._replace(a=self.lora_a)
-            else:
-                terms = terms._replace(part=shrink(x, self.lora_a, batch))
-            return skinny_linear(x, self.base.weight, self.base.bias, lora=terms)
+            return skinny_linear(x, self.base.weight, self.base.bias, lora=(
+                shrink(x, self.lora_a, batch), self.lora_b, batch.slots, self.ends, rank))
         y = self.base(x, *args, **kwargs)
         add_lora(y, x, self.lora_a, self.lora_b, self.offsets, self.ends, batch)
         return y

@@ -15,7 +15,6 @@ from __future__ import annotations  # kernel annotations stay strings without tr
 
 import logging
 from collections import defaultdict
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +32,6 @@ TIMED_ROWS = (1, 4, MAX_ROWS)
 # both their ends, which timing alone does not see: preferring the kernel within 2 %
 # took 1B's batch-1 step from 1.24-1.30 to 1.21-1.22 ms (docs/kernels.md).
 CUBLAS_MARGIN = 0.02
-# Stages where the shrink's A tile joins each K block's (48 KiB a stage become 64: four
-# would pass the H100's 227 KiB of shared memory).
-SHRINK_STAGES = 3
-SHRINK_MAX_RANK = 16  # a wider A tile would not fit beside them
 
 
 @_kernel
@@ -47,30 +42,18 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
                    lends_ptr=None, l_rank=0, s_lh_split=0, s_lh_slice=0, s_lh_tok=0,
                    s_lb_slice=0, s_lb_slot=0, s_lb_n=0, LORA: tl.constexpr = False,
                    LORA_SPLIT: tl.constexpr = 1, LORA_SLICES: tl.constexpr = 1,
-                   LORA_R: tl.constexpr = 16, la_ptr=None, s_la_slice=0, s_la_slot=0,
-                   s_la_r=0, SHRINK: tl.constexpr = False):
+                   LORA_R: tl.constexpr = 16):
     """y = x @ w.T (+ b). SCALED: x and w hold e4m3 values, multiplied as float16 (which
     holds each exactly), and y is scaled by x's row scales ``xs`` and w's column scales
     ``ws`` (layers/fp8_linear.py). LORA: plus each row's LoRA expand, from the shrink's
     partials ``lh`` (layers/lora_kernels.py), the slots' B ``lb``, the rows' slots and the
-    slices' first columns ``lends`` (a tile of columns lies in one slice). SHRINK (one
-    row): the shrink too, x @ A[slice, slot]^T beside the product, from the slots' A
-    ``la``, in place of ``lh``: every program reads its slice's A (from L2 after the
-    first), no shrink launch."""
+    slices' first columns ``lends`` (a tile of columns lies in one slice)."""
     wait_for_inputs(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, 16)
     ks = tl.arange(0, BLOCK_K)
     col_ok, row_ok = cols < N, rows < M
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    h = tl.zeros([16, LORA_R], dtype=tl.float32)
-    if LORA:
-        s, slot = _lora_slice(lends_ptr, lslot_ptr, tl.program_id(0) * BLOCK_N, LORA_SLICES)
-    if SHRINK:  # the one row's adapter (none: A's tile masked to zeros)
-        r = tl.arange(0, LORA_R)
-        a_rows = la_ptr + s * s_la_slice + tl.maximum(slot, 0).to(tl.int64) * s_la_slot \
-            + r[:, None] * s_la_r
-        a_ok = (r < tl.where(slot >= 0, l_rank, 0))[:, None]
     for k0 in range(0, K, BLOCK_K):
         # Addresses rebuilt from k0 each pass: 1.1-1.3x faster on the H100 than
         # advancing pointers, whose loop Triton pipelines worse.
@@ -86,55 +69,37 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
         if SCALED:
             x, w = x.to(tl.float16), w.to(tl.float16)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        if SHRINK:
-            a = tl.load(a_rows + k[None, :], mask=a_ok & (k < K)[None, :], other=0.0)
-            h = tl.dot(x, tl.trans(a), h, input_precision=PRECISION)
     if SCALED:
         acc *= tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None] * \
             tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if LORA:
-        if not SHRINK:
-            h = _shrunk(lh_ptr, lslot_ptr, s, s_lh_split, s_lh_slice, s_lh_tok, rows, row_ok,
-                        LORA_SPLIT, LORA_R)
-        acc += _lora_expand(h, lb_ptr, lslot_ptr, lends_ptr, s, l_rank, s_lb_slice,
-                            s_lb_slot, s_lb_n, rows, row_ok, cols, col_ok, LORA_R)
+        acc += _lora_expand(lh_ptr, lb_ptr, lslot_ptr, lends_ptr, l_rank, s_lh_split,
+                            s_lh_slice, s_lh_tok, s_lb_slice, s_lb_slot, s_lb_n, rows, row_ok,
+                            cols, col_ok, tl.program_id(0) * BLOCK_N, LORA_SPLIT, LORA_SLICES,
+                            LORA_R)
     tl.store(y_ptr + rows[:, None] * s_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
 @_kernel
-def _lora_slice(lends_ptr, lslot_ptr, first_col, SLICES: tl.constexpr):
-    """(the slice these columns lie in, row 0's slot)."""
+def _lora_expand(lh_ptr, lb_ptr, lslot_ptr, lends_ptr, rank, s_lh_split, s_lh_slice, s_lh_tok,
+                 s_lb_slice, s_lb_slot, s_lb_n, rows, row_ok, cols, col_ok, first_col,
+                 SPLIT: tl.constexpr, SLICES: tl.constexpr, R: tl.constexpr):
+    """[16, BLOCK_N]: each row's (sum of the shrink's splits) @ B[slice, its slot]^T over
+    these columns (0 for a row with no slot), rounded as the expand launch rounds it."""
     s = 0
     for i in tl.static_range(1, SLICES):
         s += (first_col >= tl.load(lends_ptr + i)).to(tl.int32)
-    return s, tl.load(lslot_ptr)
-
-
-@_kernel
-def _shrunk(lh_ptr, lslot_ptr, s, s_lh_split, s_lh_slice, s_lh_tok, rows, row_ok,
-            SPLIT: tl.constexpr, R: tl.constexpr):
-    """[16, R]: each row's sum of the shrink launch's splits for slice ``s``."""
-    use = tl.load(lslot_ptr + rows, mask=row_ok, other=-1) >= 0
+    lo = tl.load(lends_ptr + s)
+    slot = tl.load(lslot_ptr + rows, mask=row_ok, other=-1)
+    use = slot >= 0
     r = tl.arange(0, R)
     h = tl.zeros([16, R], dtype=tl.float32)
     for split in tl.static_range(SPLIT):
         h += tl.load(lh_ptr + split * s_lh_split + s * s_lh_slice + rows[:, None] * s_lh_tok
                      + r[None, :], mask=use[:, None], other=0.0)
-    return h
-
-
-@_kernel
-def _lora_expand(h, lb_ptr, lslot_ptr, lends_ptr, s, rank, s_lb_slice, s_lb_slot, s_lb_n,
-                 rows, row_ok, cols, col_ok, R: tl.constexpr):
-    """[16, BLOCK_N]: each row's shrink ``h`` @ B[slice s, its slot]^T over these columns
-    (0 for a row with no slot), rounded as the expand launch rounds it."""
-    lo = tl.load(lends_ptr + s)
-    slot = tl.load(lslot_ptr + rows, mask=row_ok, other=-1)
-    use = slot >= 0
-    r = tl.arange(0, R)
     bt = tl.load(lb_ptr + s * s_lb_slice + slot.to(tl.int64)[:, None, None] * s_lb_slot
                  + (cols - lo)[None, :, None] * s_lb_n + r[None, None, :],
                  mask=use[:, None, None] & col_ok[None, :, None] & (r < rank)[None, None, :],
@@ -151,31 +116,17 @@ def launch_config(k: int, element_size: int) -> tuple[int, int, int, int]:
     return BLOCK_N, min(1024 // element_size, max(16, triton.next_power_of_2(k))), 4, stages
 
 
-class LoraTerms(NamedTuple):
-    """A LoRA product the skinny launch adds (layers/lora.py): the slots' B, the rows'
-    slots, the slices' first columns (each a multiple of BLOCK_N), the rank; and the
-    shrink's partials ``part`` from its own launch, or, at one row, the slots' A, for the
-    shrink in this launch too."""
-    b: torch.Tensor
-    slots: torch.Tensor
-    ends: torch.Tensor
-    rank: int
-    part: torch.Tensor | None = None
-    a: torch.Tensor | None = None
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: tuple[int, int, int, int] | None = None,
-                  lora: LoraTerms | None = None) -> torch.Tensor:
+                  lora: tuple | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a 2-D ``x`` of at most MAX_ROWS rows (unit
-    column strides); float32 accumulation, output in x's dtype; plus each row's LoRA
-    product where ``lora`` is given."""
+    column strides); float32 accumulation, output in x's dtype. ``lora``: (the shrink's
+    partials, the slots' B, the rows' slots, the slices' bounds, rank) to add each row's
+    LoRA product in the same launch (layers/lora.py); every slice bound a multiple of
+    BLOCK_N."""
     m, k = x.shape
     n = weight.shape[0]
     bn, bk, warps, stages = config or launch_config(k, x.element_size())
-    if lora is not None and lora.a is not None:
-        assert m == 1, "the shrink joins the linear's launch at one row"
-        stages = min(stages, SHRINK_STAGES)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device, m)
     _skinny_kernel[(triton.cdiv(n, bn),)](
@@ -184,23 +135,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 stays float32
         SCALED=False, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
-        **(_lora_args(lora) if lora is not None else {}))
+        **(_lora_args(*lora) if lora is not None else {}))
     return y
 
 
-def _lora_args(lora: LoraTerms) -> dict:
-    b = lora.b
-    args = dict(lb_ptr=b, lslot_ptr=lora.slots, lends_ptr=lora.ends, l_rank=lora.rank,
+def _lora_args(part, b, slots, ends, rank) -> dict:
+    return dict(lh_ptr=part, lb_ptr=b, lslot_ptr=slots, lends_ptr=ends, l_rank=rank,
+                s_lh_split=part.stride(0), s_lh_slice=part.stride(1), s_lh_tok=part.stride(2),
                 s_lb_slice=b.stride(0), s_lb_slot=b.stride(1), s_lb_n=b.stride(2), LORA=True,
-                LORA_SLICES=b.shape[0], LORA_R=max(16, triton.next_power_of_2(lora.rank)))
-    if lora.a is not None:
-        a = lora.a
-        return dict(args, la_ptr=a, s_la_slice=a.stride(0), s_la_slot=a.stride(1),
-                    s_la_r=a.stride(2), SHRINK=True)
-    part = lora.part
-    assert part.shape[3] == args["LORA_R"]
-    return dict(args, lh_ptr=part, s_lh_split=part.stride(0), s_lh_slice=part.stride(1),
-                s_lh_tok=part.stride(2), LORA_SPLIT=part.shape[0])
+                LORA_SPLIT=part.shape[0], LORA_SLICES=part.shape[1], LORA_R=part.shape[3])
 
 
 class SkinnyLinear(nn.Linear):
