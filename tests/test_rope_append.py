@@ -1,5 +1,5 @@
 """RoPE turned by the KV append's launch (``TritonAppend.append_rotated``, taken where
-``RotaryEmbedding.deferred`` hands it a Rotation: CUDA with ``ROSEINFER_FOLDS=1``) against
+``RotaryEmbedding.deferred`` hands it a Rotation: CUDA unless ``ROSEINFER_ROPE_IN_APPEND=0``) against
 the two launches it replaces, interpreted on the CPU and compiled on a GPU; then whole
 models, whose tokens must not move."""
 import os
@@ -108,15 +108,15 @@ def test_rope_and_the_append_in_one_launch_write_what_the_two_launches_write(
     assert torch.equal(qkv[:, heads * head_dim:], qkv_before[:, heads * head_dim:])  # k, v kept
 
 
-def test_rope_waits_for_the_append_only_when_asked(monkeypatch):
-    """Off by default (not yet measured to pay on the H100, docs/kernels.md);
-    ROSEINFER_FOLDS=1 turns it on, where the Triton kernels run."""
+def test_rope_waits_for_the_append_unless_turned_off(monkeypatch):
+    """On by default where the Triton kernels run (measured to pay on the H100,
+    docs/kernels.md); ROSEINFER_ROPE_IN_APPEND=0 turns it off."""
     from roseinfer.layers.rotary import RotaryEmbedding
 
     rotary = RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, 16, 2) / 16), 64)
     q = torch.zeros(1, 6 * 16, device=DEVICE)
     positions = torch.zeros(1, dtype=torch.long, device=DEVICE)
-    monkeypatch.delenv("ROSEINFER_FOLDS", raising=False)
-    assert rotary.deferred(positions, q, 6, 2) is None
-    monkeypatch.setenv("ROSEINFER_FOLDS", "1")
+    monkeypatch.delenv("ROSEINFER_ROPE_IN_APPEND", raising=False)
     assert (rotary.deferred(positions, q, 6, 2) is not None) == q.is_cuda
+    monkeypatch.setenv("ROSEINFER_ROPE_IN_APPEND", "0")
+    assert rotary.deferred(positions, q, 6, 2) is None

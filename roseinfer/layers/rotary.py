@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from roseinfer.core.attention import get_context
-from roseinfer.core.triton_support import folds_on
+from roseinfer.core.triton_support import rope_in_append
 from roseinfer.layers.fused import HeadNorms, apply_rope, rope_rows, rotate_qk_
 
 
@@ -67,9 +67,9 @@ class RotaryEmbedding(nn.Module):
                  ) -> Rotation | None:
         """This rotation as a Rotation for the KV append to run (one launch fewer), where
         the Triton kernel would run it: on CUDA, every dim rotated, plain RoPE (M-RoPE's
-        positions come from the step), with ``ROSEINFER_FOLDS=1``; None where it must run
-        now."""
-        if not folds_on() or type(self) is not RotaryEmbedding or not q.is_cuda or \
+        positions come from the step), unless ``ROSEINFER_ROPE_IN_APPEND=0``; None where it
+        must run now."""
+        if not rope_in_append() or type(self) is not RotaryEmbedding or not q.is_cuda or \
                 2 * self.cos.shape[-1] != q.shape[-1] // num_heads:
             return None
         return Rotation(self, positions, num_heads, num_kv_heads, norms)
