@@ -108,9 +108,11 @@ def test_triton_with_one_run(tokens, fill):
 
 @needs_triton
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_the_expand_in_the_skinny_linears_launch(tokens):
+@pytest.mark.parametrize("split", [1, 3])  # 3: K's 96 over three programs of 32 a tile
+def test_the_expand_in_the_skinny_linears_launch(tokens, split):
     """A small batch's expand runs in the base linear's own kernel (layers/lora.py):
-    x @ w^T plus each token's product, fused q/k/v slices and tokens of no slot."""
+    x @ w^T plus each token's product, fused q/k/v slices and tokens of no slot; with K
+    split, in the epilogue of the tile's last split."""
     from roseinfer.layers.lora_kernels import shrink
     from roseinfer.layers.skinny_linear import skinny_linear
 
@@ -119,7 +121,8 @@ def test_the_expand_in_the_skinny_linears_launch(tokens):
     w = torch.randn(128, 96, generator=torch.Generator().manual_seed(1)).to(device) * 0.1
     ends = torch.tensor(offsets, dtype=torch.int32, device=device)
     batch = LoraBatch(token_slots, slots)
-    got = skinny_linear(x, w, None, lora=(shrink(x, a, batch), b, token_slots, ends, 16))
+    got = skinny_linear(x, w, None, lora=(shrink(x, a, batch), b, token_slots, ends, 16),
+                        config=(32, 32, 4, 2), split=split)
     cpu = (t.cpu() for t in (x, a, b))
     x64, a64, b64 = cpu
     want = _reference(x64, x64.double() @ w.cpu().double().T, a64, b64, offsets,

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roseinfer.layers.skinny_linear import MAX_ROWS, SkinnyLinear, skinny_linear, \
+from roseinfer.layers.skinny_linear import MAX_ROWS, SPLITS, SkinnyLinear, skinny_linear, \
     skinny_rows, use_skinny_linears
 
 CUDA = torch.cuda.is_available()
@@ -39,10 +39,34 @@ def test_matches_linear(rows, shape, dtype, bias):
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("k", [96, 88])  # 88: the last K block partial
+@pytest.mark.parametrize("split", [2, 4, 8])  # 8: more than K's blocks, so fewer splits
+@pytest.mark.parametrize("rows", [1, 5])
+def test_k_split_over_programs_sums_what_one_program_sums(rows, split, k, dtype):
+    """Each tile's K over several programs, the last of which adds their partial sums in
+    split order (core/arrivals.py): the product as without the split, and the counters
+    left at zero for the next launch."""
+    from roseinfer.core.arrivals import counters
+
+    gen = torch.Generator().manual_seed(rows * 100 + split + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(72, k, generator=gen) / k ** 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(72, generator=gen).to(dtype).to(DEVICE)
+    config = (32, 16, 4, 2)  # 16-wide K blocks: 6 of them at K 96
+    for _ in range(2):  # the second launch finds the counters zeroed by the first
+        out = skinny_linear(x, w, b, config=config, split=split)
+        whole = skinny_linear(x, w, b, config=config)
+        tol = {torch.float32: 4e-7 * k ** 0.5, torch.float16: 2e-3}[dtype]
+        torch.testing.assert_close(out.double(), reference(x, w, b), atol=tol, rtol=tol)
+        torch.testing.assert_close(out, whole, atol=tol, rtol=tol)
+    assert not counters(torch.device(DEVICE), 3)[:3].any()
+
+
 def test_rows_past_the_tile_run_cublas_and_strided_rows_are_read_right():
     torch.manual_seed(0)
     lin = nn.Linear(64, 48).to(DEVICE).half()
-    use_skinny_linears(lin, rows_faster=lambda linears: MAX_ROWS)
+    use_skinny_linears(lin, rows_faster=lambda linears: (MAX_ROWS, 1))
     assert type(lin) is SkinnyLinear
     big = torch.randn(MAX_ROWS + 1, 64, device=DEVICE).half()
     assert torch.equal(lin(big), F.linear(big, lin.weight, lin.bias))  # the same op
@@ -62,7 +86,7 @@ def test_swaps_the_half_precision_shapes_found_faster_by_shape():
 
     def rows_faster(linears):  # the kernel "wins" up to 4 rows on 32 -> 16 with a bias only
         asked.append(linears)
-        return 4 if linears[0].in_features == 32 and linears[0].bias is not None else 0
+        return (4 if linears[0].in_features == 32 and linears[0].bias is not None else 0), 1
 
     use_skinny_linears(model, rows_faster)
     # float32 and transposed weights are never timed; each other shape once, all together.
@@ -99,6 +123,7 @@ def test_a_model_timed_at_load_computes_as_before():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     use_skinny_linears(model)  # times both ways on this GPU
     assert {getattr(lin, "max_rows", 0) for lin in model} <= {0, 1, 4, MAX_ROWS}
+    assert {getattr(lin, "split", 1) for lin in model} <= set(SPLITS)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     x = torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16)
     want = x.double()

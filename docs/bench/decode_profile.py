@@ -106,7 +106,7 @@ def profile(model: str, batch: int, context: int = 512, tp: int = 1) -> None:
 if __name__ == "__main__":
     if os.environ.get("SKINNY_ROWS"):
         from roseinfer.layers import skinny_linear
-        skinny_linear.skinny_rows = lambda linears: int(os.environ["SKINNY_ROWS"])
+        skinny_linear.skinny_rows = lambda linears: (int(os.environ["SKINNY_ROWS"]), 1)
     for spec in sys.argv[1:] or ["llama3-1b-random:1"]:
         model, batch, *rest = spec.split(":")
         profile(model, int(batch), *map(int, rest))

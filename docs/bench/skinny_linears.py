@@ -4,8 +4,9 @@ Each timing is one CUDA graph of the op over enough copies of the weight that
 none comes from L2 (the best of 5 replays, divided by the copies), against the
 bytes floor (the weight once, at 3.0 TB/s). Default: the kernel's own launch
 settings, cuBLAS and it alternated 3 times. ``sweep``: every setting of CONFIGS.
+``splits``: the kernel's own settings at each split of K in SPLITS.
 
-    python3 docs/bench/skinny_linears.py [sweep]
+    python3 docs/bench/skinny_linears.py [sweep | splits]
 """
 import itertools
 import sys
@@ -13,7 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from roseinfer.layers.skinny_linear import graph_time, skinny_linear
+from roseinfer.layers.skinny_linear import SPLITS, graph_time, skinny_linear
 
 torch.set_grad_enabled(False)
 SHAPES = {"1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 2048),
@@ -23,7 +24,9 @@ SHAPES = {"1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate_up": (16384, 20
           "gpt2.qkv": (2304, 768), "gpt2.o": (768, 768), "gpt2.fc": (3072, 768),
           "gpt2.proj": (768, 3072), "gpt2.head": (50304, 768),
           "smollm2.qkv": (960, 576), "smollm2.down": (576, 1536),
-          "qwen2.5-1.5b.down": (1536, 8960), "phi3.qkv": (9216, 3072), "phi3.down": (3072, 8192)}
+          "qwen2.5-1.5b.down": (1536, 8960), "phi3.qkv": (9216, 3072), "phi3.down": (3072, 8192),
+          "qwen3-30b.qkv": (5120, 2048), "qwen3-30b.o": (2048, 4096),
+          "gemma3-12b.o": (3840, 4096), "gemma3-12b.down": (3840, 15360)}
 # (BLOCK_N, BLOCK_K, warps, stages)
 CONFIGS = [c for c in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))]
 
@@ -33,8 +36,10 @@ def timed(fn) -> float:
     return graph_time(fn, replays=5) * 1e3
 
 
-def shape_rows(sweep: bool):
+def shape_rows(sweep: bool, splits: bool):
     for name, (n, k) in SHAPES.items():
+        if splits and name.startswith(("gpt2", "smollm2")) or name.endswith("head"):
+            continue  # splits: where K is long against the columns' tiles
         copies = min(64, max(2, int(400e6 // (n * k * 2))))  # past the 50 MB L2
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         floor = n * k * 2 / 3.0e12 * 1e6
@@ -50,6 +55,14 @@ def shape_rows(sweep: bool):
                     except Exception:  # a setting past the shared memory
                         continue
                 us, cfg = min(found)
+            elif splits:
+                for split in SPLITS:
+                    us = min(timed(lambda: [skinny_linear(x, w, split=split) for w in ws])
+                             for _ in range(3)) / copies
+                    print(f"{name:13s} rows {m:2d}  floor {floor:6.1f} us  cuBLAS {cublas:6.1f}"
+                          f"  split {split}  skinny {us:6.1f} ({floor / us:4.0%})  "
+                          f"skinny/cuBLAS {us / cublas:.2f}", flush=True)
+                continue
             else:
                 us, cfg = min(timed(lambda: [skinny_linear(x, w) for w in ws])
                               for _ in range(3)) / copies, "default"
@@ -61,4 +74,4 @@ def shape_rows(sweep: bool):
 
 
 if __name__ == "__main__":
-    shape_rows("sweep" in sys.argv[1:])
+    shape_rows("sweep" in sys.argv[1:], "splits" in sys.argv[1:])

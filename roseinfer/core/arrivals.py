@@ -20,7 +20,9 @@ import torch
 from roseinfer.core.triton_support import kernel as _kernel, tl
 
 CAPACITY = 1 << 16  # counters a device holds: 256 KiB
+PARTIALS = 1 << 20  # float32 partial sums a device holds for split launches: 4 MiB
 _buffers: dict[torch.device, torch.Tensor] = {}
+_partials: dict[torch.device, torch.Tensor] = {}
 
 
 def counters(device: torch.device, needed: int) -> torch.Tensor | None:
@@ -32,6 +34,19 @@ def counters(device: torch.device, needed: int) -> torch.Tensor | None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         buf = _buffers[device] = torch.zeros(CAPACITY, dtype=torch.int32, device=device)
+    return buf if needed <= buf.numel() else None
+
+
+def partials(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's float32 scratch for the partial results a split launch's programs
+    leave to the last of their group (a split-K linear's sums), where it holds ``needed``;
+    None where it does not or is first asked for inside a graph capture (as ``counters``).
+    One launch at a time uses it, as the counters."""
+    buf = _partials.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _partials[device] = torch.empty(PARTIALS, dtype=torch.float32, device=device)
     return buf if needed <= buf.numel() else None
 
 

@@ -48,7 +48,8 @@ class LoraLinear(nn.Module):
         if self._in_skinny(x):  # the expand in the linear's own launch: one launch fewer
             rank = self.lora_a.shape[2]
             return skinny_linear(x, self.base.weight, self.base.bias, lora=(
-                shrink(x, self.lora_a, batch), self.lora_b, batch.slots, self.ends, rank))
+                shrink(x, self.lora_a, batch), self.lora_b, batch.slots, self.ends, rank),
+                split=self.base.split)
         y = self.base(x, *args, **kwargs)
         add_lora(y, x, self.lora_a, self.lora_b, self.offsets, self.ends, batch)
         return y
