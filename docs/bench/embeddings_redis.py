@@ -41,11 +41,19 @@ def client_share(url: str, prefix: str, share: list[str], per_request: int,
     return [v for chunk in done for v in chunk]
 
 
+def ready(barrier) -> None:
+    """A client process's start: once its imports are done, it waits for the others."""
+    barrier.wait()
+
+
 def through_redis(url: str, prefix: str, corpus: list[str], args) -> tuple[float, list]:
     shares = [corpus[i::args.clients] for i in range(args.clients)]
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(args.clients) as pool:
-        pool.apply(time.sleep, (0,))  # the processes started and imported before the clock
+    barrier = ctx.Barrier(args.clients + 1)
+    with ctx.Pool(args.clients, initializer=ready, initargs=(barrier,)) as pool:
+        # Every process started and imported before the clock: spawning four that import
+        # torch takes seconds on two cores, which the first requests' arrival once counted
+        barrier.wait()
         start = time.perf_counter()
         results = pool.starmap(client_share, [(url, prefix, s, args.request_texts,
                                                args.in_flight) for s in shares])

@@ -8,7 +8,9 @@ stored; the one that reads ``expected - 1`` back is the last, reads the others' 
 and puts the counter back to zero, so the next launch finds every counter zeroed without
 a memset. The counters live in one buffer per device, allocated zeroed outside CUDA graph
 capture (the engine runs each step once eagerly before capturing it); a launch that finds
-no buffer, or too few counters, runs its separate epilogue kernel instead.
+no buffer, or too few counters, runs its separate epilogue kernel instead. Split launches
+(a skinny linear's K over several programs) leave their partial sums in a second buffer
+of the same kind.
 
 Launches that count must not overlap on a device: the engine's steps run them in order on
 one stream, and a dependent launch counts only after ``wait_for_inputs``.
@@ -29,12 +31,9 @@ def counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """The device's zeroed counters where they hold ``needed``; None where a separate
     epilogue must run (too many groups, or first asked for inside a graph capture, where a
     zeroing could be recorded but not run)."""
-    buf = _buffers.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _buffers[device] = torch.zeros(CAPACITY, dtype=torch.int32, device=device)
-    return buf if needed <= buf.numel() else None
+    buf = _held(_buffers, device, lambda: torch.zeros(CAPACITY, dtype=torch.int32,
+                                                      device=device))
+    return buf if buf is not None and needed <= buf.numel() else None
 
 
 def partials(device: torch.device, needed: int) -> torch.Tensor | None:
@@ -42,12 +41,17 @@ def partials(device: torch.device, needed: int) -> torch.Tensor | None:
     leave to the last of their group (a split-K linear's sums), where it holds ``needed``;
     None where it does not or is first asked for inside a graph capture (as ``counters``).
     One launch at a time uses it, as the counters."""
-    buf = _partials.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _partials[device] = torch.empty(PARTIALS, dtype=torch.float32, device=device)
-    return buf if needed <= buf.numel() else None
+    buf = _held(_partials, device, lambda: torch.empty(PARTIALS, dtype=torch.float32,
+                                                       device=device))
+    return buf if buf is not None and needed <= buf.numel() else None
+
+
+def _held(buffers: dict, device: torch.device, make) -> torch.Tensor | None:
+    """``buffers``' tensor for ``device``, made now if none is and no capture runs."""
+    buf = buffers.get(device)
+    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        buf = buffers[device] = make()
+    return buf
 
 
 @_kernel

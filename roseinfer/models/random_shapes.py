@@ -36,7 +36,7 @@ def _random_llama3(layers: int, hidden: int, intermediate: int, heads: int, tied
 
 def _random_family(name: str, **shape):
     """transformers' ``{name}Config`` (Qwen2, Qwen3, Mistral, Phi3, Qwen3Moe, Mixtral,
-    GptOss, Gemma2, Gemma3Text, Qwen3Next) at a real shape."""
+    GptOss, Gemma2, Gemma3Text, Qwen3Next, DeepseekV2/V3, Glm4Moe) at a real shape."""
     def config():
         import transformers
         return getattr(transformers, f"{name}Config")(**{"max_position_embeddings": 32768,
@@ -152,6 +152,17 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
               n_shared_experts=2, routed_scaling_factor=2.446, first_k_dense_replace=1,
               norm_topk_prob=True, max_position_embeddings=8192, rope_theta=50000.0,
               tie_word_embeddings=False),
+          # GLM-4.5-Air: DeepSeekMoE routing (128 experts of 1,408 + 1 shared, top 8)
+          # beside grouped-query attention with half the head dims rotated and q/k/v
+          # biases; 106 B parameters: FP8 on one H200, or bf16 over two
+          "glm-4.5-air-random": _random_family(
+              "Glm4Moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944,
+              moe_intermediate_size=1408, num_hidden_layers=46, num_attention_heads=96,
+              num_key_value_heads=8, head_dim=128, n_routed_experts=128, n_shared_experts=1,
+              num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+              routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5,
+              rope_theta=1e6, max_position_embeddings=131072, attention_bias=True,
+              use_qk_norm=False, tie_word_embeddings=False),
           "gemma2-9b-random": _random_family(
               "Gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
               num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
