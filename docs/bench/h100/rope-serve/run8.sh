@@ -9,17 +9,6 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_skinny_linear.py
 tail -1 "$OUT/tests-split.txt"
 timeout 150 python3 docs/bench/skinny_linears.py splits > "$OUT/splits.txt" 2>&1
 grep -E "rows  1" "$OUT/splits.txt" | awk '{print $1, $7, $8, $10}' | paste -sd' ' | fold -w 400
-here=$PYTHONPATH
-profile='import logging, runpy, sys
-sys.path.pop(0)  # not the working directory: the tree PYTHONPATH names
-logging.basicConfig(level=logging.INFO, format="%(message)s")
-sys.argv = ["decode_profile.py"] + sys.argv[1:]
-runpy.run_path("docs/bench/decode_profile.py", run_name="__main__")'
-for tree in base new base new; do
-  [ $tree = base ] && export PYTHONPATH=$PWD/.base:$here || export PYTHONPATH=$PWD:$here
-  echo "== tree $tree" | tee -a "$OUT/split-profile.txt"
-  PEAK_TB_S=3.00 timeout 130 python3 -c "$profile" llama3-1b-random:1 llama3-8b-random:1 \
-    qwen3-30b-a3b-random:1 2>&1 | grep -E "^==|decode step|us/step|skinny kernel up to" \
-    | tee -a "$OUT/split-profile.txt" | grep -E "^==|decode step"
-done
+source docs/bench/profile_trees.sh
+profile_trees "$OUT/split-profile.txt" llama3-1b-random:1 llama3-8b-random:1 qwen3-30b-a3b-random:1
 grep "skinny kernel up to" "$OUT/split-profile.txt" | sort | uniq -c | grep split | head -30
