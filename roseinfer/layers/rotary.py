@@ -69,8 +69,8 @@ class RotaryEmbedding(nn.Module):
         the Triton kernel would run it: on CUDA, every dim rotated, plain RoPE (M-RoPE's
         positions come from the step), unless ``ROSEINFER_ROPE_IN_APPEND=0``; None where it
         must run now."""
-        if not rope_in_append() or type(self) is not RotaryEmbedding or not q.is_cuda or \
-                2 * self.cos.shape[-1] != q.shape[-1] // num_heads:
+        if not q.is_cuda or type(self) is not RotaryEmbedding or \
+                2 * self.cos.shape[-1] != q.shape[-1] // num_heads or not rope_in_append():
             return None
         return Rotation(self, positions, num_heads, num_kv_heads, norms)
 

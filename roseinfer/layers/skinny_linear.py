@@ -81,46 +81,30 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, M, N, K, s_x, s_w
         if SCALED:
             x, w = x.to(tl.float16), w.to(tl.float16)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    if SPLIT > 1:
+    last = True
+    if SPLIT > 1:  # the tile's epilogue runs in the last of its splits to arrive
         at = rows[:, None] * N + cols[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
         tl.store(part_ptr + tl.program_id(1) * 16 * N + at, acc, mask=ok)
-        if last_to_arrive(counter_ptr + tl.program_id(0), SPLIT):
+        last = last_to_arrive(counter_ptr + tl.program_id(0), SPLIT)
+        if last:
             acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
             for split in tl.static_range(SPLIT):
                 acc += tl.load(part_ptr + split * 16 * N + at, mask=ok, other=0.0,
                                cache_modifier=".cg")
-            _skinny_epilogue(acc, b_ptr, y_ptr, xs_ptr, ws_ptr, rows, row_ok, cols, col_ok,
-                             s_y, HAS_BIAS, SCALED, lh_ptr, lb_ptr, lslot_ptr, lends_ptr,
-                             l_rank, s_lh_split, s_lh_slice, s_lh_tok, s_lb_slice, s_lb_slot,
-                             s_lb_n, LORA, LORA_SPLIT, LORA_SLICES, LORA_R, BLOCK_N)
-    else:
-        _skinny_epilogue(acc, b_ptr, y_ptr, xs_ptr, ws_ptr, rows, row_ok, cols, col_ok, s_y,
-                         HAS_BIAS, SCALED, lh_ptr, lb_ptr, lslot_ptr, lends_ptr, l_rank,
-                         s_lh_split, s_lh_slice, s_lh_tok, s_lb_slice, s_lb_slot, s_lb_n,
-                         LORA, LORA_SPLIT, LORA_SLICES, LORA_R, BLOCK_N)
-
-
-@_kernel
-def _skinny_epilogue(acc, b_ptr, y_ptr, xs_ptr, ws_ptr, rows, row_ok, cols, col_ok, s_y,
-                     HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, lh_ptr, lb_ptr,
-                     lslot_ptr, lends_ptr, l_rank, s_lh_split, s_lh_slice, s_lh_tok,
-                     s_lb_slice, s_lb_slot, s_lb_n, LORA: tl.constexpr,
-                     LORA_SPLIT: tl.constexpr, LORA_SLICES: tl.constexpr,
-                     LORA_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The scales, bias and LoRA expand onto a tile's float32 sums, and its store."""
-    if SCALED:
-        acc *= tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None] * \
-            tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if LORA:
-        acc += _lora_expand(lh_ptr, lb_ptr, lslot_ptr, lends_ptr, l_rank, s_lh_split,
-                            s_lh_slice, s_lh_tok, s_lb_slice, s_lb_slot, s_lb_n, rows, row_ok,
-                            cols, col_ok, tl.program_id(0) * BLOCK_N, LORA_SPLIT, LORA_SLICES,
-                            LORA_R)
-    tl.store(y_ptr + rows[:, None] * s_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    if last:
+        if SCALED:
+            acc *= tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None] * \
+                tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if LORA:
+            acc += _lora_expand(lh_ptr, lb_ptr, lslot_ptr, lends_ptr, l_rank, s_lh_split,
+                                s_lh_slice, s_lh_tok, s_lb_slice, s_lb_slot, s_lb_n, rows,
+                                row_ok, cols, col_ok, tl.program_id(0) * BLOCK_N, LORA_SPLIT,
+                                LORA_SLICES, LORA_R)
+        tl.store(y_ptr + rows[:, None] * s_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
 
 
 @_kernel
@@ -186,6 +170,8 @@ def split_k(device: torch.device, tiles: int, n: int, k: int, block_k: int,
     """(splits, the kernel's split arguments) for K over at most ``split`` programs a
     tile, each a whole number of K blocks; one split where K is one block or the device's
     counters or partials (core/arrivals.py) cannot hold the launch."""
+    if split == 1:  # most shapes: nothing to look up on the way
+        return 1, {}
     per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     splits = triton.cdiv(k, per_split)
     if splits == 1:
