@@ -302,6 +302,26 @@ def test_one_long_sequence_split_many_ways_or_none(request, monkeypatch, most, d
     check(request, "triton_paged", seqs, 6, 2, 64, 16, dtype)
 
 
+def test_merge_reads_only_the_splits_that_hold_keys():
+    """A graph captured for a long bound splits a short context into mostly empty pieces,
+    which leave their accumulators unwritten: the merge weighs the others alone, even
+    where the empty ones' memory holds NaN."""
+    triton_paged = pytest.importorskip("roseinfer.plugins.attention.triton_paged")
+    if not triton_paged.TritonPagedAttention().supports(DEVICE):
+        pytest.skip(f"triton_paged does not run on {DEVICE.type}")
+    g = torch.Generator().manual_seed(0)
+    splits, n, heads, dim, held = 16, 2, 4, 64, 3
+    acc = torch.randn(splits, n, heads, dim, generator=g)
+    m = torch.randn(splits, n, heads, generator=g)
+    l = torch.rand(splits, n, heads, generator=g) + 0.5
+    acc[held:], m[held:], l[held:] = float("nan"), float("-inf"), 0.0
+    w = torch.exp2(m[:held] - m[:held].amax(0))
+    want = (acc[:held] * w[..., None]).sum(0) / (l[:held] * w).sum(0)[..., None]
+    out = torch.empty(n, heads, dim, device=DEVICE)
+    triton_paged._merge(out, acc.to(DEVICE), m.to(DEVICE), l.to(DEVICE), False)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not CUDA, reason="compiled kernels: the larger prefill tiles are for GPUs")
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_long_prefill_steps(request, head_dim):

@@ -3,7 +3,8 @@ embeddings.py, embedded by ``LLM.embed`` in this process, then by CLIENTS client
 processes through a real Redis (the embedded redis-server ``roseinfer serve`` starts) to
 one worker on the same engine, each process sending its share as requests of
 ``--request-texts`` texts, ``--in-flight`` at a time. Texts a second, best of
-``--rounds`` each, and whether every vector equals the engine's.
+``--rounds`` each, and the largest difference from the engine's vectors (a text
+batched with others may round differently, most in bfloat16).
 
     python3 docs/bench/embeddings_redis.py [--device cpu] [--shape minilm] [--texts 1024]
         [--clients 4] [--request-texts 64] [--in-flight 2] [--rounds 3]
@@ -91,12 +92,13 @@ def main() -> None:
     worker = Worker(llm.engine, redis.Redis.from_url(server.url), prefix="bench", block_ms=100)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    rates, equal = [], True
+    rates, gap = [], 0.0
     try:
         for _ in range(args.rounds):
             rate, got = through_redis(server.url, "bench", corpus, args)
             rates.append(rate)
-            equal &= all(np.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
+            gap = max(gap, max(float(np.abs(np.asarray(g) - np.asarray(w)).max())
+                               for g, w in zip(got, want)))
     finally:
         worker.stop(5)
         thread.join(20)
@@ -105,7 +107,7 @@ def main() -> None:
           f"{max(alone):.1f} texts/s (rounds {', '.join(f'{r:.1f}' for r in alone)}); "
           f"through Redis, {args.clients} client processes: {max(rates):.1f} texts/s "
           f"(rounds {', '.join(f'{r:.1f}' for r in rates)}): {max(rates) / max(alone):.2f}x; "
-          f"vectors equal to the engine's: {equal}")
+          f"largest difference from the engine's vectors: {gap:.2e}")
 
 
 if __name__ == "__main__":

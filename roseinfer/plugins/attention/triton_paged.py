@@ -335,7 +335,10 @@ def _paged_decode_kernel(
     out_off = split.to(tl.int64) * so_s + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
     out_mask = g_ok[:, None] & d_ok[None, :]
     if PARTIAL:
-        tl.store(out_ptr + out_off, acc, mask=out_mask)
+        # A split past a short context's keys leaves its accumulator unwritten: the merge
+        # reads only those whose maximum is finite. The first always writes (a sink).
+        written = tl.where((kv_lo < kv_hi) | (split == 0), G, 0)
+        tl.store(out_ptr + out_off, acc, mask=(g < written)[:, None] & d_ok[None, :])
         ml_off = split.to(tl.int64) * sm_s + row * sm_n + head
         tl.store(m_ptr + ml_off, m_i, mask=g_ok)
         tl.store(l_ptr + ml_off, l_i, mask=g_ok)
@@ -357,11 +360,14 @@ def _merge_splits_kernel(
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)  # a slice of wide rows
     sp_ok = sp < num_splits
     d_ok = d < head_dim
-    # Empty splits hold max -inf and sum 0: their weight below is exactly 0.
+    # Empty splits hold max -inf and sum 0: their weight below is exactly 0, and their
+    # accumulators are not read (a graph captured for a long bound splits a short context
+    # into mostly empty pieces).
     m = tl.load(m_ptr + sp * sm_s + row * sm_n + head, mask=sp_ok, other=float("-inf"))
     l = tl.load(l_ptr + sp * sm_s + row * sm_n + head, mask=sp_ok, other=0.0)
+    held = sp_ok & (m > float("-inf"))
     acc = tl.load(acc_ptr + sp[:, None] * sa_s + row * sa_n + head * sa_h + d[None, :],
-                  mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+                  mask=held[:, None] & d_ok[None, :], other=0.0)
     w = tl.exp2(m - tl.max(m, 0))
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + row * so_n + head * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
