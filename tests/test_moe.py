@@ -98,7 +98,7 @@ def test_the_routing_kernel_breaks_ties_toward_the_lower_expert():
 
 
 ALIGNMENTS = [(1, 8, 2, 16), (37, 8, 2, 16), (300, 16, 4, 64), (64, 128, 8, 16),
-              (3, 60, 4, 16)]
+              (3, 60, 4, 16), (64, 512, 10, 16)]  # the last: Qwen3-Next's 512 experts
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, block_m", ALIGNMENTS)

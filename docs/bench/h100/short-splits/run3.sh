@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The MoE alignment kernel before (.head) and after (work a chunk of pairs independent of
+# the experts), per call, twice each. Usage: OUT=dir bash docs/bench/h100/short-splits/run3.sh
+source docs/bench/bench_env.sh
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py > "$OUT/moe-tests.txt" 2>&1
+tail -1 "$OUT/moe-tests.txt"
+here=$PYTHONPATH
+for tree in head new head new; do
+  [ $tree = head ] && export PYTHONPATH=$PWD/.head:$here || export PYTHONPATH=$PWD:$here
+  echo "== tree $tree" | tee -a "$OUT/align.txt"
+  timeout 60 python3 -c 'import runpy, sys
+sys.path.pop(0)
+runpy.run_path("docs/bench/moe_align.py", run_name="__main__")' 2>&1 | tee -a "$OUT/align.txt"
+done
