@@ -10,7 +10,7 @@ from roseinfer.models.random_shapes import RANDOM
 PUBLISHED = {"llama3-8b-random": 8.03, "llama3-70b-random": 70.6,
              "qwen3-30b-a3b-random": 30.5, "mixtral-8x7b-random": 46.7,
              "deepseek-v2-lite-random": 15.7, "moonlight-16b-a3b-random": 16.0,
-             "glm-4.5-air-random": 106.0}
+             "glm-4.5-air-random": 106.0, "granite-4.0-h-small-random": 32.2}
 
 
 @pytest.mark.parametrize("name", sorted(RANDOM))

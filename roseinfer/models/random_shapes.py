@@ -177,6 +177,17 @@ RANDOM = {"gpt2-random": _random_gpt2, "smollm2-random": _random_smollm2,
           "qwen3-next-80b-a3b-random": _random_family(
               "Qwen3Next", max_position_embeddings=262144, rope_parameters={
                   "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+          # Granite-4.0-H-Small: 40 layers, 4 of them NoPE attention (5, 15, 25, 35) and 36
+          # Mamba2, each followed by 72 experts of 768 (top 10) beside a shared 1,536; 32 B
+          "granite-4.0-h-small-random": _random_family(
+              "GraniteMoeHybrid", vocab_size=100352, hidden_size=4096, num_hidden_layers=40,
+              num_attention_heads=32, num_key_value_heads=8, intermediate_size=768,
+              shared_intermediate_size=1536, num_local_experts=72, num_experts_per_tok=10,
+              mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+              mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+              layer_types=["mamba"] * 5 + ["attention"] + (["mamba"] * 9 + ["attention"]) * 3
+              + ["mamba"] * 4, position_embedding_type="nope", tie_word_embeddings=True,
+              max_position_embeddings=131072),
           "phi3-mini-random": _random_family(
               "Phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
