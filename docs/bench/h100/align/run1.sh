@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The MoE alignment kernel before (.head) and after (work a chunk of pairs independent of
-# the experts), per call. Usage: OUT=dir bash docs/bench/h100/short-splits/run3.sh
+# The MoE alignment kernel before (.head = this tree) and after (align-chunk.patch applied:
+# work a chunk of pairs independent of the experts), per call. Not yet run on a GPU.
+# Usage: git apply docs/bench/h100/align/align-chunk.patch; OUT=dir bash docs/bench/h100/align/run1.sh
 source docs/bench/bench_env.sh
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py \
   -k "align or alignment or each_tile or real_shapes" > "$OUT/moe-tests.txt" 2>&1
