@@ -52,10 +52,11 @@ def test_rounded_linear_matches_the_rounding_done_by_hand(weight_dtype, rows, wi
 
 
 def reference_model(hf, weight_dtype):
-    """transformers' model with every linear but the LM head rounded by hand."""
+    """transformers' model with its linears rounded by hand as RoundedLinear rounds
+    them: every one for bfloat16, all but the LM head for int8."""
     ref = copy.deepcopy(hf)
     for name, module in ref.named_modules():
-        if isinstance(module, nn.Linear) and name != "lm_head":
+        if isinstance(module, nn.Linear) and (name != "lm_head" or weight_dtype == "bfloat16"):
             module.forward = (lambda m: lambda x: rounded_by_hand(
                 x, m.weight, m.bias, weight_dtype))(module)
     return ref
@@ -68,7 +69,8 @@ def test_greedy_tokens_equal_transformers_rounded_the_same_way(weight_dtype):
               cpu_weight_dtype=weight_dtype)
     layer = llm.engine.model.layers[0]
     assert isinstance(layer.qkv_proj, RoundedLinear) and isinstance(layer.down_proj, RoundedLinear)
-    assert isinstance(llm.engine.model.head.linear, CpuLinear)  # the LM head stays float32
+    head = RoundedLinear if weight_dtype == "bfloat16" else CpuLinear  # int8's stays float32
+    assert isinstance(llm.engine.model.head.linear, head)
     ref = reference_model(hf, weight_dtype)
     prompts = mixed_prompts(4, seed=3)
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):

@@ -2,14 +2,15 @@
 
 At batch 1 a step reads every weight once, so its time follows the weights' bytes
 (docs/benchmarks.md). Both forms take bfloat16 inputs, sum in float32 and hand
-back float32; the residual stream, the norms, attention and the LM head stay
-float32 (a bfloat16 LM head alone turned 4 of 16 greedy continuations of the
-default model):
+back float32; the residual stream, the norms and attention stay float32:
 
 - ``bfloat16``: half the bytes, in oneDNN's packed layout (AMX or AVX512-BF16
-  where the CPU has them).
+  where the CPU has them), the LM head too, as a BF16 GGUF file holds it: on the
+  default model that took a compiled step from 10.0 to 7.1 ms, and 4 of 16 greedy
+  continuations leave float32's, each where float32's first two choices are
+  0.07-0.14 nats apart (docs/benchmarks.md).
 - ``int8``: a quarter, one float32 scale per output row, run by ATen's
-  weight-only int8 kernel ``_weight_int8pack_mm``.
+  weight-only int8 kernel ``_weight_int8pack_mm``; the LM head stays float32.
 """
 from __future__ import annotations
 
@@ -61,12 +62,12 @@ class RoundedLinear(nn.Module):
 
 
 def round_linears(model: nn.Module, weight_dtype: str) -> None:
-    """Swap every nn.Linear but the LM head's for a RoundedLinear."""
+    """Swap every nn.Linear for a RoundedLinear, but int8's LM head."""
     if weight_dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         raise ConfigError("cpu_weight_dtype bfloat16 needs oneDNN's bfloat16 kernels, which "
                           "this CPU lacks (they need AVX-512): use int8 or float32")
     for parent in list(model.modules()):
-        if isinstance(parent, LogitsHead):
+        if isinstance(parent, LogitsHead) and weight_dtype == "int8":
             continue
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):
