@@ -6,9 +6,9 @@ back float32; the residual stream, the norms and attention stay float32:
 
 - ``bfloat16``: half the bytes, in oneDNN's packed layout (AMX or AVX512-BF16
   where the CPU has them), the LM head too, as a BF16 GGUF file holds it: on the
-  default model that took a compiled step from 10.0 to 7.1 ms, and 4 of 16 greedy
-  continuations leave float32's, each where float32's first two choices are
-  0.07-0.14 nats apart (docs/benchmarks.md).
+  default model that took decode from 0.68-0.71x llama.cpp's BF16 file to 0.79-1.00x,
+  and 4 of 16 greedy continuations leave float32's, each where float32's first two
+  choices are 0.07-0.14 nats apart (docs/benchmarks.md).
 - ``int8``: a quarter, one float32 scale per output row, run by ATen's
   weight-only int8 kernel ``_weight_int8pack_mm``; the LM head stays float32.
 """
