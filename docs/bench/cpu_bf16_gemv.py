@@ -1,6 +1,7 @@
 """bfloat16 weights times one and four rows on the CPU: the GEMV of docs/bench/cpu_bf16_gemv.cpp
 (built here by torch's cpp_extension, -O3 -march=native, OpenMP) against oneDNN's packed
-bfloat16 linear (what cpu_weight_dtype="bfloat16" runs), on the default model's linear shapes
+bfloat16 linear (what cpu_weight_dtype="bfloat16" runs) and F.linear on the plain layout,
+on the default model's linear shapes
 (SmolLM2-135M: qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536, the head 49152x576),
 each weight streamed from memory (copies up to 256 MB, taken in turn), 2 threads; µs a call
 and GB/s of weights, then a 512-row prompt's GEMM on the plain and the packed layout.
@@ -58,9 +59,10 @@ def main():
             err = ((ops.mm(x, weights[0]) - want).abs().max() / want.abs().max()).item()
             own = seconds(in_turn(ops.mm, x, weights), args.reps)
             theirs = seconds(in_turn(onednn, x, packed), args.reps)
+            plain = seconds(in_turn(F.linear, x, weights), args.reps)
             row.append(f"{m} row(s): own {own * 1e6:7.1f} us ({n * k * 2 / own / 1e9:4.1f} GB/s), "
                        f"oneDNN {theirs * 1e6:7.1f} us ({n * k * 2 / theirs / 1e9:4.1f}), "
-                       f"rel. error {err:.0e}")
+                       f"F.linear plain {plain * 1e6:7.1f}, rel. error {err:.0e}")
         print(f"{n:6d} x {k:4d} | " + " | ".join(row), flush=True)
     x, w = torch.randn(512, 576).bfloat16(), torch.randn(3072, 576).bfloat16()
     p = torch.ops.mkldnn._reorder_linear_weight(w, 512)
