@@ -19,6 +19,7 @@ from roseinfer.layers.extensions import build_library
 from roseinfer.layers.gguf_linear import NATIVE, _cpu
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+ROWS = (1, 4, 16, 32)
 STREAM_BYTES = 256e6
 
 
@@ -53,7 +54,7 @@ def main():
         weights = [torch.randn(n, k).bfloat16() for _ in range(max(1, int(STREAM_BYTES // (n * k * 2))))]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
         row = []
-        for m in (1, 4):
+        for m in ROWS:
             x = torch.randn(m, k).bfloat16()
             want = x.float() @ weights[0].float().T
             err = ((ops.mm(x, weights[0]) - want).abs().max() / want.abs().max()).item()
