@@ -2,6 +2,8 @@
 (its router and its experts, float32), the router on near-ties, the block alignment's
 invariants, and, on CUDA, the fused kernel in bf16 against a float64 loop over experts at
 a real shape."""
+import random
+
 import pytest
 import torch
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
@@ -129,6 +131,24 @@ def test_the_one_program_alignment_equals_torchs(tokens, experts, top_k, block_m
     got = align_blocks(ids, experts, block_m, use_triton=True)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.tolist() == w.tolist()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_one_program_alignment_equals_torchs_on_random_shapes(seed):
+    """Five random shapes a seed (experts not a power of two among them, and pairs of
+    another rank's experts, -1, under expert parallelism): same rows, tiles and total."""
+    rng = random.Random(seed)
+    for case in range(5):
+        experts = rng.choice([2, 8, 60, 128, 257, 512])
+        top_k, tokens = rng.choice([1, 2, 8, 10]), rng.choice([1, 3, 16, 33, 100])
+        ids = torch.randint(-1 if case % 2 else 0, experts, (tokens, top_k),
+                            generator=torch.Generator().manual_seed(seed * 5 + case),
+                            dtype=torch.int32).to(DEVICE)
+        block_m = rng.choice([16, 32, 64])
+        want = align_blocks(ids, experts, block_m, use_triton=False)
+        got = align_blocks(ids, experts, block_m, use_triton=True)
+        for g, w in zip(got, want):
+            assert g.tolist() == w.tolist(), (experts, top_k, tokens, block_m)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the compiled kernel needs CUDA")
