@@ -186,7 +186,7 @@ def test_draft_model_proposer(llama_model, tmp_path):
 def test_refusals(llama_model):
     with pytest.raises(ConfigError, match="draft_model"):
         LLM(llama_model, speculative="draft", **CONFIG)
-    with pytest.raises(ValueError, match="registered: draft, ngram"):
+    with pytest.raises(ValueError, match="registered: draft, mtp, ngram"):
         LLM(llama_model, speculative="eagle", **CONFIG)
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         LLM(llama_model, speculative="ngram", **{**CONFIG, "num_speculative_tokens": 0})

@@ -122,7 +122,7 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
     model, hf_config, tokenizer = loader.load(
         spec, tokenizer, dtype, device, seed=cfg.seed or 0, plugins=plugins,
         cpu_weight_dtype=_cpu_weight_dtype(cfg, device, dtype), quantization=cfg.quantization)
-    cfg = multimodal.decided(recurrent.decided(cfg, model), model)
+    cfg = speculation.decided(multimodal.decided(recurrent.decided(cfg, model), model), plugins)
     snapshots = recurrent.snapshot_rows(cfg, model)
     recurrent.bind(model, cfg.max_num_seqs + 1 + snapshots, device, dtype)  # a row a table row
     loras = _loras(model, hf_config, cfg, device, dtype) if cfg.enable_lora else None

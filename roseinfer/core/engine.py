@@ -114,8 +114,9 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}  # by Sequence.key
         self.groups: dict[str, int] = {}     # n of the unfinished requests with n > 1
         self._forks: list[tuple[Sequence, list[Sequence]]] = []  # _share_prompts
-        self.speculator = speculation.build(config, plugins, self.device, self.dtype,
-                                            self.vocab_size, self.max_model_len)
+        self.speculator = speculation.build(
+            config, plugins, self.device, self.dtype, self.vocab_size, self.max_model_len,
+            speculation.Target(model, self.model, self.kv_cache, self.runner))
         self._aborted: list[Sequence] = []
         self._in_flight = None
         self.step_times = StepTimes()
@@ -415,12 +416,18 @@ class Engine:
         return launched
 
     def _collect(self, launched) -> list[RequestOutput]:
-        outputs = []
-        seqs, steps = launched.batch.seqs, launched.batch.steps
         ids = launched.result()
         self.step_times.collected(launched)
         if launched.verify is not None:
             self.speculator.verify(launched, ids)
+        outputs = self._take(launched, ids)
+        if launched.hidden is not None:
+            self.speculator.observe(launched, ids)
+        return outputs
+
+    def _take(self, launched, ids: list[list[int]]) -> list[RequestOutput]:
+        """The step's tokens to their sequences, and each sequence's output."""
+        outputs, seqs, steps = [], launched.batch.seqs, launched.batch.steps
         logprobs = launched.token_logprobs(ids, self.tokenizer)
         for i, pos, lp in launched.prompt_logprobs(self.tokenizer):
             plp = seqs[i].prompt_logprobs

@@ -37,6 +37,9 @@ class LaunchedStep:
     prompt: Optional[tuple] = None   # (PromptPlan, its device results), if any was due
     verify: Optional[tuple] = None   # (VerifyPlan, its draft positions' logits), if any
     started: float = 0.0             # core/step_times.py: when it was launched
+    # (each sequence's first position, the final hidden states of each forward) where a
+    # proposer reads them (keep_hidden; core/speculation.py ``observe``)
+    hidden: Optional[tuple] = None
     ready: Optional[float] = None    # when its results were ready, if known at launch
 
     def result(self) -> list[list[int]]:
@@ -73,6 +76,9 @@ class ModelRunner:
         self.lora = lora  # the model's projections take LoRA adapters (layers/lora.py)
         self.peers = peers  # tp_workers.Peers: the other ranks, on rank 0 of a group
         self.copies: list[tuple[int, int]] = []  # KV blocks copied since the last order
+        self.side_caches: list[KVCache] = []  # caches over the same blocks (a proposer's)
+        self.keep_hidden = False  # a proposer reads the final hidden states (eager steps)
+        self.hidden: list[torch.Tensor] = []  # this step's, one per forward
         self.snapshots = None  # recurrent states at block boundaries (core/state_snapshots.py)
         self.rope_shift = None  # a model with images: its rows' position offsets (multimodal)
         self.model_inputs = None  # the step's, beside ids and positions (StepContext)
@@ -178,6 +184,8 @@ class ModelRunner:
             hidden = self.model(ids, inp.positions)
         finally:
             set_context(None)
+        if self.keep_hidden:
+            self.hidden.append(hidden)
         if logits_rows is not None:
             hidden = hidden[logits_rows]
         return self.model.compute_logits(hidden)
@@ -188,6 +196,8 @@ class ModelRunner:
         ``previous``: the step still in flight, whose tokens constrained rows need."""
         seqs, num_tokens = batch.seqs, batch.num_tokens
         n_tok, n_seq = sum(num_tokens), len(seqs)
+        starts = [s.num_computed for s in seqs] if self.keep_hidden else None
+        self.hidden = []
         processed = any(s.params.processed for s in seqs)
         # Constrained rows whose last token is in flight, at its column of previous's ids.
         early = [(s, s.sample_slot) for s in seqs if s.constraints and s.pending] \
@@ -247,8 +257,11 @@ class ModelRunner:
             # In a decode graph the step sampled and advanced by itself; the ids
             # written here replace the ones it sampled, for the next step to read.
             self._record(step, tokens)
-        return self._land(batch, rows, [f for f in found if f is not None] or None, prompt,
-                          checked)
+        launched = self._land(batch, rows, [f for f in found if f is not None] or None, prompt,
+                              checked)
+        if starts is not None:
+            launched.hidden = (starts, self.hidden)
+        return launched
 
     def _replayed(self, batch: ScheduledBatch, rows) -> LaunchedStep:
         """The batch's graph run: it samples and advances by itself. A recurrent model's
@@ -331,7 +344,8 @@ class ModelRunner:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write of one KV block, here and (with the next order) on the other ranks."""
-        self.kv_cache.copy_block(src, dst)
+        for cache in (self.kv_cache, *self.side_caches):
+            cache.copy_block(src, dst)
         if self.peers is not None:
             self.copies.append((src, dst))
 

@@ -22,6 +22,13 @@ A request pauses its drafts once its rounds make tokens slower than plain steps
 would, measured on this engine's own steps; each pause in a row is longer. Requests that need the logits
 pipeline (penalties, logit bias, logprobs, structured output) and ones that ask
 ``speculative=False`` decode without drafts, beside drafted rows.
+
+A proposer that drafts from the model's own final hidden states (``needs_hidden_states``:
+DeepSeek-V3's MTP module) is handed, after every collected step, the positions each
+sequence computed and kept and the model's hidden states there (``observe``), drafting
+or not: its own cache then covers every position the model's does. Only eager steps
+keep those states, so such a proposer runs without CUDA graphs or the compiled CPU step
+(``decided``).
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ import time
 
 import torch
 
+from roseinfer.core.config import turned_off
+from roseinfer.core.request import Status
 from roseinfer.core.sampler import Sampler
 
 MIN_ROUNDS = 4       # rounds a request drafts before its gain is judged
@@ -57,9 +66,20 @@ class Draft:
 
 
 @dataclass
+class Target:
+    """The model drafts are for: its spec (as the engine was given it), its module, its
+    KV cache and its runner."""
+    spec: object
+    model: object
+    kv_cache: object
+    runner: object
+
+
+@dataclass
 class ProposerContext:
     """What a proposer factory gets: the engine's config, device, dtype, vocabulary
-    size, plugins, k (the most tokens a draft may hold) and the target's context."""
+    size, plugins, k (the most tokens a draft may hold), the target's context, and the
+    target itself."""
     config: object
     device: torch.device
     dtype: torch.dtype
@@ -67,6 +87,7 @@ class ProposerContext:
     plugins: object
     k: int
     max_model_len: int
+    target: Optional[Target] = None
 
 
 class SpecState:
@@ -84,6 +105,7 @@ class SpecState:
 class Speculator:
     def __init__(self, proposer, k: int, max_batch: int, device: torch.device):
         self.proposer, self.k, self.max_batch, self.device = proposer, k, max_batch, device
+        self.observes = getattr(proposer, "needs_hidden_states", False)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.plain_s: Optional[float] = None   # a step of decode rows alone
         self.verify_s: Optional[float] = None  # a step with drafts (no prefill)
@@ -111,11 +133,40 @@ class Speculator:
                 room.append(min(self.k, left))
         if not seqs:
             return
-        drafts = self.proposer.propose([s.token_ids for s in seqs], room)
+        drafts = self.proposer.propose(seqs if self.observes else [s.token_ids for s in seqs],
+                                       room)
         for seq, draft, n in zip(seqs, drafts, room):
             seq.draft = draft.first(n) if draft is not None else None
             if seq.draft is not None and seq.spec is None:
                 seq.spec = SpecState()
+
+    def observe(self, launched, ids: list[list[int]]) -> None:
+        """Hand a hidden-state proposer what the collected step computed and kept (after
+        ``verify``, ``ids`` the rows' kept tokens): each live sequence's first position,
+        how many positions, and the model's final hidden states at them, in order. Only
+        positions whose next token is known go: a sequence that finished or gave its
+        blocks back since the launch goes without."""
+        starts, hidden = launched.hidden
+        batch = launched.batch
+        flat = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        kept = {}
+        if launched.verify is not None:
+            slot = {r: k for k, r in enumerate(launched.rows)}
+            kept = {i: len(ids[slot[i]]) for i in launched.verify[0].seq_index}
+        n_tok, steps = sum(batch.num_tokens), batch.steps
+        seqs, firsts, counts, index, at = [], [], [], [], 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            count = kept.get(i, n * steps)
+            if seq.status is Status.RUNNING and len(seq.token_ids) > starts[i] + count:
+                seqs.append(seq)
+                firsts.append(starts[i])
+                counts.append(count)
+                # a window's step w holds each sequence's one row at w * n_tok
+                index += [at + q if steps == 1 else q * n_tok + at for q in range(count)]
+            at += n
+        if seqs:
+            rows = torch.tensor(index, dtype=torch.long, device=flat.device)
+            self.proposer.observe(seqs, firsts, counts, flat[rows])
 
     @staticmethod
     def kind(batch) -> Optional[str]:
@@ -255,12 +306,24 @@ def draft_tokens(config, device: torch.device) -> int:
     return k if k is not None else 8 if device.type == "cuda" else 4
 
 
-def build(config, plugins, device, dtype, vocab_size, max_model_len) -> Optional[Speculator]:
+def decided(cfg, plugins):
+    """``cfg`` with CUDA graphs and the compiled CPU step off where the proposer reads the
+    model's hidden states, which only eager steps keep (module doc)."""
+    if cfg.speculative is None or not getattr(
+            plugins.get("proposer", cfg.speculative).factory, "needs_hidden_states", False):
+        return cfg
+    return turned_off(cfg, f"the {cfg.speculative} proposer reads the model's hidden "
+                      "states, which eager steps keep", {"cuda_graphs": False,
+                                                          "cpu_compiled_step": "off"})
+
+
+def build(config, plugins, device, dtype, vocab_size, max_model_len,
+          target: Optional[Target] = None) -> Optional[Speculator]:
     """The engine's speculator, if ``config.speculative`` names a proposer."""
     if config.speculative is None:
         return None
     k = draft_tokens(config, device)
     proposer = plugins.create("proposer", config.speculative,
                               ProposerContext(config, device, dtype, vocab_size, plugins, k,
-                                              max_model_len))
+                                              max_model_len, target))
     return Speculator(proposer, k, config.speculative_disable_by_batch_size, device)

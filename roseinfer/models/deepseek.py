@@ -24,6 +24,7 @@ from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.models import sharding
 from roseinfer.models.llama import LlamaForCausalLM, LlamaLayer
 from roseinfer.models.moe import MoeForCausalLM
+from roseinfer.models.mtp import mtp_part
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
@@ -212,3 +213,8 @@ def _rope_rows(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
     if name == "kv_a_proj_with_mqa":
         return rope_halves(t, cfg.kv_lora_rank, t.shape[0], rope)
     return t
+
+
+# The modules their checkpoints hold beside the model, which loader.load(part=...) builds.
+DeepseekForCausalLM.parts = {"mtp": mtp_part(DeepseekForCausalLM)}
+Glm4MoeForCausalLM.parts = {"mtp": mtp_part(Glm4MoeForCausalLM)}

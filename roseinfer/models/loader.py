@@ -58,22 +58,27 @@ ALIASES = {"SmolLM2-135M-Instruct": _smollm2_gguf, "smollm2": _smollm2_gguf}
 
 
 def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0, plugins=None,
-         cpu_weight_dtype: str = "float32", quantization: str | None = None):
+         cpu_weight_dtype: str = "float32", quantization: str | None = None,
+         part: str | None = None):
     """Returns (module, hf_config, tokenizer); ``plugins`` (a PluginRegistry) has the
     model architectures and quantization methods (default: the default registry's);
     ``cpu_weight_dtype``: see layers/cpu_weights.py; ``quantization``: a method to
-    quantize a float model with at load (a quantized checkpoint names its own)."""
+    quantize a float model with at load (a quantized checkpoint names its own);
+    ``part``: a module the checkpoint holds beside the model (its family's ``parts``:
+    ``"mtp"``, DeepSeek-V3's multi-token-prediction layer) instead of the model."""
     if plugins is None:
         from roseinfer.core.plugins import default_registry
         plugins = default_registry()
     if isinstance(spec, str) and spec in RANDOM:
         hf_config, tok = RANDOM[spec]()
         name, method = method_for(hf_config, quantization, plugins)
-        model = _random_module(hf_config, dtype, device, plugins, seed, method)
+        model = _random_module(hf_config, dtype, device, plugins, seed, method, part)
     else:
         hf_config, tensors, tok = _resolve(spec)
         name, method = method_for(hf_config, quantization, plugins)
-        cls = model_class(hf_config, plugins)
+        cls = part_class(hf_config, plugins, part)
+        if part is not None:  # read only its tensors
+            tensors = {k: v for k, v in tensors.items() if cls.checkpoint_keys(k, hf_config)}
         quantized = checkpoint_config(hf_config) is not None
         # A method that knows how its packed parts split cuts them as they are stored,
         # then reads this rank's; another reads each tensor whole, then it is cut.
@@ -83,7 +88,7 @@ def load(spec, tokenizer=None, dtype=torch.float32, device="cpu", seed: int = 0,
         tensors = _shards(cls, tensors, hf_config, part_shard)
         if part_shard is not None:
             tensors = method.load_weights(tensors)
-        model = _empty_module(hf_config, dtype, device, plugins)
+        model = _empty_module(hf_config, dtype, device, plugins, part)
         state_dict = cls.convert_hf_state_dict(tensors, hf_config)
         # On the CPU the module takes the tensors read from files as they are, cast where
         # its dtype differs: a float32 checkpoint is not copied again (0.16 s of the
@@ -136,13 +141,25 @@ def _shards(cls, tensors: dict, hf_config, part_shard=None) -> dict:
             if shard is None or not shard.absent}
 
 
-def _empty_module(hf_config, dtype, device, plugins=None):
-    return _materialize(_meta_module(hf_config, dtype, plugins), device)
+def part_class(hf_config, plugins=None, part: str | None = None):
+    """The family's class, or that of the module ``part`` of its checkpoints."""
+    cls = model_class(hf_config, plugins)
+    if part is None:
+        return cls
+    parts = getattr(cls, "parts", {})
+    if part not in parts:
+        raise ConfigError(f"{hf_config.model_type} checkpoints hold no {part!r} module "
+                          f"(its family has: {', '.join(parts) or 'none'})")
+    return parts[part]
 
 
-def _meta_module(hf_config, dtype, plugins):
+def _empty_module(hf_config, dtype, device, plugins=None, part=None):
+    return _materialize(_meta_module(hf_config, dtype, plugins, part), device)
+
+
+def _meta_module(hf_config, dtype, plugins, part=None):
     with torch.device("meta"):  # no time spent on an init we overwrite
-        model = model_class(hf_config, plugins)(hf_config)
+        model = part_class(hf_config, plugins, part)(hf_config)
     # The dtype first: a 70B shard in float32 would not fit where its bf16 does.
     return model.to(dtype)
 
@@ -160,14 +177,14 @@ def _materialize(model, device, fill=None):
     return model
 
 
-def _random_module(hf_config, dtype, device, plugins, seed: int, method):
+def _random_module(hf_config, dtype, device, plugins, seed: int, method, part=None):
     """GPT-2's init on the module's own device: weights N(0, 0.02), norms 1, biases 0. Each
     rank draws its own shards from ``seed + rank``; a ``router`` (layers/moe.py), which
     every rank holds whole, draws from ``seed``, the same on every rank.
     A quantization method quantizes each linear (and each block of experts) as soon as
     it is drawn, so the float model never exists whole: a 70B shape in 4 bits builds
     where its bf16 would not fit."""
-    model = _meta_module(hf_config, dtype, plugins)
+    model = _meta_module(hf_config, dtype, plugins, part)
     now = set() if method is None else {m for _, m in quantizable(model)} | {
         m for m in model.modules() if isinstance(m, SparseMoE)}
     own = torch.Generator(device).manual_seed(seed + tp.group().rank)
