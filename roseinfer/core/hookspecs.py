@@ -120,4 +120,11 @@ def roseinfer_register_proposers(register):
     ``Draft`` of at most ``room[i]`` tokens, or None to propose nothing. A ``Draft``
     holds the tokens and, for a proposer that samples them, the distribution each was
     drawn from; the engine checks them (see ``roseinfer.core.speculation``).
+
+    A proposer that drafts from the model's final hidden states sets
+    ``needs_hidden_states = True``: ``ctx.target`` then has the model, its KV cache and
+    runner; ``propose`` gets the sequences themselves (``key``, ``token_ids``) instead of
+    their ids; and after every step ``observe(seqs, firsts, counts, hidden)`` gets the
+    positions each sequence computed and kept and the hidden states there (the built-in
+    ``mtp``, roseinfer/plugins/speculative/mtp.py). The engine then runs eagerly.
     """
