@@ -42,41 +42,61 @@ from roseinfer.models.quantization import FP8, FP8_MAX, absmax_scale
 
 
 @_kernel
-def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, total_ptr, pairs, rows, experts,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@_kernel
+def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, total_ptr, cursor_ptr, pairs, rows,
+                  experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                   PDL: tl.constexpr):
     """align_blocks in one program: count each expert's pairs, lay the padded runs out,
-    name each tile's expert, then place each pair after its expert's earlier ones."""
+    name each tile's expert, then place each pair after its expert's earlier ones. Work
+    per chunk of pairs follows the chunk, not the experts (a histogram, a chunk x chunk
+    comparison): 512 experts cost what 8 do."""
     wait_for_inputs(PDL)
     everyone = tl.arange(0, BLOCK_E)
     chunk = tl.arange(0, CHUNK)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for c0 in range(0, pairs, CHUNK):
-        e = tl.load(ids_ptr + c0 + chunk, mask=c0 + chunk < pairs, other=BLOCK_E)
-        counts += tl.sum((e[:, None] == everyone[None, :]).to(tl.int32), 0)
+        e = tl.load(ids_ptr + c0 + chunk, mask=c0 + chunk < pairs, other=-1)
+        counts += tl.histogram(e, BLOCK_E, mask=e >= 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
     total = tl.sum(padded, 0)
     tl.store(total_ptr, total)
+    tiles = rows // BLOCK_M
     for r0 in range(0, rows, CHUNK):
         tl.store(sorted_ptr + r0 + chunk, tl.full([CHUNK], 0, tl.int32) + pairs,
                  mask=r0 + chunk < rows)
-    for t0 in range(0, rows // BLOCK_M, CHUNK):
-        first = (t0 + chunk) * BLOCK_M
-        inside = (first[:, None] >= starts[None, :]) & (first[:, None] < ends[None, :])
-        expert = tl.sum(tl.where(inside, everyone[None, :], 0), 1)
-        tl.store(tile_expert_ptr + t0 + chunk, tl.where(first < total, expert, -1),
-                 mask=first < rows)
-    tl.debug_barrier()  # every row's padding written before the pairs overwrite theirs
-    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for t0 in range(0, tiles, CHUNK):
+        tl.store(tile_expert_ptr + t0 + chunk, tl.full([CHUNK], -1, tl.int32),
+                 mask=t0 + chunk < tiles)
+    tl.debug_barrier()  # the -1s down before each expert marks its first tile
+    tl.store(tile_expert_ptr + starts // BLOCK_M, everyone, mask=padded > 0)
+    tl.store(cursor_ptr + everyone, starts)
+    tl.debug_barrier()
+    # A tile between two marks is the earlier mark's expert: a running maximum.
+    before = tl.full([], -1, tl.int32)
+    for t0 in range(0, tiles, CHUNK):
+        t = t0 + chunk
+        mark = tl.load(tile_expert_ptr + t, mask=t < tiles, other=-1)
+        expert = tl.maximum(tl.associative_scan(mark, 0, _larger), before)
+        tl.store(tile_expert_ptr + t, tl.where(t * BLOCK_M < total, expert, -1), mask=t < tiles)
+        before = tl.max(expert, 0)
+    cursor = starts  # each expert's next free row, kept in cursor_ptr for the gathers
     for c0 in range(0, pairs, CHUNK):
-        e = tl.load(ids_ptr + c0 + chunk, mask=c0 + chunk < pairs, other=BLOCK_E)
-        onehot = (e[:, None] == everyone[None, :]).to(tl.int32)
-        earlier = tl.cumsum(onehot, 0) - onehot + seen[None, :]
-        row = tl.sum(onehot * (starts[None, :] + earlier), 1)
-        tl.store(sorted_ptr + row, c0 + chunk, mask=(c0 + chunk < pairs) & (e >= 0))
-        seen += tl.sum(onehot, 0)
+        e = tl.load(ids_ptr + c0 + chunk, mask=c0 + chunk < pairs, other=-1)
+        mine = e >= 0
+        earlier = tl.sum(((e[:, None] == e[None, :]) & (chunk[None, :] < chunk[:, None]))
+                         .to(tl.int32), 1)
+        row = tl.load(cursor_ptr + e, mask=mine, other=0) + earlier
+        tl.store(sorted_ptr + row, c0 + chunk, mask=mine)
+        cursor += tl.histogram(e, BLOCK_E, mask=mine)
+        tl.debug_barrier()  # every pair read its expert's row before the next chunk's
+        tl.store(cursor_ptr + everyone, cursor)
+        tl.debug_barrier()
 
 
 ALIGN_IN_ONE_PROGRAM = 1024  # pairs up to which one program aligns faster than torch's sort
@@ -99,13 +119,14 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
         sorted_ids = torch.empty(rows, dtype=torch.int32, device=ids.device)
         tile_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
         total = torch.empty(1, dtype=torch.int32, device=ids.device)
-        # chunks of pairs no larger than the step's: each is a [chunk, E] one-hot
+        block_e = triton.next_power_of_2(num_experts)
+        cursor = torch.empty(block_e, dtype=torch.int32, device=ids.device)
+        # chunks of pairs no larger than the step's: each is a [chunk, chunk] comparison
         chunk = min(64, max(16, triton.next_power_of_2(pairs)))
         pdl = dependent_launch(ids.device, pairs)
-        _align_kernel[(1,)](ids.contiguous(), sorted_ids, tile_expert, total, pairs, rows,
-                            num_experts, BLOCK_M=block_m,
-                            BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk, PDL=pdl,
-                            num_warps=2 if chunk < 64 else 4, launch_pdl=pdl)
+        _align_kernel[(1,)](ids.contiguous(), sorted_ids, tile_expert, total, cursor, pairs,
+                            rows, num_experts, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
+                            PDL=pdl, num_warps=2 if chunk < 64 else 4, launch_pdl=pdl)
         return sorted_ids, tile_expert, total
     # -1 (another rank's expert) counts in one more bucket, which gets no rows
     flat = ids.flatten().long().remainder(num_experts + 1)
