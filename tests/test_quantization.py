@@ -458,14 +458,14 @@ def test_a_random_model_is_quantized_one_linear_at_a_time(monkeypatch):
 
     reg = PluginRegistry(load_entry_points=False)
     reg.register(Plugin(), name="recording")
-    meta_module = loader._meta_module
+    meta_module = loader.meta_module
 
-    def keep(hf_config, dtype, plugins):
-        model = meta_module(hf_config, dtype, plugins)
+    def keep(hf_config, dtype, plugins, part=None):
+        model = meta_module(hf_config, dtype, plugins, part)
         pending[:] = [m for _, m in quantizable(model)]
         return model
     pending = []
-    monkeypatch.setattr(loader, "_meta_module", keep)
+    monkeypatch.setattr(loader, "meta_module", keep)
     model, _, _ = loader.load("smollm2-random", quantization="recording", plugins=reg)
     monkeypatch.undo()
     assert seen == [("Linear", n) for n in range(len(pending) - 1, -1, -1)]

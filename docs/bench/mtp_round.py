@@ -11,8 +11,9 @@ Usage: python3 docs/bench/mtp_round.py [--model moonlight-16b-a3b-random] [--pro
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import subprocess
+import sys
 import time
 
 import torch
@@ -38,10 +39,12 @@ def run(model: str, row: str, prompt: list[int], new: int, reps: int) -> dict:
     result = {"row": row, "s": times, "ms_per_token": [1e3 * t / new for t in times],
               "ids": out.token_ids, "drafts": stats.num_drafts,
               "draft_tokens": stats.num_draft_tokens, "accepted": stats.num_accepted_tokens}
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
     return result
+
+
+def prompt(args) -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(2, 30000, (args.prompt,), generator=g).tolist()
 
 
 def main() -> None:
@@ -50,10 +53,19 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--row", choices=ROWS, help="run this row alone and print its JSON")
     args = p.parse_args()
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(2, 30000, (args.prompt,), generator=g).tolist()
-    results = [run(args.model, row, prompt, args.new, args.reps) for row in ROWS]
+    if args.row:  # one engine a process: each starts from a device with nothing else on it
+        print(json.dumps(run(args.model, args.row, prompt(args), args.new, args.reps)))
+        return
+    results = []
+    for row in ROWS:
+        out = subprocess.run([sys.executable, __file__, "--row", row, "--model", args.model,
+                              "--prompt", str(args.prompt), "--new", str(args.new),
+                              "--reps", str(args.reps)], capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"row {row} failed:\n{out.stderr[-3000:]}")
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = results[1]["ids"]
     for r in results:
         same = next((i for i, (a, b) in enumerate(zip(r["ids"], base)) if a != b), None)

@@ -41,9 +41,11 @@ class DeviceSide:
 
 def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: torch.device,
                    dtype: torch.dtype, step_peak: int = 0,
-                   num_blocks: int | None = None) -> KVCache:
+                   num_blocks: int | None = None, layers_beside: int = 0) -> KVCache:
     """The model's paged KV cache: ``num_blocks`` (else config's num_kv_blocks) blocks, or
-    as many as the memory left allows with ``step_peak`` bytes kept for a step."""
+    as many as the memory left allows with ``step_peak`` bytes kept for a step and, per
+    block, room for ``layers_beside`` layers more of the same shape (a proposer's cache
+    over the same blocks)."""
     groups, kv_heads, head_dim, values_are_keys = _kv_shape(model)
     names = plugins.names("kv_append")
     if cfg.kv_append_backend != "auto":
@@ -53,7 +55,8 @@ def build_kv_cache(model, cfg: EngineConfig, plugins: PluginRegistry, device: to
         dtype = torch.float8_e4m3fn
     backends = {n: plugins.create("kv_append", n) for n in names}
     tensors = 1 if values_are_keys else 2  # latent attention's rows are both
-    per_block = tensors * groups.size * kv_heads * cfg.block_size * head_dim * dtype.itemsize
+    per_block = tensors * (groups.size + layers_beside) * kv_heads * cfg.block_size * \
+        head_dim * dtype.itemsize
     # every rank of a tensor-parallel group holds the same blocks
     num_blocks = num_blocks or cfg.num_kv_blocks or tp.smallest(
         _blocks_for_memory(cfg, device, per_block, step_peak))
@@ -129,7 +132,9 @@ def build(spec, tokenizer, cfg: EngineConfig, plugins: PluginRegistry, device: t
     peak = 0
     if device.type == "cuda" and cfg.num_kv_blocks is None:
         peak = step_peak(model, hf_config, cfg, plugins, device, dtype)
-    kv_cache = build_kv_cache(model, cfg, plugins, device, dtype, peak)
+    weights, layers = speculation.beside(cfg, plugins, hf_config, dtype)
+    kv_cache = build_kv_cache(model, cfg, plugins, device, dtype, peak + weights,
+                              layers_beside=layers)
     max_model_len = _max_model_len(cfg, hf_config, kv_cache)
     shift = multimodal.bind(model, cfg.max_num_seqs + 1, device)  # before graphs capture
     runner = build_runner(model, kv_cache, cfg, plugins, device, max_model_len, peers)

@@ -317,6 +317,16 @@ def decided(cfg, plugins):
                                                           "cpu_compiled_step": "off"})
 
 
+def beside(cfg, plugins, hf_config, dtype) -> tuple[int, int]:
+    """(bytes of weights, KV layers over the model's blocks) that the proposer adds on the
+    device after the model's cache is sized (its ``needs_memory``), which the sizing
+    leaves room for."""
+    if cfg.speculative is None:
+        return 0, 0
+    need = getattr(plugins.get("proposer", cfg.speculative).factory, "needs_memory", None)
+    return need(cfg, hf_config, dtype, plugins) if need is not None else (0, 0)
+
+
 def build(config, plugins, device, dtype, vocab_size, max_model_len,
           target: Optional[Target] = None) -> Optional[Speculator]:
     """The engine's speculator, if ``config.speculative`` names a proposer."""

@@ -154,10 +154,10 @@ def part_class(hf_config, plugins=None, part: str | None = None):
 
 
 def _empty_module(hf_config, dtype, device, plugins=None, part=None):
-    return _materialize(_meta_module(hf_config, dtype, plugins, part), device)
+    return _materialize(meta_module(hf_config, dtype, plugins, part), device)
 
 
-def _meta_module(hf_config, dtype, plugins, part=None):
+def meta_module(hf_config, dtype, plugins, part=None):
     with torch.device("meta"):  # no time spent on an init we overwrite
         model = part_class(hf_config, plugins, part)(hf_config)
     # The dtype first: a 70B shard in float32 would not fit where its bf16 does.
@@ -184,7 +184,7 @@ def _random_module(hf_config, dtype, device, plugins, seed: int, method, part=No
     A quantization method quantizes each linear (and each block of experts) as soon as
     it is drawn, so the float model never exists whole: a 70B shape in 4 bits builds
     where its bf16 would not fit."""
-    model = _meta_module(hf_config, dtype, plugins, part)
+    model = meta_module(hf_config, dtype, plugins, part)
     now = set() if method is None else {m for _, m in quantizable(model)} | {
         m for m in model.modules() if isinstance(m, SparseMoE)}
     own = torch.Generator(device).manual_seed(seed + tp.group().rank)

@@ -56,6 +56,14 @@ class MultiTokenPrediction:
         self.device = ctx.device
         self.next: dict[str, tuple[int, int]] = {}  # by sequence key: (its length, draft)
 
+    @staticmethod
+    def needs_memory(cfg, hf_config, dtype, plugins) -> tuple[int, int]:
+        """(the module's weight bytes in ``dtype``, its one cache layer)."""
+        from roseinfer.models import loader
+
+        module = loader.meta_module(hf_config, dtype, plugins, "mtp")
+        return sum(p.numel() * p.element_size() for p in module.parameters()), 1
+
     def propose(self, seqs, room: list[int]) -> list:
         """The token the module predicted at each sequence's last position, if it ran
         there (it has not for a sequence whose last step it did not see)."""
