@@ -10,6 +10,7 @@ from roseinfer.core import cpu_step
 from roseinfer.core.errors import ConfigError
 from roseinfer.models import loader
 from tests.models import hf_greedy, tiny_family, tiny_gpt2, tiny_llama
+from tests.test_cpu_weights import needs_bf16
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU path")
 
@@ -89,7 +90,7 @@ def test_a_step_slower_than_eager_is_not_used(cache_dir):
     assert LLM(hf, **CONFIG).engine.runner.compiled is None
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+@pytest.mark.parametrize("weights", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
 def test_rounded_weights_decode_compiled_as_eager(weights, cache_dir, loaded_pays):
     """bfloat16 and int8 linear weights (layers/cpu_weights.py) compiled: the eager
     step's ids with the same weights."""

@@ -7,6 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from roseinfer.models import json_tokenizer
+from tests.test_smollm2 import QUESTION
 
 TEXTS = ["What is the capital of France?", "  leading and trailing  ", "naïve café — 東京 🙂",
          "line one\nline two\ttab", "<|im_start|>user\nhi<|im_end|>", "don't stop , now !", ""]
@@ -111,7 +112,7 @@ def test_the_default_model_has_one_and_generates_without_transformers():
     assert mine is not None
     _assert_same(path, mine)
     code = ("import sys; from roseinfer.cli import main; "
-            "main(['generate', 'What is the capital of France?', '--max-tokens', '8', "
+            f"main(['generate', {QUESTION!r}, '--max-tokens', '8', "
             "'--num-kv-blocks', '64']); print('transformers' in sys.modules)")
     # The first run on a fresh cache builds the GGUF blocks' cache (models/gguf_blocks.py),
     # which reads the file's layout through transformers; the runs after it do not.
