@@ -1,6 +1,7 @@
 """GGUF blocks multiplied as stored (cpu_weight_dtype="gguf"): the kernels against the
-registry's ``gguf`` package de-quantizing the same blocks, both builds (this CPU's, and a
-portable one without AVX-512), and the default model's file end to end."""
+registry's ``gguf`` package de-quantizing the same blocks, three builds (this CPU's, an
+AVX2 one without AVX-512 and a portable one without either), and the default model's file
+end to end."""
 import numpy as np
 import pytest
 import torch
@@ -15,14 +16,17 @@ from roseinfer.models import gguf_blocks
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 KINDS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
-PORTABLE = ("-O3", "-march=x86-64-v2", *gguf_linear.OPENMP)
+BUILDS = {"portable": ("-O3", "-march=x86-64-v2", *gguf_linear.OPENMP),
+          "avx2": ("-O3", "-march=x86-64-v3", *gguf_linear.OPENMP)}
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
 def ops(request):
     if request.param == "native":
         return gguf_linear.build()
-    return gguf_linear.build(PORTABLE, "roseinfer_gguf_portable")
+    if request.param == "avx2" and " avx2" not in gguf_linear._cpu():
+        pytest.skip("this CPU has no AVX2")
+    return gguf_linear.build(BUILDS[request.param], f"roseinfer_gguf_{request.param}")
 
 
 def quantized(kind, n, k, seed=0):

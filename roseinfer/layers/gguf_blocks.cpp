@@ -9,7 +9,9 @@
 // w = d q + m). A block's low nibbles are its weights 0-15, the high ones 16-31.
 //
 // With AVX-512 VNNI a block's 32 products are one u8 x s8 `vpdpbusd`, two blocks a 512-bit
-// step, four rows of x a pass over a weight row; elsewhere the same sums in plain C++.
+// step, four rows of x a pass over a weight row; with AVX2 (no VNNI) one block a 256-bit
+// step, its dot a `vpmaddubsw` and a `vpmaddwd` (no int16 pair can saturate: |w| <= 128,
+// |q_x| <= 127); elsewhere the same sums in plain C++.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +23,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__) && defined(__F16C__)
 #define GGUF_VNNI 1
+#define GGUF_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GGUF_SIMD 1
+#endif
+#ifdef GGUF_SIMD
 #include <immintrin.h>
 #endif
 
@@ -89,12 +96,23 @@ inline void q4_scale(int64_t kind, const uint8_t* blk, float& d, float& m) {
   m = kind == 3 ? half(blk + 2) : -8.f * d;
 }
 
-#ifdef GGUF_VNNI
+#ifdef GGUF_SIMD
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// u8 x s8 products of 32 bytes, summed four at a time into eight int32 lanes
+inline __m256i dot32(__m256i u, __m256i v) {
+#ifdef GGUF_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+}
+
+#ifdef GGUF_VNNI
 
 // One weight row's dot with R rows of x, Q4_0, Q4_1 or kind 100: per block
 // d_w d_x (levels . q_x) + m_w s_x. With several rows, sixteen blocks a pass: their eight
@@ -209,6 +227,33 @@ void q4_dot(int64_t kind, const uint8_t* row, const int8_t* const* q, const floa
   }
   for (int t = 0; t < R; ++t) out[t] = _mm512_reduce_add_ps(acc[t]) + mins[t];
 }
+#else
+// AVX2: Q4_0, Q4_1 or kind 100 a block at a time, its levels shared by the R rows of x.
+template <int R>
+void q4_dot(int64_t kind, const uint8_t* row, const int8_t* const* q, const float* const* d,
+            const float* const* s, int64_t nb, float* out) {
+  const int64_t bytes = block_bytes(kind), head = bytes - 16;
+  const __m128i l4 = _mm_set1_epi8(0x0F);
+  __m256 acc[R];
+  float mins[R];
+  for (int t = 0; t < R; ++t) { acc[t] = _mm256_setzero_ps(); mins[t] = 0.f; }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    float dw, mw;
+    q4_scale(kind, blk, dw, mw);
+    const __m128i nib = _mm_loadu_si128((const __m128i*)(blk + head));
+    const __m256i lv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(nib, 4), l4),
+                                        _mm_and_si128(nib, l4));
+    for (int t = 0; t < R; ++t) {
+      const __m256i qx = _mm256_loadu_si256((const __m256i*)(q[t] + b * QK));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(lv, qx)),
+                               _mm256_set1_ps(dw * d[t][b]), acc[t]);
+      mins[t] += mw * s[t][b];
+    }
+  }
+  for (int t = 0; t < R; ++t) out[t] = hsum(acc[t]) + mins[t];
+}
+#endif
 
 // Q8_0: signed x signed as |w| (u8) . (q_x with w's signs)
 template <int R>
@@ -223,8 +268,7 @@ void q8_dot(const uint8_t* row, const int8_t* const* q, const float* const* d, i
     const __m256i aw = _mm256_sign_epi8(qw, qw);
     for (int t = 0; t < R; ++t) {
       const __m256i qx = _mm256_loadu_si256((const __m256i*)(q[t] + b * QK));
-      const __m256i dot =
-          _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(qx, qw));
+      const __m256i dot = dot32(aw, _mm256_sign_epi8(qx, qw));
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * d[t][b]), acc[t]);
     }
   }
@@ -246,8 +290,7 @@ void halves_dot(const uint8_t* row, const int8_t* const* q, const float* const* 
     const __m256i aw = _mm256_sign_epi8(qw, qw);
     for (int t = 0; t < R; ++t) {
       const __m256i qx = _mm256_loadu_si256((const __m256i*)(q[t] + b * QK));
-      const __m256i dot =
-          _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(qx, qw));
+      const __m256i dot = dot32(aw, _mm256_sign_epi8(qx, qw));
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                _mm256_mul_ps(dw, _mm256_set1_ps(d[t][b])), acc[t]);
       mins[t] += mw * s[t][b];

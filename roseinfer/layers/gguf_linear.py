@@ -5,7 +5,7 @@ A batch-1 step reads every weight once, so its time follows the weights' bytes: 
 holds 5 bits a weight where the de-quantized float32 model holds 32. The kernel
 (``gguf_blocks.cpp``, built on this machine by torch's ``cpp_extension`` into the cache,
 once) rounds each row of x to int8 per block of 32, as llama.cpp does, and takes each
-block's product as one integer dot (AVX-512 VNNI where the CPU has it). From
+block's product as one integer dot (AVX-512 VNNI where the CPU has it, else AVX2). From
 ``DOT_ROWS`` rows up (prompts) the weight is de-quantized into a GEMM instead: the integer
 dots do each row's work again, and oneDNN's GEMM reuses a weight tile across rows; in
 bfloat16 where the CPU has oneDNN's bfloat16 kernels, so prompts see the weights and x
