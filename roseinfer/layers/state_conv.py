@@ -4,11 +4,16 @@
 binds them), and the choice of what runs their recurrences (``kernels``)."""
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.layers import recurrent_decode
+
+log = logging.getLogger(__name__)
 
 
 def kernels(device: torch.device, dtype: torch.dtype) -> str:
@@ -19,11 +24,19 @@ def kernels(device: torch.device, dtype: torch.dtype) -> str:
     TF32 (states 1e-3 off the closed form on an H200), so a float32 model keeps float32."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "torch"
+    return "fla" if _fla_imports() else "torch"
+
+
+@functools.cache
+def _fla_imports() -> bool:
     try:
         import fla.ops  # noqa: F401
     except ImportError:
-        return "torch"
-    return "fla"
+        # 10-70x slower prompts (docs/kernels.md, "fla against the torch forms"): say so once
+        log.warning("fla-core does not import: recurrent layers run in plain torch on this "
+                    "GPU; pip install 'roseinfer[gpu]' (or fla-core) for their kernels")
+        return False
+    return True
 
 
 def causal_conv(state: torch.Tensor, x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
