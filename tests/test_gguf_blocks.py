@@ -60,6 +60,27 @@ def test_block_dots_equal_rounded_rows_times_the_weights(ops, kind, rows, k):
     assert 1e-4 < ((got - exact).norm() / exact.norm()).item() < 2e-2
 
 
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0], ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("k", [96, 576])
+def test_sixteen_interleaved_rows_are_the_same_weights(ops, kind, rows, k):
+    """Kinds 102 and 103 hold Q4_1's and Q8_0's values in the order the SIMD forms read
+    (every build reads them): their de-quantization is the gguf package's, bit for bit, and
+    their dots those of the rows as stored."""
+    blocks, deq = quantized(kind, 48, k)
+    if kind == Q.Q8_0:  # every int8 level, -128 and 127 among them
+        levels = torch.randint(-128, 128, (48, 32), generator=torch.Generator().manual_seed(k))
+        levels[:, :2] = torch.tensor([-128, 127])
+        blocks[:, 2:34] = levels.to(torch.int8).view(torch.uint8)
+        deq = torch.from_numpy(gguf.dequantize(blocks.numpy(), kind).astype(np.float32))
+    mixed, wide = gguf_linear.interleave(int(kind), blocks), gguf_linear.INTERLEAVED[kind]
+    assert mixed.shape == blocks.shape and not torch.equal(mixed, blocks)
+    assert torch.equal(ops.dequantize(mixed, wide, k), deq.reshape(48, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(ops.mm(x, mixed, wide), ops.mm(x, blocks, int(kind)),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_bad_blocks_are_refused_by_name():
     ops = gguf_linear.build()
     blocks, _ = quantized(Q.Q4_1, 8, 96)
@@ -67,6 +88,8 @@ def test_bad_blocks_are_refused_by_name():
         ops.mm(torch.randn(1, 64), blocks, int(Q.Q4_1))
     with pytest.raises(RuntimeError, match="is not one of"):
         ops.dequantize(blocks, 12, 96)
+    with pytest.raises(RuntimeError, match="groups of 16 rows, not 8"):
+        ops.mm(torch.randn(1, 96), blocks, gguf_linear.Q4_1_X16)
 
 
 def bf16(t):

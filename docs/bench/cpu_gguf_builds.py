@@ -1,29 +1,61 @@
 """The GGUF block kernels of each build (this CPU's, AVX2 without AVX-512, portable C++) on
-the default model's shapes, 1, 4 and 16 rows, two threads.
+the default model's shapes, 1, 4 and 16 rows of x, two threads, the weights hot in cache:
+Q4_1 and the Q8_0 head as the file stores them (kinds 3 and 8) and over sixteen
+interleaved rows (kinds 102 and 103).
 
-Usage: python3 docs/bench/cpu_gguf_builds.py
+Usage: python3 docs/bench/cpu_gguf_builds.py [--builds native,avx2,portable]
 """
-import time, torch, numpy as np, gguf
+import argparse
+import time
+
+import gguf
+import numpy as np
+import torch
+
 from roseinfer.layers import gguf_linear
-torch.set_num_threads(2)
-B = {"native": (gguf_linear.NATIVE, "roseinfer_gguf"),
-     "avx2": (("-O3", "-march=x86-64-v3", *gguf_linear.OPENMP), "roseinfer_gguf_avx2"),
-     "portable": (("-O3", "-march=x86-64-v2", *gguf_linear.OPENMP), "roseinfer_gguf_portable")}
+
+BUILDS = {"native": (gguf_linear.NATIVE, "roseinfer_gguf"),
+          "avx2": (("-O3", "-march=x86-64-v3", *gguf_linear.OPENMP), "roseinfer_gguf_avx2"),
+          "portable": (("-O3", "-march=x86-64-v2", *gguf_linear.OPENMP),
+                       "roseinfer_gguf_portable")}
 Q = gguf.GGMLQuantizationType
-rng = np.random.default_rng(0)
-shapes = [("gate_up 3072x576 Q4_1", 3072, 576, Q.Q4_1, 3), ("down 576x1536 Q4_1", 576, 1536, Q.Q4_1, 3),
-          ("head 49152x576 Q8_0", 49152, 576, Q.Q8_0, 8)]
-data = {}
-for name, n, k, q, kind in shapes:
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    data[name] = (torch.from_numpy(gguf.quants.quantize(w, q).view(np.uint8).reshape(n, -1).copy()), kind, k)
-for b, (flags, ns) in B.items():
-    gguf_linear.build(flags, ns)
-    mm = getattr(torch.ops, ns).mm
-    for name, (blocks, kind, k) in data.items():
-        for rows in (1, 4, 16):
-            x = torch.randn(rows, k)
-            for _ in range(5): mm(x, blocks, kind)
-            t = time.perf_counter(); r = 0
-            while time.perf_counter() - t < 0.3: mm(x, blocks, kind); r += 1
-            print(f"{b:9s} {name:24s} rows {rows:2d}: {(time.perf_counter()-t)/r*1e6:9.1f} us", flush=True)
+SHAPES = [("ffn gate_up 3072 x 576", 3072, 576, Q.Q4_1), ("ffn down 576 x 1536", 576, 1536, Q.Q4_1),
+          ("attn q 576 x 576", 576, 576, Q.Q4_1), ("head 49152 x 576", 49152, 576, Q.Q8_0)]
+
+
+def timed(fn, seconds=0.3):
+    for _ in range(5):
+        fn()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--builds", default=",".join(BUILDS))
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    rng = np.random.default_rng(0)
+    weights = []
+    for name, n, k, kind in SHAPES:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        blocks = torch.from_numpy(gguf.quants.quantize(w, kind).view(np.uint8).reshape(n, -1).copy())
+        forms = [(f"{kind.name}", int(kind), blocks)]
+        forms.append(("x16", gguf_linear.INTERLEAVED[kind],
+                      gguf_linear.interleave(int(kind), blocks)))
+        weights.append((name, k, forms))
+    for build in args.builds.split(","):
+        ops = gguf_linear.build(*BUILDS[build])
+        for name, k, forms in weights:
+            for rows in (1, 4, 16):
+                x = torch.randn(rows, k)
+                cells = [f"{label} {timed(lambda: ops.mm(x, b, kind)):8.1f} us"
+                         for label, kind, b in forms]
+                print(f"{build:8s} {name:24s} rows {rows:2d}: " + "  ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,7 @@
     defined(__AVX512VNNI__) && defined(__F16C__)
 #define GGUF_VNNI 1
 #define GGUF_SIMD 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define GGUF_SIMD 1
 #endif
 #ifdef GGUF_SIMD
@@ -33,6 +33,23 @@
 
 namespace {
 constexpr int QK = 32;
+// Sixteen rows interleaved (gguf_linear.interleave), per group of 16 rows and block:
+// - Q4_1_X16: their 16 fp16 d (32 bytes), 16 fp16 m (32), then four 64-byte vectors, the
+//   j-th holding in its 32-bit lane r row r's nibble bytes 4j .. 4j + 3 (weights 4j .. 4j + 3
+//   low, 16 + 4j .. 19 + 4j high); 20 bytes a row and block, as Q4_1.
+// - Q8_0_X16: their 16 fp16 d, then eight 64-byte vectors, the j-th holding in lane r row
+//   r's weights 4j .. 4j + 3 plus 128 (u8: d (u - 128), the minimum -128 d); 34 bytes a row
+//   and block, as Q8_0.
+constexpr int64_t Q4_1_X16 = 102, Q8_0_X16 = 103;
+
+constexpr bool interleaved(int64_t kind) { return kind == Q4_1_X16 || kind == Q8_0_X16; }
+
+// Row r's level of weight w (0-31) in an interleaved block o, and the block's d and m
+inline int x16_level(int64_t kind, const uint8_t* o, int r, int w) {
+  if (kind == Q8_0_X16) return o[32 + 64 * (w / 4) + 4 * r + w % 4];
+  const uint8_t nib = o[64 + 64 * ((w % 16) / 4) + 4 * r + w % 4];
+  return w < 16 ? nib & 15 : nib >> 4;
+}
 
 int64_t block_bytes(int64_t kind) {
   switch (kind) {
@@ -41,9 +58,11 @@ int64_t block_bytes(int64_t kind) {
     case 8: return 34;
     case 100: return 24;
     case 101: return 44;
+    case Q4_1_X16: return 20;
+    case Q8_0_X16: return 34;
   }
   TORCH_CHECK(false, "GGUF kind ", kind, " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8), "
-              "100 or 101 (repacked)");
+              "100, 101, 102 or 103 (repacked)");
 }
 
 float half(const uint8_t* p) {
@@ -56,6 +75,11 @@ float f32(const uint8_t* p) {
   float f;
   std::memcpy(&f, p, 4);
   return f;
+}
+
+inline void x16_scale(int64_t kind, const uint8_t* o, int r, float& d, float& m) {
+  d = half(o + 2 * r);
+  m = kind == Q8_0_X16 ? -128.f * d : half(o + 32 + 2 * r);
 }
 
 // x's rows rounded to int8 per block: q, the scale d, and d * sum(q) (what x's block sums
@@ -342,6 +366,131 @@ void row_dot(int64_t kind, const uint8_t* row, const int8_t* const* q, const flo
 }
 #endif
 
+// The same sums a row at a time: for builds without the SIMD forms (which never interleave,
+// gguf_linear.interleaves; this is for tests) and AVX2's Q8_0_X16
+template <int64_t KIND, int R>
+void group_dot_plain(const uint8_t* g, const int8_t* const* q, const float* const* d,
+               const float* const* s, int64_t nb, float* const* out) {
+  constexpr int64_t bytes = 16 * (KIND == Q8_0_X16 ? 34 : 20);
+  for (int t = 0; t < R; ++t)
+    for (int r = 0; r < 16; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* o = g + b * bytes;
+        int dot = 0;
+        for (int w = 0; w < QK; ++w) dot += x16_level(KIND, o, r, w) * q[t][b * QK + w];
+        float dw, mw;
+        x16_scale(KIND, o, r, dw, mw);
+        acc += dw * d[t][b] * (float)dot + mw * s[t][b];
+      }
+      out[t][r] = acc;
+    }
+}
+
+#ifdef GGUF_VNNI
+// One group of 16 interleaved rows against R rows of x: each vpdpbusd takes four weights
+// of all sixteen rows against four bytes of x broadcast, and a block's scales are one
+// vector, so a block costs about 40 instructions for 16 rows where row_dot spends some 15
+// on each (docs/kernels.md, "Sixteen rows interleaved").
+template <int64_t KIND, int R>
+void group_dot(const uint8_t* g, const int8_t* const* q, const float* const* d,
+               const float* const* s, int64_t nb, float* const* out) {
+  constexpr int64_t bytes = 16 * (KIND == Q8_0_X16 ? 34 : 20);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = g + b * bytes;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)o));
+    __m512 mw;
+    __m512i lv[8];  // lv[j]'s lane r: row r's levels of the weights x4[j] holds
+    if (KIND == Q8_0_X16) {
+      mw = _mm512_mul_ps(dw, _mm512_set1_ps(-128.f));
+      for (int j = 0; j < 8; ++j) lv[j] = _mm512_loadu_si512((const void*)(o + 32 + 64 * j));
+    } else {
+      mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + 32)));
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512((const void*)(o + 64 + 64 * j));
+        lv[j] = _mm512_and_si512(v, low);
+        lv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
+    for (int t = 0; t < R; ++t) {
+      int32_t x4[8];
+      std::memcpy(x4, q[t] + b * QK, QK);
+      __m512i dot = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, lv[j], _mm512_set1_epi32(x4[j]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(d[t][b])),
+                               acc[t]);
+      acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(s[t][b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < R; ++t) _mm512_storeu_ps(out[t], acc[t]);
+}
+#elif defined(GGUF_SIMD)
+// AVX2: Q4_1_X16 eight rows a 256-bit lane set (rows 8h .. 8h + 7 the h-th half of each
+// vector), each four-weight dot a vpmaddubsw and a vpmaddwd (dot32). Q8_0_X16 gains nothing
+// here (Q8_0 as stored needs no unpacking; its u8 levels would need a wider dot), so AVX2
+// reads Q8_0 as stored.
+template <int64_t KIND, int R>
+void group_dot(const uint8_t* g, const int8_t* const* q, const float* const* d,
+               const float* const* s, int64_t nb, float* const* out) {
+  if (KIND == Q8_0_X16) return group_dot_plain<KIND, R>(g, q, d, s, nb, out);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* o = g + b * 320;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16 * h)));
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 32 + 16 * h)));
+      __m256i lv[8];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(o + 64 + 64 * j + 32 * h));
+        lv[j] = _mm256_and_si256(v, low);
+        lv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      for (int t = 0; t < R; ++t) {
+        int32_t x4[8];
+        std::memcpy(x4, q[t] + b * QK, QK);
+        __m256i dot = dot32(lv[0], _mm256_set1_epi32(x4[0]));
+        for (int j = 1; j < 8; ++j)
+          dot = _mm256_add_epi32(dot, dot32(lv[j], _mm256_set1_epi32(x4[j])));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_mul_ps(dw, _mm256_set1_ps(d[t][b])), acc[t]);
+        acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(s[t][b]), acc[t]);
+      }
+    }
+    for (int t = 0; t < R; ++t) _mm256_storeu_ps(out[t] + 8 * h, acc[t]);
+  }
+}
+#else
+template <int64_t KIND, int R>
+void group_dot(const uint8_t* g, const int8_t* const* q, const float* const* d,
+               const float* const* s, int64_t nb, float* const* out) {
+  group_dot_plain<KIND, R>(g, q, d, s, nb, out);
+}
+#endif
+
+template <int64_t KIND, int R>
+void group_tile(const uint8_t* w, const Rows& x, float* y, int64_t r0, int64_t n, int64_t k,
+                int64_t g0, int64_t g1) {
+  const int64_t nb = k / QK, bytes = 16 * block_bytes(KIND);
+  const int8_t* q[R];
+  const float* d[R];
+  const float* s[R];
+  float* out[R];
+  for (int t = 0; t < R; ++t) {
+    q[t] = x.q.data() + (r0 + t) * k;
+    d[t] = x.d.data() + (r0 + t) * nb;
+    s[t] = x.s.data() + (r0 + t) * nb;
+  }
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int t = 0; t < R; ++t) out[t] = y + (r0 + t) * n + g * 16;
+    group_dot<KIND, R>(w + g * nb * bytes, q, d, s, nb, out);
+  }
+}
+
 template <int R>
 void rows_tile(int64_t kind, const uint8_t* w, const Rows& x, float* y, int64_t r0, int64_t n,
                int64_t k, int64_t n0, int64_t n1) {
@@ -366,6 +515,8 @@ void check(const at::Tensor& blocks, int64_t kind, int64_t k) {
               "GGUF blocks must be a contiguous uint8 [rows, bytes] tensor");
   TORCH_CHECK(k % QK == 0 && blocks.size(1) == k / QK * block_bytes(kind),
               "GGUF blocks of ", blocks.size(1), " bytes a row do not hold ", k, " weights");
+  TORCH_CHECK(!interleaved(kind) || blocks.size(0) % 16 == 0,
+              "interleaved blocks hold groups of 16 rows, not ", blocks.size(0));
 }
 
 // y = x @ W.T for W's rows as GGUF blocks ([N, K / 32 * block bytes]); x float32 [M, K].
@@ -378,6 +529,16 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   const Rows xr = quantize_rows(xc.data_ptr<float>(), m, k);
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  if (interleaved(kind)) {
+    at::parallel_for(0, n / 16, 1, [&](int64_t g0, int64_t g1) {
+      const auto tile = kind == Q8_0_X16 ? group_tile<Q8_0_X16, 4> : group_tile<Q4_1_X16, 4>;
+      const auto one = kind == Q8_0_X16 ? group_tile<Q8_0_X16, 1> : group_tile<Q4_1_X16, 1>;
+      int64_t r0 = 0;
+      for (; r0 + 4 <= m; r0 += 4) tile(wp, xr, yp, r0, n, k, g0, g1);
+      for (; r0 < m; ++r0) one(wp, xr, yp, r0, n, k, g0, g1);
+    });
+    return y;
+  }
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
     int64_t r0 = 0;
     for (; r0 + 4 <= m; r0 += 4) rows_tile<4>(kind, wp, xr, yp, r0, n, k, n0, n1);
@@ -393,6 +554,20 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t kind, int64_t k) {
   at::Tensor w = at::empty({n, k}, blocks.options().dtype(at::kFloat));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* wp = w.data_ptr<float>();
+  if (interleaved(kind)) {
+    at::parallel_for(0, n / 16 * nb, 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {  // group i / nb, block i % nb
+        const uint8_t* o = bp + i * 16 * bytes;
+        for (int r = 0; r < 16; ++r) {
+          float dw, mw;
+          x16_scale(kind, o, r, dw, mw);
+          float* out = wp + ((i / nb) * 16 + r) * k + (i % nb) * QK;
+          for (int w = 0; w < QK; ++w) out[w] = dw * (float)x16_level(kind, o, r, w) + mw;
+        }
+      }
+    });
+    return w;
+  }
   at::parallel_for(0, n * nb, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const uint8_t* blk = bp + i * bytes;

@@ -19,6 +19,7 @@ de-quantized float32 model.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 from pathlib import Path
@@ -31,7 +32,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_blocks.cpp")
 # 32 weights a block: Q4_0, Q4_1, Q8_0, and the kinds repacked at load (layers/gguf_repack.py)
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 100: 24, 101: 44}
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 100: 24, 101: 44, 102: 20, 103: 34}
+Q4_1, Q8_0, Q4_1_X16, Q8_0_X16 = 3, 8, 102, 103
+INTERLEAVED = {Q4_1: Q4_1_X16, Q8_0: Q8_0_X16}
 # Rows from which a GEMM over the de-quantized weight is faster than the integer dots (each
 # row's dots are its own work): bfloat16 in oneDNN's packed layout where the CPU has its
 # kernels (3.1x float32's F.linear at 512 rows of ffn_gate, weight reorder included),
@@ -43,6 +46,11 @@ BF16_GEMM = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn
 OPENMP = ("-fopenmp",) if torch.backends.openmp.is_available() else ()
 NATIVE = ("-O3", "-march=native", *OPENMP)
 _built: dict[tuple[str, ...], object] = {}
+# The flags -march=native must bring for the kernels' AVX-512 VNNI and AVX2 forms, and the
+# kinds each reads over sixteen interleaved rows faster than as stored (docs/kernels.md,
+# "Sixteen rows interleaved"); the plain C++ form reads them for the tests only
+SIMD_FORMS = (((" avx512f", " avx512bw", " avx512vl", " avx512_vnni", " f16c"), (Q4_1, Q8_0)),
+              ((" avx2", " fma", " f16c"), (Q4_1,)))
 
 
 def _cpu() -> str:
@@ -87,6 +95,8 @@ class GgufLinear(nn.Module):
         super().__init__()
         if kind not in BLOCK_BYTES:
             raise ValueError(f"GGUF kind {kind} is not one of {sorted(BLOCK_BYTES)}")
+        if blocks.shape[0] % 16 == 0 and kind in interleaves():
+            kind, blocks = INTERLEAVED[kind], interleave(kind, blocks)
         self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = bias
@@ -112,6 +122,30 @@ class GgufLinear(nn.Module):
             out = F.linear(flat, self.weight(), self.bias)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if gelu is None else F.gelu(out, approximate=gelu)
+
+
+@functools.cache
+def interleaves() -> tuple[int, ...]:
+    """The kinds this CPU's build reads faster as sixteen interleaved rows."""
+    flags = _cpu()
+    return next((kinds for form, kinds in SIMD_FORMS if all(f in flags for f in form)), ())
+
+
+def interleave(kind: int, blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 or Q8_0 rows [N, K / 32 * bytes] (N a multiple of 16) as INTERLEAVED[kind]
+    holds them, the same shape: per group of 16 rows and block, the rows' 16 d (and Q4_1's
+    16 m), then their weight bytes four at a time, the j-th 64 bytes holding each row's
+    bytes 4j .. 4j + 3; Q8_0's plus 128, as u8 (gguf_blocks.cpp)."""
+    n, width = blocks.shape
+    size = BLOCK_BYTES[kind]
+    nb, head = width // size, 4 if kind == Q4_1 else 2
+    g = blocks.reshape(n // 16, 16, nb, size).permute(0, 2, 1, 3)         # [G, nb, 16, size]
+    levels = g[..., head:]
+    if kind == Q8_0:
+        levels = levels ^ 0x80
+    levels = levels.reshape(n // 16, nb, 16, -1, 4).transpose(2, 3)     # [G, nb, j, 16, 4]
+    parts = [g[..., i:i + 2] for i in range(0, head, 2)] + [levels]
+    return torch.cat([p.reshape(n // 16, nb, -1) for p in parts], -1).reshape(n, width)
 
 
 def quantize_rows_like_kernel(x: torch.Tensor) -> torch.Tensor:
