@@ -43,7 +43,10 @@ constexpr int QK = 32;
 constexpr int64_t Q4_1_X16 = 102, Q8_0_X16 = 103;
 // How far ahead the interleaved kernels ask for their blocks: one core's misses alone read
 // about 8 GB/s on the 2-core Intel VM, 1.2-1.4x that with this (docs/kernels.md)
-constexpr int64_t PREFETCH = 2048;
+#ifndef GGUF_PREFETCH
+#define GGUF_PREFETCH 2048  // docs/bench/cpu_gguf_prefetch.py builds others
+#endif
+constexpr int64_t PREFETCH = GGUF_PREFETCH;
 
 constexpr bool interleaved(int64_t kind) { return kind == Q4_1_X16 || kind == Q8_0_X16; }
 
