@@ -17,10 +17,11 @@ log = logging.getLogger(__name__)
 
 
 def build_library(source: Path, namespace: str, flags: tuple[str, ...], target: str,
-                  what: str, cuda_flags: tuple[str, ...] = ()):
+                  what: str, cuda_flags: tuple[str, ...] = (), headers: tuple[Path, ...] = ()):
     """Builds ``source`` (once per key; ``what`` names it in the log and errors) and
-    returns its ops, ``torch.ops.<namespace>``. Raises RuntimeError where no compiler
-    (nvcc for a .cu source) or ninja can build it."""
+    returns its ops, ``torch.ops.<namespace>``; ``headers``: the files it includes, whose
+    text joins the key. Raises RuntimeError where no compiler (nvcc for a .cu source) or
+    ninja can build it."""
     from torch.utils.cpp_extension import load
 
     from roseinfer.models.loader import CACHE_DIR
@@ -28,7 +29,8 @@ def build_library(source: Path, namespace: str, flags: tuple[str, ...], target: 
     if shutil.which("ninja") is None:  # the ninja wheel's, where none is on PATH
         import ninja
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    key = hashlib.sha256("\0".join([source.read_text(), *flags, *cuda_flags,
+    key = hashlib.sha256("\0".join([source.read_text(), *(h.read_text() for h in headers),
+                                    *flags, *cuda_flags,
                                     torch.__version__, target]).encode()).hexdigest()[:16]
     name = f"{namespace}_{key}"
     folder = Path(CACHE_DIR) / "kernels"

@@ -31,6 +31,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_blocks.cpp")
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("gguf_common.h", "gguf_interleaved.h"))
 # 32 weights a block: Q4_0, Q4_1, Q8_0, and the kinds repacked at load (layers/gguf_repack.py)
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 100: 24, 101: 44, 102: 20, 103: 34}
 Q4_1, Q8_0, Q4_1_X16, Q8_0_X16 = 3, 8, 102, 103
@@ -80,7 +81,7 @@ def _load(flags: tuple[str, ...], namespace: str):
 
     try:
         return build_library(SOURCE, namespace, (*flags, f"-DGGUF_NS={namespace}"), _cpu(),
-                             "the GGUF block kernels")
+                             "the GGUF block kernels", headers=HEADERS)
     except RuntimeError as e:
         raise RuntimeError(f"{e}; install a C++ compiler, or use cpu_weight_dtype "
                            "float32") from e
