@@ -60,22 +60,33 @@ def test_block_dots_equal_rounded_rows_times_the_weights(ops, kind, rows, k):
     assert 1e-4 < ((got - exact).norm() / exact.norm()).item() < 2e-2
 
 
-@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0], ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
-@pytest.mark.parametrize("k", [96, 576])
-def test_sixteen_interleaved_rows_are_the_same_weights(ops, kind, rows, k):
-    """Kinds 102 and 103 hold Q4_1's and Q8_0's values in the order the SIMD forms read
-    (every build reads them): their de-quantization is the gguf package's, bit for bit, and
-    their dots those of the rows as stored."""
-    blocks, deq = quantized(kind, 48, k)
+def stored_blocks(kind, n, k):
+    """(rows of ``kind`` blocks, their de-quantized values [n, k]): from the gguf package,
+    or for kind 100 a Q4_K tensor repacked; Q8_0's first block of a row holds -128 and 127."""
+    if kind == gguf_linear.F32_Q4:
+        raw, deq = random_blocks(Q.Q4_K, n, k)
+        return torch.from_numpy(gguf_repack.repack(int(Q.Q4_K), raw)[1]), deq
+    blocks, deq = quantized(kind, n, k)
     if kind == Q.Q8_0:  # every int8 level, -128 and 127 among them
-        levels = torch.randint(-128, 128, (48, 32), generator=torch.Generator().manual_seed(k))
+        levels = torch.randint(-128, 128, (n, 32), generator=torch.Generator().manual_seed(k))
         levels[:, :2] = torch.tensor([-128, 127])
         blocks[:, 2:34] = levels.to(torch.int8).view(torch.uint8)
         deq = torch.from_numpy(gguf.dequantize(blocks.numpy(), kind).astype(np.float32))
+    return blocks, deq.reshape(n, k)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, gguf_linear.F32_Q4],
+                         ids=lambda k: getattr(k, "name", str(k)))
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("k", [256, 768])
+def test_sixteen_interleaved_rows_are_the_same_weights(ops, kind, rows, k):
+    """Kinds 102-105 hold Q4_1's, Q8_0's, Q4_0's and kind 100's values in the order the
+    SIMD forms read (every build reads them): their de-quantization is the stored kind's,
+    bit for bit, and their dots those of the rows as stored."""
+    blocks, deq = stored_blocks(kind, 48, k)
     mixed, wide = gguf_linear.interleave(int(kind), blocks), gguf_linear.INTERLEAVED[kind]
     assert mixed.shape == blocks.shape and not torch.equal(mixed, blocks)
-    assert torch.equal(ops.dequantize(mixed, wide, k), deq.reshape(48, k))
+    assert torch.equal(ops.dequantize(mixed, wide, k), deq)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     torch.testing.assert_close(ops.mm(x, mixed, wide), ops.mm(x, blocks, int(kind)),
                                rtol=1e-5, atol=1e-5)
@@ -89,7 +100,7 @@ def test_bad_blocks_are_refused_by_name():
     with pytest.raises(RuntimeError, match="is not one of"):
         ops.dequantize(blocks, 12, 96)
     with pytest.raises(RuntimeError, match="groups of 16 rows, not 8"):
-        ops.mm(torch.randn(1, 96), blocks, gguf_linear.Q4_1_X16)
+        ops.mm(torch.randn(1, 96), blocks, gguf_linear.INTERLEAVED[Q.Q4_1])
 
 
 def bf16(t):

@@ -288,8 +288,8 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   float* yp = y.data_ptr<float>();
   if (interleaved(kind)) {
     at::parallel_for(0, n / 16, 1, [&](int64_t g0, int64_t g1) {
-      const auto tile = kind == Q8_0_X16 ? group_tile<Q8_0_X16, 4> : group_tile<Q4_1_X16, 4>;
-      const auto one = kind == Q8_0_X16 ? group_tile<Q8_0_X16, 1> : group_tile<Q4_1_X16, 1>;
+      const auto tile = group_tiles<4>(kind);
+      const auto one = group_tiles<1>(kind);
       int64_t r0 = 0;
       for (; r0 + 4 <= m; r0 += 4) tile(wp, xr, yp, r0, n, k, g0, g1);
       for (; r0 < m; ++r0) one(wp, xr, yp, r0, n, k, g0, g1);

@@ -22,14 +22,24 @@
 
 namespace {
 constexpr int QK = 32;
-// Sixteen rows interleaved (gguf_linear.interleave), per group of 16 rows and block:
-// - Q4_1_X16: their 16 fp16 d (32 bytes), 16 fp16 m (32), then four 64-byte vectors, the
-//   j-th holding in its 32-bit lane r row r's nibble bytes 4j .. 4j + 3 (weights 4j .. 4j + 3
-//   low, 16 + 4j .. 19 + 4j high); 20 bytes a row and block, as Q4_1.
-// - Q8_0_X16: their 16 fp16 d, then eight 64-byte vectors, the j-th holding in lane r row
-//   r's weights 4j .. 4j + 3 plus 128 (u8: d (u - 128), the minimum -128 d); 34 bytes a row
-//   and block, as Q8_0.
-constexpr int64_t Q4_1_X16 = 102, Q8_0_X16 = 103;
+// Sixteen rows interleaved (gguf_linear.interleave), per group of 16 rows and block: the
+// rows' 16 scales, then their levels, 64-byte vectors whose 32-bit lane r holds row r's
+// bytes 4j .. 4j + 3 in the j-th; the same bytes a row and block as the kind stored.
+// - Q4_0_X16 (of Q4_0), Q4_1_X16 (Q4_1), F32_Q4_X16 (kind 100): 16 d (fp16, or float32 for
+//   kind 100), Q4_1's and kind 100's 16 m, then four vectors of nibble bytes (weights
+//   4j .. 4j + 3 low, 16 + 4j .. 19 + 4j high); Q4_0's m is -8 d.
+// - Q8_0_X16: 16 fp16 d, then eight vectors of each weight plus 128 (u8: d (u - 128), the
+//   minimum -128 d).
+constexpr int64_t Q4_1_X16 = 102, Q8_0_X16 = 103, Q4_0_X16 = 104, F32_Q4_X16 = 105;
+
+// The kind an interleaved kind holds (-1: not interleaved), and its scales' bytes
+constexpr int64_t x16_of(int64_t kind) {
+  return kind == Q4_1_X16 ? 3 : kind == Q8_0_X16 ? 8 : kind == Q4_0_X16 ? 2
+       : kind == F32_Q4_X16 ? 100 : -1;
+}
+constexpr int64_t x16_head(int64_t kind) {
+  return x16_of(kind) == 100 ? 128 : x16_of(kind) == 3 ? 64 : 32;
+}
 // How far ahead the interleaved kernels ask for their blocks: one core's misses alone read
 // about 8 GB/s on the 2-core Intel VM, 1.2-1.4x that with this (docs/kernels.md)
 #ifndef GGUF_PREFETCH
@@ -37,27 +47,30 @@ constexpr int64_t Q4_1_X16 = 102, Q8_0_X16 = 103;
 #endif
 constexpr int64_t PREFETCH = GGUF_PREFETCH;
 
-constexpr bool interleaved(int64_t kind) { return kind == Q4_1_X16 || kind == Q8_0_X16; }
+constexpr bool interleaved(int64_t kind) { return x16_of(kind) >= 0; }
+// bytes a row and block of an interleaved kind: the stored kind's
+constexpr int64_t block_bytes_x16(int64_t kind) {
+  return x16_of(kind) == 8 ? 34 : x16_of(kind) == 3 ? 20 : x16_of(kind) == 2 ? 18 : 24;
+}
 
 // Row r's level of weight w (0-31) in an interleaved block o, and the block's d and m
 inline int x16_level(int64_t kind, const uint8_t* o, int r, int w) {
   if (kind == Q8_0_X16) return o[32 + 64 * (w / 4) + 4 * r + w % 4];
-  const uint8_t nib = o[64 + 64 * ((w % 16) / 4) + 4 * r + w % 4];
+  const uint8_t nib = o[x16_head(kind) + 64 * ((w % 16) / 4) + 4 * r + w % 4];
   return w < 16 ? nib & 15 : nib >> 4;
 }
 
 int64_t block_bytes(int64_t kind) {
+  if (interleaved(kind)) return block_bytes_x16(kind);
   switch (kind) {
     case 2: return 18;
     case 3: return 20;
     case 8: return 34;
     case 100: return 24;
     case 101: return 44;
-    case Q4_1_X16: return 20;
-    case Q8_0_X16: return 34;
   }
   TORCH_CHECK(false, "GGUF kind ", kind, " is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8), "
-              "100, 101, 102 or 103 (repacked)");
+              "100 to 105 (repacked)");
 }
 
 float half(const uint8_t* p) {
@@ -73,8 +86,10 @@ float f32(const uint8_t* p) {
 }
 
 inline void x16_scale(int64_t kind, const uint8_t* o, int r, float& d, float& m) {
-  d = half(o + 2 * r);
-  m = kind == Q8_0_X16 ? -128.f * d : half(o + 32 + 2 * r);
+  const int64_t of = x16_of(kind);
+  d = of == 100 ? f32(o + 4 * r) : half(o + 2 * r);
+  m = of == 100 ? f32(o + 64 + 4 * r) : of == 3 ? half(o + 32 + 2 * r)
+    : (of == 8 ? -128.f : -8.f) * d;
 }
 
 // x's rows rounded to int8 per block: q, the scale d, and d * sum(q) (what x's block sums

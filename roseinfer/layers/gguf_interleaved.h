@@ -10,7 +10,7 @@ namespace {
 template <int64_t KIND, int R>
 void group_dot_plain(const uint8_t* g, const int8_t* const* q, const float* const* d,
                      const float* const* s, int64_t nb, float* const* out) {
-  constexpr int64_t bytes = 16 * (KIND == Q8_0_X16 ? 34 : 20);
+  constexpr int64_t bytes = 16 * block_bytes_x16(KIND);
   for (int t = 0; t < R; ++t)
     for (int r = 0; r < 16; ++r) {
       float acc = 0.f;
@@ -34,7 +34,7 @@ void group_dot_plain(const uint8_t* g, const int8_t* const* q, const float* cons
 template <int64_t KIND, int R>
 void group_dot(const uint8_t* g, const int8_t* const* q, const float* const* d,
                const float* const* s, int64_t nb, float* const* out) {
-  constexpr int64_t bytes = 16 * (KIND == Q8_0_X16 ? 34 : 20);
+  constexpr int64_t bytes = 16 * block_bytes_x16(KIND);
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps();
@@ -42,16 +42,21 @@ void group_dot(const uint8_t* g, const int8_t* const* q, const float* const* d,
     const uint8_t* o = g + b * bytes;
     for (int64_t l = 0; l < bytes; l += 64)
       _mm_prefetch((const char*)(o + PREFETCH + l), _MM_HINT_T0);  // past the end: no fault
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)o));
-    __m512 mw;
+    __m512 dw, mw;
+    if (x16_of(KIND) == 100) {
+      dw = _mm512_loadu_ps(o);
+      mw = _mm512_loadu_ps(o + 64);
+    } else {
+      dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)o));
+      mw = KIND == Q4_1_X16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + 32)))
+                            : _mm512_mul_ps(dw, _mm512_set1_ps(KIND == Q8_0_X16 ? -128.f : -8.f));
+    }
     __m512i lv[8];  // lv[j]'s lane r: row r's levels of the weights x4[j] holds
     if (KIND == Q8_0_X16) {
-      mw = _mm512_mul_ps(dw, _mm512_set1_ps(-128.f));
       for (int j = 0; j < 8; ++j) lv[j] = _mm512_loadu_si512((const void*)(o + 32 + 64 * j));
     } else {
-      mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + 32)));
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512((const void*)(o + 64 + 64 * j));
+        const __m512i v = _mm512_loadu_si512((const void*)(o + x16_head(KIND) + 64 * j));
         lv[j] = _mm512_and_si512(v, low);
         lv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
@@ -69,7 +74,7 @@ void group_dot(const uint8_t* g, const int8_t* const* q, const float* const* d,
   for (int t = 0; t < R; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 #elif defined(GGUF_SIMD)
-// AVX2: Q4_1_X16 eight rows a 256-bit lane set (rows 8h .. 8h + 7 the h-th half of each
+// AVX2: the Q4 kinds eight rows a 256-bit lane set (rows 8h .. 8h + 7 the h-th half of each
 // vector), each four-weight dot a vpmaddubsw and a vpmaddwd (dot32). Q8_0_X16 gains nothing
 // here (Q8_0 as stored needs no unpacking; its u8 levels would need a wider dot), so AVX2
 // reads Q8_0 as stored.
@@ -77,19 +82,28 @@ template <int64_t KIND, int R>
 void group_dot(const uint8_t* g, const int8_t* const* q, const float* const* d,
                const float* const* s, int64_t nb, float* const* out) {
   if (KIND == Q8_0_X16) return group_dot_plain<KIND, R>(g, q, d, s, nb, out);
+  constexpr int64_t bytes = 16 * block_bytes_x16(KIND);
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* o = g + b * 320;
-      for (int64_t l = 0; l < 320; l += 64)
+      const uint8_t* o = g + b * bytes;
+      for (int64_t l = 0; l < bytes; l += 64)
         _mm_prefetch((const char*)(o + PREFETCH + l), _MM_HINT_T0);  // past the end: no fault
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16 * h)));
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 32 + 16 * h)));
+      __m256 dw, mw;
+      if (x16_of(KIND) == 100) {
+        dw = _mm256_loadu_ps((const float*)o + 8 * h);
+        mw = _mm256_loadu_ps((const float*)(o + 64) + 8 * h);
+      } else {
+        dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16 * h)));
+        mw = KIND == Q4_1_X16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 32 + 16 * h)))
+                              : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+      }
       __m256i lv[8];
       for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(o + 64 + 64 * j + 32 * h));
+        const __m256i v =
+            _mm256_loadu_si256((const __m256i*)(o + x16_head(KIND) + 64 * j + 32 * h));
         lv[j] = _mm256_and_si256(v, low);
         lv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       }
@@ -134,4 +148,16 @@ void group_tile(const uint8_t* w, const Rows& x, float* y, int64_t r0, int64_t n
   }
 }
 
+using GroupTile = void (*)(const uint8_t*, const Rows&, float*, int64_t, int64_t, int64_t,
+                          int64_t, int64_t);
+
+template <int R>
+GroupTile group_tiles(int64_t kind) {
+  switch (kind) {
+    case Q4_1_X16: return group_tile<Q4_1_X16, R>;
+    case Q8_0_X16: return group_tile<Q8_0_X16, R>;
+    case Q4_0_X16: return group_tile<Q4_0_X16, R>;
+    default: return group_tile<F32_Q4_X16, R>;
+  }
+}
 }  // namespace

@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("gguf_blocks.cpp")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("gguf_common.h", "gguf_interleaved.h"))
 # 32 weights a block: Q4_0, Q4_1, Q8_0, and the kinds repacked at load (layers/gguf_repack.py)
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 100: 24, 101: 44, 102: 20, 103: 34}
-Q4_1, Q8_0, Q4_1_X16, Q8_0_X16 = 3, 8, 102, 103
-INTERLEAVED = {Q4_1: Q4_1_X16, Q8_0: Q8_0_X16}
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 100: 24, 101: 44, 102: 20, 103: 34, 104: 18, 105: 24}
+Q4_0, Q4_1, Q8_0, F32_Q4 = 2, 3, 8, 100
+# the kinds regrouped by sixteen rows at load, and each one's scale fields (bytes a row)
+INTERLEAVED = {Q4_1: 102, Q8_0: 103, Q4_0: 104, F32_Q4: 105}
+SCALE_FIELDS = {Q4_1: (2, 2), Q8_0: (2,), Q4_0: (2,), F32_Q4: (4, 4)}
 # Rows from which a GEMM over the de-quantized weight is faster than the integer dots (each
 # row's dots are its own work): bfloat16 in oneDNN's packed layout where the CPU has its
 # kernels (3.1x float32's F.linear at 512 rows of ffn_gate, weight reorder included),
@@ -50,8 +52,9 @@ _built: dict[tuple[str, ...], object] = {}
 # The flags -march=native must bring for the kernels' AVX-512 VNNI and AVX2 forms, and the
 # kinds each reads over sixteen interleaved rows faster than as stored (docs/kernels.md,
 # "Sixteen rows interleaved"); the plain C++ form reads them for the tests only
-SIMD_FORMS = (((" avx512f", " avx512bw", " avx512vl", " avx512_vnni", " f16c"), (Q4_1, Q8_0)),
-              ((" avx2", " fma", " f16c"), (Q4_1,)))
+SIMD_FORMS = (((" avx512f", " avx512bw", " avx512vl", " avx512_vnni", " f16c"),
+               (Q4_0, Q4_1, Q8_0, F32_Q4)),
+              ((" avx2", " fma", " f16c"), (Q4_0, Q4_1, F32_Q4)))
 
 
 def _cpu() -> str:
@@ -133,19 +136,21 @@ def interleaves() -> tuple[int, ...]:
 
 
 def interleave(kind: int, blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_1 or Q8_0 rows [N, K / 32 * bytes] (N a multiple of 16) as INTERLEAVED[kind]
-    holds them, the same shape: per group of 16 rows and block, the rows' 16 d (and Q4_1's
-    16 m), then their weight bytes four at a time, the j-th 64 bytes holding each row's
-    bytes 4j .. 4j + 3; Q8_0's plus 128, as u8 (gguf_blocks.cpp)."""
+    """Rows of ``kind`` (a key of INTERLEAVED) [N, K / 32 * bytes], N a multiple of 16, as
+    INTERLEAVED[kind] holds them, the same shape: per group of 16 rows and block, each of
+    the rows' scale fields in turn (16 d, then Q4_1's and kind 100's 16 m), then their
+    weight bytes four at a time, the j-th 64 bytes holding each row's bytes 4j .. 4j + 3;
+    Q8_0's plus 128, as u8 (gguf_common.h)."""
     n, width = blocks.shape
-    size = BLOCK_BYTES[kind]
-    nb, head = width // size, 4 if kind == Q4_1 else 2
+    size, fields = BLOCK_BYTES[kind], SCALE_FIELDS[kind]
+    nb = width // size
     g = blocks.reshape(n // 16, 16, nb, size).permute(0, 2, 1, 3)         # [G, nb, 16, size]
-    levels = g[..., head:]
+    starts = [sum(fields[:i]) for i in range(len(fields))]
+    levels = g[..., sum(fields):]
     if kind == Q8_0:
         levels = levels ^ 0x80
     levels = levels.reshape(n // 16, nb, 16, -1, 4).transpose(2, 3)     # [G, nb, j, 16, 4]
-    parts = [g[..., i:i + 2] for i in range(0, head, 2)] + [levels]
+    parts = [g[..., a:a + f] for a, f in zip(starts, fields)] + [levels]
     return torch.cat([p.reshape(n // 16, nb, -1) for p in parts], -1).reshape(n, width)
 
 
