@@ -33,7 +33,8 @@ def stored(kind, n, k, rng):
         kind, raw = gguf_repack.repack(int(Q.Q4_K), raw.reshape(n, -1))
         return torch.from_numpy(raw), kind
     w = rng.standard_normal((n, k)).astype(np.float32)
-    return torch.from_numpy(gguf.quants.quantize(w, kind).view(np.uint8).reshape(n, -1).copy()), int(kind)
+    raw = gguf.quants.quantize(w, kind).view(np.uint8).reshape(n, -1)
+    return torch.from_numpy(raw.copy()), int(kind)
 
 
 def timed(fn, seconds=0.3):
@@ -65,7 +66,8 @@ def main():
                 x = torch.randn(rows, k)
                 cells = [f"{label} {timed(lambda: ops.mm(x, b, kind)):8.1f} us"
                          for label, kind, b in forms]
-                print(f"{build:8s} {name:24s} {forms[0][0]:5s} rows {rows:2d}: " + "  ".join(cells), flush=True)
+                print(f"{build:8s} {name:24s} {forms[0][0]:5s} rows {rows:2d}: "
+                      + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

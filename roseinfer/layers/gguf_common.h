@@ -41,7 +41,7 @@ constexpr int64_t x16_head(int64_t kind) {
   return x16_of(kind) == 100 ? 128 : x16_of(kind) == 3 ? 64 : 32;
 }
 // How far ahead the interleaved kernels ask for their blocks: one core's misses alone read
-// about 8 GB/s on the 2-core Intel VM, 1.2-1.4x that with this (docs/kernels.md)
+// about 8 GB/s on the 2-core Intel VM, 1.04-1.4x that with this (docs/kernels.md)
 #ifndef GGUF_PREFETCH
 #define GGUF_PREFETCH 2048  // docs/bench/cpu_gguf_prefetch.py builds others
 #endif

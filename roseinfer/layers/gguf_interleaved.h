@@ -26,6 +26,14 @@ void group_dot_plain(const uint8_t* g, const int8_t* const* q, const float* cons
     }
 }
 
+#ifdef GGUF_SIMD
+// The block PREFETCH bytes past the one at o (past the tensor's end: prefetches never fault)
+inline void prefetch_ahead(const uint8_t* o, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64)
+    _mm_prefetch((const char*)(o + PREFETCH + l), _MM_HINT_T0);
+}
+#endif
+
 #ifdef GGUF_VNNI
 // One group of 16 interleaved rows against R rows of x: each vpdpbusd takes four weights
 // of all sixteen rows against four bytes of x broadcast, and a block's scales are one
@@ -40,8 +48,7 @@ void group_dot(const uint8_t* g, const int8_t* const* q, const float* const* d,
   for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* o = g + b * bytes;
-    for (int64_t l = 0; l < bytes; l += 64)
-      _mm_prefetch((const char*)(o + PREFETCH + l), _MM_HINT_T0);  // past the end: no fault
+    prefetch_ahead(o, bytes);
     __m512 dw, mw;
     if (x16_of(KIND) == 100) {
       dw = _mm512_loadu_ps(o);
@@ -89,8 +96,7 @@ void group_dot(const uint8_t* g, const int8_t* const* q, const float* const* d,
     for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* o = g + b * bytes;
-      for (int64_t l = 0; l < bytes; l += 64)
-        _mm_prefetch((const char*)(o + PREFETCH + l), _MM_HINT_T0);  // past the end: no fault
+      prefetch_ahead(o, bytes);
       __m256 dw, mw;
       if (x16_of(KIND) == 100) {
         dw = _mm256_loadu_ps((const float*)o + 8 * h);
