@@ -92,6 +92,22 @@ def test_sixteen_interleaved_rows_are_the_same_weights(ops, kind, rows, k):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("flags, kinds", [
+    (" avx512f avx512bw avx512vl avx512_vnni f16c avx2 fma", {2: 104, 3: 102, 8: 103}),
+    (" avx2 fma f16c", {2: 104, 3: 102, 8: 8}),  # AVX2 reads Q8_0 as stored
+    (" sse4_2", {2: 2, 3: 3, 8: 8})], ids=["vnni", "avx2", "plain"])
+def test_the_linear_interleaves_what_its_build_reads_faster(monkeypatch, flags, kinds):
+    monkeypatch.setattr(gguf_linear, "_cpu", lambda: "x86_64flags\t:" + flags)
+    gguf_linear.interleaves.cache_clear()
+    try:
+        for stored, want in kinds.items():
+            blocks, _ = quantized(stored, 32, 96)
+            assert GgufLinear(blocks, stored, 96).kind == want
+        assert GgufLinear(quantized(Q.Q4_1, 24, 96)[0], 3, 96).kind == 3  # not 16 a group
+    finally:
+        gguf_linear.interleaves.cache_clear()
+
+
 def test_bad_blocks_are_refused_by_name():
     ops = gguf_linear.build()
     blocks, _ = quantized(Q.Q4_1, 8, 96)
