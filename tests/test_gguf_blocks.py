@@ -92,12 +92,15 @@ def test_sixteen_interleaved_rows_are_the_same_weights(ops, kind, rows, k):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("flags, kinds", [
-    (" avx512f avx512bw avx512vl avx512_vnni f16c avx2 fma", {2: 104, 3: 102, 8: 103}),
-    (" avx2 fma f16c", {2: 104, 3: 102, 8: 8}),  # AVX2 reads Q8_0 as stored
-    (" sse4_2", {2: 2, 3: 3, 8: 8})], ids=["vnni", "avx2", "plain"])
-def test_the_linear_interleaves_what_its_build_reads_faster(monkeypatch, flags, kinds):
-    monkeypatch.setattr(gguf_linear, "_cpu", lambda: "x86_64flags\t:" + flags)
+@pytest.mark.parametrize("form, kinds", [
+    (2, {2: 104, 3: 102, 8: 103}), (1, {2: 104, 3: 102, 8: 8}),  # AVX2 reads Q8_0 as stored
+    (0, {2: 2, 3: 3, 8: 8})], ids=["vnni", "avx2", "plain"])
+def test_the_linear_interleaves_what_its_build_reads_faster(monkeypatch, form, kinds):
+    class Built:
+        @staticmethod
+        def form():
+            return form
+    monkeypatch.setattr(gguf_linear, "build", lambda: Built)
     gguf_linear.interleaves.cache_clear()
     try:
         for stored, want in kinds.items():
@@ -106,6 +109,15 @@ def test_the_linear_interleaves_what_its_build_reads_faster(monkeypatch, flags, 
         assert GgufLinear(quantized(Q.Q4_1, 24, 96)[0], 3, 96).kind == 3  # not 16 a group
     finally:
         gguf_linear.interleaves.cache_clear()
+
+
+def test_each_build_says_its_form(ops, request):
+    """The form the preprocessor chose, as the interleaving reads it: this CPU's build
+    VNNI or AVX2 where its flags have them; the portable one (x86-64-v2) plain."""
+    flags = gguf_linear._cpu()
+    want = {"native": 2 if " avx512_vnni" in flags else 1 if " avx2" in flags else 0,
+            "avx2": 1, "portable": 0}
+    assert ops.form() == want[request.node.callspec.params["ops"]]
 
 
 def test_bad_blocks_are_refused_by_name():

@@ -27,7 +27,9 @@ def main():
     from roseinfer.models.loader import ALIASES
     builds = {"before": build_library(BEFORE, "roseinfer_gguf_before", (
                   *gguf_linear.NATIVE, "-DGGUF_NS=roseinfer_gguf_before"),
-                  gguf_linear._cpu(), "the GGUF block kernels before"),
+                  gguf_linear._cpu(), "the GGUF block kernels before",
+                  headers=tuple(h for h in (BEFORE.with_name(p.name) for p in gguf_linear.HEADERS)
+                                if h.exists())),
               "after": gguf_linear.build()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; µs a call, the "
           "best of each round")

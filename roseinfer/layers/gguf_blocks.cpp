@@ -351,6 +351,18 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t kind, int64_t k) {
   return w;
 }
 
+// The form this build's dots took: 2 AVX-512 VNNI, 1 AVX2, 0 plain C++ (gguf_linear reads it
+// to choose the kinds it interleaves)
+int64_t form() {
+#if defined(GGUF_VNNI)
+  return 2;
+#elif defined(GGUF_SIMD)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 at::Tensor mm_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t) {
   return at::empty({x.size(0), blocks.size(0)}, x.options());
 }
@@ -371,6 +383,7 @@ at::Tensor dequantize_meta(const at::Tensor& blocks, int64_t, int64_t k) {
 GGUF_LIBRARY(GGUF_NS, lib) {
   lib.def("mm(Tensor x, Tensor blocks, int kind) -> Tensor");
   lib.def("dequantize(Tensor blocks, int kind, int k) -> Tensor");
+  lib.def("form() -> int", &form);
 }
 
 GGUF_LIBRARY_IMPL(GGUF_NS, CPU, lib) {

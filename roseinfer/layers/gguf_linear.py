@@ -49,12 +49,10 @@ BF16_GEMM = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn
 OPENMP = ("-fopenmp",) if torch.backends.openmp.is_available() else ()
 NATIVE = ("-O3", "-march=native", *OPENMP)
 _built: dict[tuple[str, ...], object] = {}
-# The flags -march=native must bring for the kernels' AVX-512 VNNI and AVX2 forms, and the
-# kinds each reads over sixteen interleaved rows faster than as stored (docs/kernels.md,
-# "Sixteen rows interleaved"); the plain C++ form reads them for the tests only
-SIMD_FORMS = (((" avx512f", " avx512bw", " avx512vl", " avx512_vnni", " f16c"),
-               (Q4_0, Q4_1, Q8_0, F32_Q4)),
-              ((" avx2", " fma", " f16c"), (Q4_0, Q4_1, F32_Q4)))
+# The kinds each form of the kernels (the build's ``form()``: 2 AVX-512 VNNI, 1 AVX2, 0
+# plain C++) reads over sixteen interleaved rows faster than as stored (docs/kernels.md,
+# "Sixteen rows interleaved"); the plain form reads them for the tests only
+INTERLEAVES = {2: (Q4_0, Q4_1, Q8_0, F32_Q4), 1: (Q4_0, Q4_1, F32_Q4), 0: ()}
 
 
 def _cpu() -> str:
@@ -131,8 +129,7 @@ class GgufLinear(nn.Module):
 @functools.cache
 def interleaves() -> tuple[int, ...]:
     """The kinds this CPU's build reads faster as sixteen interleaved rows."""
-    flags = _cpu()
-    return next((kinds for form, kinds in SIMD_FORMS if all(f in flags for f in form)), ())
+    return INTERLEAVES[build().form()]
 
 
 def interleave(kind: int, blocks: torch.Tensor) -> torch.Tensor:
